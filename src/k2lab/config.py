@@ -1,0 +1,193 @@
+"""Validated model configuration and the preset registry.
+
+Field names follow the public DeepSeek-V3 / Kimi-K2 ``config.json`` vocabulary (``n_routed_experts``,
+``num_experts_per_tok``, ``q_lora_rank`` ...) so a reader can hold our config beside a real checkpoint's.
+Everything else in the package reads only this object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "YarnScaling",
+    "available_presets",
+    "load_preset",
+    "format_validation_error",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be built; the message names the field and the reason."""
+
+
+class YarnScaling(BaseModel):
+    """YaRN rope scaling as written in the public configs (``rope_scaling`` with ``type: yarn``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = Field(default=32.0, gt=0)
+    beta_slow: float = Field(default=1.0, gt=0)
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+class ModelConfig(BaseModel):
+    """One decoder of the Kimi K2 family (MLA attention, DeepSeek-style MoE, optional YaRN).
+
+    Invariants checked at construction (each error names the field):
+    ``num_experts_per_tok <= n_routed_experts``, ``n_routed_experts % n_group == 0``,
+    ``topk_group <= n_group``, enough experts in the selected groups for top-k, and positive ranks/dims.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "custom"
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0, description="Dense SwiGLU width of the first layers.")
+    moe_intermediate_size: int = Field(gt=0, description="Width of one routed (and shared) expert.")
+    num_hidden_layers: int = Field(gt=0)
+    first_k_dense_replace: int = Field(ge=0, description="Layers [0, k) use the dense MLP.")
+    num_attention_heads: int = Field(gt=0)
+
+    # MLA
+    q_lora_rank: int | None = Field(default=None, gt=0, description="None: direct q_proj.")
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+    # MoE
+    n_routed_experts: int = Field(gt=0)
+    n_shared_experts: int = Field(ge=0)
+    num_experts_per_tok: int = Field(gt=0)
+    n_group: int = Field(default=1, gt=0)
+    topk_group: int = Field(default=1, gt=0)
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    scoring_func: Literal["sigmoid"] = "sigmoid"
+
+    # Position / norm / embeddings
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: YarnScaling | None = None
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    tie_word_embeddings: bool = False
+    initializer_range: float = Field(default=0.02, gt=0)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> ModelConfig:
+        def fail(field: str, reason: str) -> None:
+            raise ValueError(f"{field}: {reason}")
+
+        if self.num_experts_per_tok > self.n_routed_experts:
+            fail(
+                "num_experts_per_tok",
+                f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}; "
+                "a token cannot pick more experts than exist",
+            )
+        if self.n_routed_experts % self.n_group:
+            fail(
+                "n_routed_experts",
+                f"{self.n_routed_experts} is not divisible by n_group={self.n_group}",
+            )
+        if self.topk_group > self.n_group:
+            fail("topk_group", f"{self.topk_group} > n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.topk_group * per_group < self.num_experts_per_tok:
+            fail(
+                "num_experts_per_tok",
+                f"{self.num_experts_per_tok} experts cannot be chosen from topk_group={self.topk_group} "
+                f"groups of {per_group}",
+            )
+        if self.n_group > 1 and per_group < 2:
+            fail(
+                "n_group", "group-limited routing scores each group by its top-2 experts; need >= 2 per group"
+            )
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            fail(
+                "first_k_dense_replace",
+                f"{self.first_k_dense_replace} > num_hidden_layers={self.num_hidden_layers}",
+            )
+        if self.qk_rope_head_dim % 2:
+            fail("qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even (rotary pairs)")
+        for token_field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            token = getattr(self, token_field)
+            if token is not None and not 0 <= token < self.vocab_size:
+                fail(token_field, f"{token} is outside the vocabulary [0, {self.vocab_size})")
+        return self
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: nope part then rope part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``qk_head_dim^-0.5 · mscale²`` with ``mscale = 0.1·mscale_all_dim·ln(factor) + 1`` under YaRN."""
+        scale = self.qk_head_dim**-0.5
+        yarn = self.rope_scaling
+        if yarn is not None and yarn.mscale_all_dim and yarn.factor > 1:
+            mscale = 0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
+
+    def replace(self, **changes: object) -> ModelConfig:
+        """A validated copy with some fields changed."""
+        return ModelConfig.model_validate({**self.model_dump(), **changes})
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One readable line per problem: ``field: reason``."""
+    lines = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{location}: {message}" if location else message)
+    return "; ".join(lines)
+
+
+@cache
+def _preset_files() -> dict[str, str]:
+    folder = resources.files("k2lab") / "presets"
+    return {
+        entry.name.removesuffix(".json"): entry.read_text()
+        for entry in folder.iterdir()
+        if entry.name.endswith(".json")
+    }
+
+
+def available_presets() -> list[str]:
+    return sorted(_preset_files())
+
+
+def load_preset(name: str, **overrides: object) -> ModelConfig:
+    """The named preset (``k2``, ``k2-mini`` ...), optionally with fields overridden."""
+    files = _preset_files()
+    if name not in files:
+        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(available_presets())}")
+    data = json.loads(files[name])
+    data.update(overrides)
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"preset {name!r} is invalid: {format_validation_error(error)}") from error

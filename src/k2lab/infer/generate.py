@@ -1,0 +1,87 @@
+"""Autoregressive generation over the latent cache: greedy, temperature and nucleus (top-p) sampling.
+
+Prompts of different lengths are left-padded into one batch; the prompt is prefilled in one forward, then
+each step feeds one token per sequence and attends in latent space (absorbed MLA decode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from k2lab.infer.cache import LatentCache
+
+
+class GenerationConfig(BaseModel):
+    """``temperature == 0`` is greedy decoding; ``top_p < 1`` keeps the smallest set of tokens with that mass."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(default=16, gt=0)
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    eos_token_id: int | None = None
+    seed: int = 0
+
+
+def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]."""
+    if config.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = (logits.float() / config.temperature).softmax(dim=-1)
+    if config.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= config.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, T] and validity mask [B, T] with each prompt right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        valid[row, width - len(prompt) :] = True
+    return ids, valid
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+) -> list[list[int]]:
+    """Continue each prompt; returns the new tokens per prompt (up to and including EOS)."""
+    config = config or GenerationConfig()
+    param = next(model.parameters())
+    ids, valid = left_pad(prompts, model.config.pad_token_id or 0)
+    ids, valid = ids.to(param.device), valid.to(param.device)
+    cache = LatentCache(
+        model.config,
+        len(prompts),
+        ids.shape[1] + config.max_new_tokens,
+        dtype=param.dtype,
+        device=param.device,
+    )
+    generator = torch.Generator(device=param.device).manual_seed(config.seed)
+
+    logits = model(ids, attention_mask=valid, cache=cache).logits[:, -1]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    finished = torch.zeros(len(prompts), dtype=torch.bool)
+    for step in range(config.max_new_tokens):
+        token = sample_next(logits, config, generator)
+        for row in (~finished).nonzero().flatten().tolist():
+            outputs[row].append(int(token[row]))
+        if config.eos_token_id is not None:
+            finished |= token.cpu() == config.eos_token_id
+        if finished.all() or step == config.max_new_tokens - 1:
+            break
+        logits = model(token[:, None], cache=cache).logits[:, -1]
+    return outputs

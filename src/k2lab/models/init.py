@@ -1,0 +1,35 @@
+"""Weight initialisation, in one place: N(0, initializer_range) for every matrix (dense, expert, router,
+embedding), ones for norms, zeros for the router's correction bias (as in the DeepSeek-V3 reference)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k2lab.nn.experts import RoutedExperts
+from k2lab.nn.norm import RMSNorm
+from k2lab.nn.router import SigmoidRouter
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int | None = 0) -> None:
+    std = model.config.initializer_range
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal_(tensor: torch.Tensor) -> None:
+        values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        tensor.copy_(values)
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            normal_(module.weight)
+        elif isinstance(module, RoutedExperts):
+            for weight in (module.gate_proj, module.up_proj, module.down_proj):
+                normal_(weight)
+        elif isinstance(module, SigmoidRouter):
+            normal_(module.weight)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)

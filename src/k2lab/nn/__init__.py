@@ -1,0 +1,1 @@
+"""Building blocks of the K2 family, one concept per file."""

@@ -1,0 +1,44 @@
+"""Routed experts: E SwiGLU experts stored as 3-D weights, run once each on their sorted tokens.
+
+Suffixes: N tokens, K picks per token, E experts, D model width, F expert width.
+Dispatch: flatten the (token, pick) pairs, stable-sort them by expert, gather x in that order, run one grouped
+matmul per weight (``ops.grouped_mm``), scale each row by its routing weight and scatter-add back:
+
+    y_n = Σ_{k} w_{n,k} · W_down[e_{n,k}] (silu(W_gate[e_{n,k}] x_n) ⊙ W_up[e_{n,k}] x_n)
+
+No loop over tokens and no compute for unselected experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2lab.ops.grouped_mm import grouped_matmul
+
+
+class RoutedExperts(nn.Module):
+    """Weights: gate_EFD, up_EFD [E, F, D] and down_EDF [E, D, F] (``[E, out, in]`` per expert)."""
+
+    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_ND: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+        top_k = indices_NK.shape[1]
+        flat_expert = indices_NK.reshape(-1)
+        order = flat_expert.argsort(stable=True)
+        token_of_row = order // top_k
+        counts_E = torch.bincount(flat_expert, minlength=self.n_experts)
+
+        x_sorted = x_ND[token_of_row]
+        hidden = F.silu(grouped_matmul(x_sorted, self.gate_proj, counts_E)) * grouped_matmul(
+            x_sorted, self.up_proj, counts_E
+        )
+        y_sorted = grouped_matmul(hidden, self.down_proj, counts_E)
+        y_sorted = (y_sorted.float() * weights_NK.reshape(-1)[order, None]).to(x_ND.dtype)
+        return torch.zeros_like(x_ND).index_add_(0, token_of_row, y_sorted)

@@ -1,0 +1,39 @@
+"""DeepSeek-style MoE block: ``y = Σ_k w_k E_k(x) + Σ_shared E_s(x)`` (K2: 384 routed top-8 + 1 shared)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k2lab.config import ModelConfig
+from k2lab.nn.experts import RoutedExperts
+from k2lab.nn.mlp import SwiGLU
+from k2lab.nn.router import SigmoidRouter
+
+
+class MoE(nn.Module):
+    """x: [B, T, D] -> [B, T, D]. ``last_expert_counts`` keeps the per-expert load of the last forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.router = SigmoidRouter(config)
+        self.experts = RoutedExperts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        )
+        self.shared_experts = (
+            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+        self.last_expert_counts: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_ND = x.reshape(-1, x.shape[-1])
+        routing = self.router(x_ND)
+        self.last_expert_counts = torch.bincount(
+            routing.indices.reshape(-1), minlength=self.experts.n_experts
+        ).detach()
+        y = self.experts(x_ND, routing.indices, routing.weights).view_as(x)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
