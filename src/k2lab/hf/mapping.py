@@ -1,0 +1,164 @@
+"""Names at the edge: our module names <-> the public DeepseekV3 / Kimi-K2 checkpoint names.
+
+Config: ``ModelConfig`` <-> ``config.json`` (legacy ``rope_theta`` + ``rope_scaling`` as real checkpoints write
+it; transformers 5 ``rope_parameters`` is read too). Weights: our fused 3-D expert tensors [E, out, in]
+<-> one key per expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as on disk.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from k2lab.config import ModelConfig
+
+# Architectures whose config.json we read as the K2 decoder.
+K2_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "first_k_dense_replace",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+# Our names (left) for the per-layer pieces whose HF names differ.
+_LAYER_RENAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.q_down.weight": "self_attn.q_a_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn.q_up.weight": "self_attn.q_b_proj.weight",
+    "attn.kv_down.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn.kv_up.weight": "self_attn.kv_b_proj.weight",
+    "attn.out_proj.weight": "self_attn.o_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+}
+_GLOBAL_RENAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
+    """Build a validated ``ModelConfig`` from a DeepseekV3/Kimi-K2 ``config.json`` dict."""
+    model_type = data.get("model_type")
+    if model_type not in K2_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not a K2-family decoder (expected one of {K2_MODEL_TYPES})"
+        )
+    if data.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"scoring_func {data['scoring_func']!r} is not supported (K2 uses sigmoid)")
+    fields = {key: data[key] for key in _CONFIG_FIELDS if key in data and data[key] is not None}
+    if "q_lora_rank" in data:
+        fields["q_lora_rank"] = data["q_lora_rank"]
+    rope = dict(data.get("rope_parameters") or {})
+    scaling = data.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    fields["rope_theta"] = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if scaling:
+        kind = scaling.get("type", scaling.get("rope_type"))
+        if kind != "yarn":
+            raise ValueError(f"rope scaling type {kind!r} is not supported (only yarn)")
+        fields["rope_scaling"] = {
+            key: scaling[key]
+            for key in (
+                "factor",
+                "original_max_position_embeddings",
+                "beta_fast",
+                "beta_slow",
+                "mscale",
+                "mscale_all_dim",
+            )
+            if scaling.get(key) is not None
+        }
+    for token_field in ("bos_token_id", "eos_token_id"):
+        if isinstance(fields.get(token_field), list):
+            fields[token_field] = fields[token_field][0]
+    return ModelConfig.model_validate({"name": name, **fields})
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A ``config.json`` dict that transformers' ``DeepseekV3ForCausalLM`` loads without remote code."""
+    data: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        **{key: getattr(config, key) for key in _CONFIG_FIELDS},
+        "num_key_value_heads": config.num_attention_heads,
+        "hidden_act": "silu",
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "rope_interleave": True,
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "torch_dtype": "float32",
+    }
+    if config.rope_scaling is not None:
+        data["rope_scaling"] = {**config.rope_scaling.model_dump(), "rope_type": "yarn"}
+    return data
+
+
+def to_hf_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict -> (HF key, tensor) pairs, splitting fused experts into one tensor per expert."""
+    for key, tensor in state.items():
+        if key in _GLOBAL_RENAMES:
+            yield _GLOBAL_RENAMES[key], tensor
+            continue
+        match = _LAYER_KEY.match(key)
+        if match is None:
+            raise KeyError(f"no checkpoint name for parameter {key!r}")
+        layer, rest = match.groups()
+        prefix = f"model.layers.{layer}."
+        if rest.startswith("mlp.experts."):
+            projection = rest.removeprefix("mlp.experts.")
+            for expert, weight in enumerate(tensor.unbind(0)):
+                yield f"{prefix}mlp.experts.{expert}.{projection}.weight", weight
+        else:
+            yield prefix + _LAYER_RENAMES.get(rest, rest), tensor
+
+
+def hf_key_plan(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, int | None]]:
+    """For a model's state dict: every HF key it expects -> (our key, expert index or None).
+
+    Loading compares this plan with the keys on disk to list missing and unexpected tensors.
+    """
+    plan: dict[str, tuple[str, int | None]] = {}
+    for key, tensor in state.items():
+        for index, (hf_key, _) in enumerate(to_hf_names({key: tensor})):
+            plan[hf_key] = (
+                key,
+                index if key.split(".")[-1] in _EXPERT_PROJECTIONS and ".experts." in key else None,
+            )
+    return plan
