@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from k2lab.errors import K2LabError
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(K2LabError, ValueError):
     """A configuration that cannot be built; the message names the field and the reason."""
 
 

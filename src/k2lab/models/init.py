@@ -8,6 +8,7 @@ from torch import nn
 
 from k2lab.nn.experts import RoutedExperts
 from k2lab.nn.norm import RMSNorm
+from k2lab.nn.rope import RotaryEmbedding
 from k2lab.nn.router import SigmoidRouter
 
 
@@ -33,3 +34,17 @@ def init_weights(model: nn.Module, seed: int | None = 0) -> None:
             module.e_score_correction_bias.zero_()
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Allocate a meta-device model on ``device`` without initialising weights (they are loaded next).
+
+    Non-persistent buffers (rotary frequencies) are recomputed, since no checkpoint holds them.
+    """
+    model.to_empty(device=device)
+    if model.config.tie_word_embeddings:  # to_empty re-creates parameters one by one, untying them
+        model.lm_head.weight = model.embed.weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+    return model

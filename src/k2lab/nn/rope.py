@@ -66,11 +66,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq, attention_factor = yarn_inverse_frequencies(
-            config.qk_rope_head_dim, config.rope_theta, config.rope_scaling
+        self.config = config
+        self.register_buffer("inv_freq", torch.empty(config.qk_rope_head_dim // 2), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the frequencies, e.g. after ``to_empty`` moved the module off the meta device."""
+        inv_freq, self.attention_factor = yarn_inverse_frequencies(
+            self.config.qk_rope_head_dim, self.config.rope_theta, self.config.rope_scaling
         )
-        self.attention_factor = attention_factor
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq.copy_(inv_freq)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions[..., None].float() * self.inv_freq.to(positions.device)

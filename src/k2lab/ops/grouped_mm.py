@@ -14,8 +14,18 @@ import torch
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
-    return _HAS_GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16) and x.device.type in ("cpu", "cuda")
+def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The fused kernel needs fp32/bf16 and rows whose byte strides are multiples of 16."""
+    if (
+        not _HAS_GROUPED_MM
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.device.type not in ("cpu", "cuda")
+    ):
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    size = x.element_size()
+    return all(dim * size % 16 == 0 for dim in (x.shape[1], w.shape[1], w.shape[2]))
 
 
 def grouped_matmul_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -26,7 +36,7 @@ def grouped_matmul_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, in] sorted by expert, w [E, out, in], counts [E] -> [N, out]."""
-    if not _grouped_mm_supported(x) or (x.device.type == "cuda" and x.dtype != torch.bfloat16):
+    if not _grouped_mm_supported(x, w):
         return grouped_matmul_loop(x, w, counts.tolist())
     offsets = counts.cumsum(0).to(torch.int32)
     y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)

@@ -1,0 +1,135 @@
+"""k2lab's own model checkpoint format, and loading any supported checkpoint directory.
+
+Layout of ``DIR``::
+
+    k2lab.json          {"format": "k2lab-model", "version": 1, "config": {...ModelConfig...}}
+    model.safetensors   our parameter names, fused experts [E, out, in]
+
+Writes are atomic: files go to a temporary sibling directory that is renamed over ``DIR`` at the end, so a
+crash leaves either the old checkpoint or the new one, never a mix. ``load_model`` also accepts a
+DeepseekV3/Kimi-K2 Hugging Face directory (``config.json`` + safetensors) through ``k2lab.hf.from_hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from k2lab.config import ModelConfig, format_validation_error
+from k2lab.errors import CheckpointError
+from k2lab.models import CausalLM, build_model
+from k2lab.models.init import materialize
+
+FORMAT = "k2lab-model"
+VERSION = 1
+MANIFEST = "k2lab.json"
+WEIGHTS = "model.safetensors"
+
+
+def save_model(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
+    """Write ``model`` to ``directory`` atomically (replacing an existing checkpoint there)."""
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        manifest = {"format": FORMAT, "version": VERSION, "config": model.config.model_dump(mode="json")}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(staging / WEIGHTS), metadata={"format": FORMAT})
+        _replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _replace_directory(staging: Path, target: Path) -> None:
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} should hold a JSON object")
+    return data
+
+
+def load_model(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> CausalLM:
+    """Load a k2lab checkpoint or a DeepseekV3/Kimi-K2 Hugging Face directory."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if (path / MANIFEST).is_file():
+        return _load_own(path, dtype)
+    if (path / "config.json").is_file():
+        from k2lab.hf import from_hf
+
+        return from_hf(path, dtype=dtype)
+    raise CheckpointError(
+        f"{path} holds neither {MANIFEST} (k2lab format) nor config.json (Hugging Face format)"
+    )
+
+
+def _load_own(path: Path, dtype: torch.dtype) -> CausalLM:
+    manifest = _read_json(path / MANIFEST)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    try:
+        config = ModelConfig.model_validate(manifest.get("config"))
+    except ValidationError as error:
+        raise CheckpointError(
+            f"{path / MANIFEST}: invalid config: {format_validation_error(error)}"
+        ) from error
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{path} has no {WEIGHTS}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{weights} cannot be read ({error})") from error
+    model = build_model(config, device="meta")
+    check_state_dict(model, state, str(weights))
+    materialize(model)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings)
+    return model.to(dtype)
+
+
+def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Raise ``CheckpointError`` listing missing, unexpected and mis-shaped tensors."""
+    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    problems = []
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = [
+        f"{key} {tuple(state[key].shape)} (expected {expected[key]})"
+        for key in sorted(set(state) & set(expected))
+        if tuple(state[key].shape) != expected[key]
+    ]
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        if items:
+            shown = ", ".join(items[:10]) + (f", ... and {len(items) - 10} more" if len(items) > 10 else "")
+            problems.append(f"{len(items)} {label}: {shown}")
+    if problems:
+        raise CheckpointError(f"{source} does not match the model config: " + "; ".join(problems))

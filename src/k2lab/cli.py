@@ -1,0 +1,187 @@
+"""The ``k2lab`` command (also ``python -m k2lab``, which torchrun needs).
+
+Every user error (unknown preset, bad checkpoint, invalid value) is reported as one paragraph on stderr with
+exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from k2lab.config import format_validation_error, load_preset
+from k2lab.errors import K2LabError
+
+app = typer.Typer(
+    name="k2lab",
+    help="The Kimi K2 model family (K2, K2.5, K3): build, inspect, convert and run models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+PresetOption = Annotated[str, typer.Option("--preset", "-p", help="Preset name; `k2lab presets` lists them.")]
+
+
+@app.command()
+def presets() -> None:
+    """List the model presets with their parameter counts."""
+    from k2lab.config import available_presets
+    from k2lab.params import count_parameters, humanize
+
+    table = Table(title="k2lab presets")
+    for column in ("preset", "layers", "hidden", "experts (top-k)", "total", "active"):
+        table.add_column(column, justify="left" if column == "preset" else "right")
+    for name in available_presets():
+        config = load_preset(name)
+        report = count_parameters(config)
+        table.add_row(
+            name,
+            str(config.num_hidden_layers),
+            str(config.hidden_size),
+            f"{config.n_routed_experts} ({config.num_experts_per_tok})",
+            humanize(report.total),
+            humanize(report.active),
+        )
+    console.print(table)
+
+
+@app.command()
+def params(
+    preset: PresetOption,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of a table.")
+    ] = False,
+) -> None:
+    """Count total and active-per-token parameters of a preset, built on the meta device (no memory)."""
+    from k2lab.params import PUBLISHED, count_parameters, humanize
+
+    report = count_parameters(load_preset(preset))
+    if as_json:
+        print(json.dumps(report.to_dict()))
+        return
+    table = Table(title=f"{preset}: parameters (exact, from the model built on the meta device)")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    table.add_column("share", justify="right")
+    for name, count in report.components.items():
+        if count:
+            table.add_row(name, f"{count:,}", f"{count / report.total:.1%}")
+    table.add_section()
+    table.add_row("total", f"{report.total:,}", humanize(report.total))
+    table.add_row("active per token", f"{report.active:,}", humanize(report.active))
+    table.add_row(
+        "total excl. embeddings", f"{report.total_excl_embeddings:,}", humanize(report.total_excl_embeddings)
+    )
+    table.add_row(
+        "active excl. embeddings",
+        f"{report.active_excl_embeddings:,}",
+        humanize(report.active_excl_embeddings),
+    )
+    console.print(table)
+    if report.per_expert:
+        console.print(f"one routed expert: {report.per_expert:,} parameters × {report.moe_layers} MoE layers")
+    if preset in PUBLISHED:
+        published = PUBLISHED[preset]
+        figures = ", ".join(f"{key} {humanize(value)}" for key, value in published.items() if key != "note")
+        console.print(f"published: {figures} ({published['note']})")
+
+
+@app.command()
+def init(
+    preset: PresetOption,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the checkpoint to.")],
+    seed: Annotated[int, typer.Option(help="Random seed for the initial weights.")] = 0,
+    hf: Annotated[bool, typer.Option("--hf", help="Write Hugging Face DeepseekV3 format instead.")] = False,
+) -> None:
+    """Write a randomly initialised checkpoint of a preset (k2lab format, or HF format with --hf)."""
+    from k2lab.checkpoint import save_model
+    from k2lab.models import build_model
+    from k2lab.params import count_parameters
+
+    config = load_preset(preset)
+    total = count_parameters(config).total
+    if total > 2e9:
+        raise K2LabError(
+            f"preset {preset!r} has {total:,} parameters; `init` materialises weights in memory, which this "
+            "command refuses above 2B. Use `k2lab params` to inspect large presets."
+        )
+    model = build_model(config, seed=seed)
+    if hf:
+        from k2lab.hf import to_hf
+
+        to_hf(model, out)
+    else:
+        save_model(model, out)
+    console.print(f"wrote {preset} ({total:,} parameters, seed {seed}) to {out}")
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """'1 2 3' or '1,2,3' -> [1, 2, 3] (token ids until a tokenizer is attached)."""
+    parts = [part for part in re.split(r"[\s,]+", text.strip()) if part]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise K2LabError(
+            f"--prompt must be token ids separated by spaces or commas (e.g. '1 2 3'), got {text!r}"
+        )
+    return [int(part) for part in parts]
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory.")],
+    prompt: Annotated[
+        list[str], typer.Option("--prompt", help="Token ids, e.g. '1 2 3'; repeat for a batch.")
+    ],
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 16,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+) -> None:
+    """Generate continuations with the latent KV cache (absorbed MLA decode)."""
+    import time
+
+    from k2lab.checkpoint import load_model
+    from k2lab.infer import GenerationConfig
+    from k2lab.infer import generate as run_generation
+
+    prompts = [parse_token_ids(text) for text in prompt]
+    model = load_model(checkpoint).eval()
+    vocab = model.config.vocab_size
+    for ids in prompts:
+        if max(ids) >= vocab:
+            raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
+    settings = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=model.config.eos_token_id,
+    )
+    start = time.perf_counter()
+    outputs = run_generation(model, prompts, settings)
+    seconds = time.perf_counter() - start
+    for ids, new in zip(prompts, outputs, strict=True):
+        console.print(f"prompt {ids} -> {new}")
+    produced = sum(len(new) for new in outputs)
+    console.print(f"{produced} tokens in {seconds:.2f}s ({produced / max(seconds, 1e-9):.1f} tokens/s)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
+    err = Console(stderr=True)
+    try:
+        app(args=argv)  # click reports usage errors itself (exit code 2)
+    except K2LabError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        sys.exit(2)
+    except ValidationError as error:
+        err.print(f"[bold red]invalid value:[/] {format_validation_error(error)}", highlight=False)
+        sys.exit(2)

@@ -1,0 +1,127 @@
+"""Parameter accounting on the meta device: total, active per token, and a per-component breakdown.
+
+total  = every tensor a checkpoint stores (parameters and persistent buffers such as the router's
+         ``e_score_correction_bias``; this is how the public 1,026,408,232,448 for K2 is counted)
+active = total − (n_routed_experts − num_experts_per_tok) · (one expert) · (MoE layers)
+         i.e. everything except the routed experts a token does not select.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k2lab.config import ModelConfig
+from k2lab.models import build_model
+
+# What the papers / model cards report, shown beside our exact counts (source in the note).
+PUBLISHED: dict[str, dict[str, object]] = {
+    "k2": {"total": 1.04e12, "active": 32.6e9, "note": "Kimi K2 report: 1.04T total / 32.6B activated"},
+    "deepseek-v3": {"total": 671e9, "active": 37e9, "note": "DeepSeek-V3 report: 671B total / 37B activated"},
+    "moonlight-16b-a3b": {
+        "total_excl_embeddings": 15.29e9,
+        "active_excl_embeddings": 2.24e9,
+        "note": "Moonlight README: 15.29B total / 2.24B activated, without embeddings",
+    },
+}
+
+COMPONENTS = (
+    "embedding",
+    "lm_head",
+    "attention",
+    "dense_mlp",
+    "router",
+    "routed_experts",
+    "shared_experts",
+    "norms",
+)
+
+
+@dataclass
+class ParamReport:
+    preset: str
+    total: int
+    active: int
+    embedding_params: int
+    components: dict[str, int] = field(default_factory=dict)
+    per_expert: int = 0
+    moe_layers: int = 0
+
+    @property
+    def total_excl_embeddings(self) -> int:
+        return self.total - self.embedding_params
+
+    @property
+    def active_excl_embeddings(self) -> int:
+        return self.active - self.embedding_params
+
+    def to_dict(self) -> dict[str, object]:
+        data: dict[str, object] = {
+            "preset": self.preset,
+            "total": self.total,
+            "active": self.active,
+            "total_excl_embeddings": self.total_excl_embeddings,
+            "active_excl_embeddings": self.active_excl_embeddings,
+            "per_expert": self.per_expert,
+            "moe_layers": self.moe_layers,
+            "components": dict(self.components),
+        }
+        if self.preset in PUBLISHED:
+            data["published"] = PUBLISHED[self.preset]
+        return data
+
+
+def _component_of(name: str) -> str:
+    if name.startswith("embed."):
+        return "embedding"
+    if name.startswith("lm_head."):
+        return "lm_head"
+    if ".attn." in name:  # includes the latent norms, as the per-layer 101,124,096 does
+        return "attention"
+    if ".mlp.router." in name:
+        return "router"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.shared_experts." in name:
+        return "shared_experts"
+    if ".mlp." in name:
+        return "dense_mlp"
+    return "norms"
+
+
+def count_parameters(config: ModelConfig) -> ParamReport:
+    """Build ``config`` on the meta device (no memory) and count what a checkpoint of it stores."""
+    model = build_model(config, device="meta")
+    components = dict.fromkeys(COMPONENTS, 0)
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied embeddings are stored once
+            continue
+        seen.add(id(tensor))
+        components[_component_of(name)] += tensor.numel()
+    total = sum(components.values())
+
+    moe_layers = model.moe_layers()
+    per_expert = 0
+    if moe_layers:
+        experts = moe_layers[0].experts
+        per_expert = sum(w[0].numel() for w in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    unselected = config.n_routed_experts - config.num_experts_per_tok
+    active = total - unselected * per_expert * len(moe_layers)
+    embedding_params = components["embedding"] + components["lm_head"]
+    return ParamReport(
+        preset=config.name,
+        total=total,
+        active=active,
+        embedding_params=embedding_params,
+        components=components,
+        per_expert=per_expert,
+        moe_layers=len(moe_layers),
+    )
+
+
+def humanize(count: float) -> str:
+    """1_026_408_232_448 -> '1.03T'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(count) >= size:
+            return f"{count / size:.2f}{unit}"
+    return str(int(count))

@@ -1,0 +1,66 @@
+"""The command line: exit code 2 and one readable paragraph for bad input, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def k2lab(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "k2lab", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def assert_clean_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in " ".join(result.stderr.split())
+
+
+def test_unknown_preset_lists_available():
+    assert_clean_error(k2lab("params", "--preset", "k9"), "unknown preset 'k9'", "k2-mini")
+
+
+def test_init_then_generate(tmp_path):
+    out = tmp_path / "nano"
+    assert k2lab("init", "--preset", "k2-nano", "--out", str(out)).returncode == 0
+    result = k2lab(
+        "generate", "--checkpoint", str(out), "--prompt", "1 2 3", "--prompt", "4,5", "--max-new-tokens", "4"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "prompt [1, 2, 3] ->" in result.stdout and "prompt [4, 5] ->" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("setup", "fragments"),
+    [
+        ("missing", ["does not exist"]),
+        ("empty", ["neither"]),
+        ("bad-json", ["not valid JSON"]),
+        ("truncated", ["cannot be read"]),
+    ],
+)
+def test_bad_checkpoints(tmp_path, setup, fragments):
+    path = tmp_path / "ckpt"
+    if setup != "missing":
+        path.mkdir()
+    if setup == "bad-json":
+        (path / "k2lab.json").write_text("{not json")
+    if setup == "truncated":
+        assert k2lab("init", "--preset", "k2-nano", "--out", str(path)).returncode == 0
+        weights = path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    assert_clean_error(k2lab("generate", "--checkpoint", str(path), "--prompt", "1"), *fragments)
+
+
+def test_invalid_values(tmp_path):
+    assert k2lab("init", "--preset", "k2-nano", "--out", str(tmp_path / "n")).returncode == 0
+    assert_clean_error(k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "a b"), "token ids")
+    assert_clean_error(k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "1", "--top-p", "2"), "top_p")
+    assert_clean_error(
+        k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "500"), "outside the model's vocabulary"
+    )
+
+
+def test_init_refuses_full_size_presets(tmp_path):
+    assert_clean_error(k2lab("init", "--preset", "k2", "--out", str(tmp_path / "k2")), "k2lab params")

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from k2lab.infer import GenerationConfig, generate
+from k2lab.infer.generate import sample_next
+
+
+def greedy_without_cache(model, prompt, steps):
+    ids = torch.tensor([prompt])
+    out = []
+    for _ in range(steps):
+        token = int(model(ids).logits[0, -1].argmax())
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    return out
+
+
+def test_greedy_matches_full_recompute(nano):
+    prompt = [5, 17, 33, 2, 90]
+    got = generate(nano, [prompt], GenerationConfig(max_new_tokens=12))[0]
+    assert got == greedy_without_cache(nano, prompt, 12)
+
+
+def test_batch_of_different_lengths_equals_each_alone(nano):
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [99]]
+    config = GenerationConfig(max_new_tokens=10)
+    batched = generate(nano, prompts, config)
+    assert batched == [generate(nano, [p], config)[0] for p in prompts]
+
+
+def test_stops_at_eos(nano):
+    prompt = [5, 17, 33]
+    first = generate(nano, [prompt], GenerationConfig(max_new_tokens=6))[0]
+    stopped = generate(nano, [prompt], GenerationConfig(max_new_tokens=6, eos_token_id=first[2]))[0]
+    assert stopped == first[: first.index(first[2]) + 1]
+
+
+def test_sampling_is_seeded_and_top_p_limits_support():
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0]]).repeat(2000, 1)
+    generator = torch.Generator().manual_seed(0)
+    tokens = sample_next(logits, GenerationConfig(temperature=1.0, top_p=0.8), generator)
+    # p = softmax -> [0.71, 0.26, 0.013, 0.005]: the nucleus at 0.8 is {0, 1}
+    assert set(tokens.tolist()) == {0, 1}
+    full = sample_next(logits, GenerationConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert set(full.tolist()) >= {0, 1, 2}
+    again = sample_next(
+        logits, GenerationConfig(temperature=1.0, top_p=0.8), torch.Generator().manual_seed(0)
+    )
+    assert torch.equal(tokens, again)
+
+
+def test_tiny_top_p_is_greedy(nano):
+    prompt = [1, 2, 3, 4]
+    greedy = generate(nano, [prompt], GenerationConfig(max_new_tokens=8))
+    nucleus = generate(nano, [prompt], GenerationConfig(max_new_tokens=8, temperature=0.7, top_p=1e-6))
+    assert greedy == nucleus
+
+
+def test_empty_prompt_rejected(nano):
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(nano, [[]])
