@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,8 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
+from k2lab.fsutil import read_json_object, replace_directory, staging_directory
 from k2lab.models import CausalLM, build_model
-from k2lab.models.init import materialize
+from k2lab.models.init import cast_model, materialize
 
 FORMAT = "k2lab-model"
 VERSION = 1
@@ -37,8 +37,7 @@ WEIGHTS = "model.safetensors"
 def save_model(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
     """Write ``model`` to ``directory`` atomically (replacing an existing checkpoint there)."""
     target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging = staging_directory(target)
     try:
         manifest = {"format": FORMAT, "version": VERSION, "config": model.config.model_dump(mode="json")}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -46,32 +45,11 @@ def save_model(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, str(staging / WEIGHTS), metadata={"format": FORMAT})
-        _replace_directory(staging, target)
+        replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
-
-
-def _replace_directory(staging: Path, target: Path) -> None:
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, target)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} should hold a JSON object")
-    return data
 
 
 def load_model(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> CausalLM:
@@ -91,7 +69,7 @@ def load_model(directory: str | os.PathLike[str], dtype: torch.dtype = torch.flo
 
 
 def _load_own(path: Path, dtype: torch.dtype) -> CausalLM:
-    manifest = _read_json(path / MANIFEST)
+    manifest = read_json_object(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
     try:
@@ -111,7 +89,7 @@ def _load_own(path: Path, dtype: torch.dtype) -> CausalLM:
     check_state_dict(model, state, str(weights))
     materialize(model)
     model.load_state_dict(state, strict=not config.tie_word_embeddings)
-    return model.to(dtype)
+    return cast_model(model, dtype)
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

@@ -71,37 +71,86 @@ _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
+# What a config.json means when it omits a field: transformers' ``DeepseekV3Config`` defaults (5.24). Filling
+# them in keeps us loading exactly the model transformers would build (e.g. n_group 8 / topk_group 4, scaling
+# 2.5, q_lora_rank 1536 rather than our own defaults). Token ids are left unset rather than defaulted.
+_HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
 def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
-    """Build a validated ``ModelConfig`` from a DeepseekV3/Kimi-K2 ``config.json`` dict."""
+    """Build a validated ``ModelConfig`` from a DeepseekV3/Kimi-K2 ``config.json`` dict.
+
+    Absent fields take transformers' ``DeepseekV3Config`` defaults. Raises ``ValueError`` (pydantic's
+    ``ValidationError`` for invalid values) for settings the K2 decoder cannot represent: another
+    ``model_type``, a scoring function other than sigmoid, an activation other than SiLU, MoE layers that are
+    not every layer after the dense prefix, attention biases, or rope scaling other than YaRN.
+    """
     model_type = data.get("model_type")
     if model_type not in K2_MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not a K2-family decoder (expected one of {K2_MODEL_TYPES})"
         )
-    if data.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ValueError(f"scoring_func {data['scoring_func']!r} is not supported (K2 uses sigmoid)")
+    unsupported = {
+        "scoring_func": (data.get("scoring_func", "sigmoid"), "sigmoid"),
+        "hidden_act": (data.get("hidden_act", "silu"), "silu"),
+        "moe_layer_freq": (data.get("moe_layer_freq", 1), 1),
+        "attention_bias": (data.get("attention_bias", False), False),
+    }
+    for key, (value, supported) in unsupported.items():
+        if value is not None and value != supported:
+            raise ValueError(f"{key} {value!r} is not supported (the K2 decoder uses {supported!r})")
     fields = {key: data[key] for key in _CONFIG_FIELDS if key in data and data[key] is not None}
+    for key, default in _HF_DEFAULTS.items():
+        if key not in data:
+            fields[key] = default
     if "q_lora_rank" in data:
-        fields["q_lora_rank"] = data["q_lora_rank"]
+        fields["q_lora_rank"] = data["q_lora_rank"]  # null: direct q_proj
     rope = dict(data.get("rope_parameters") or {})
     scaling = data.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    fields["rope_theta"] = data.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta = data.get("rope_theta")
+    fields["rope_theta"] = theta if theta is not None else rope.get("rope_theta", 10000.0)
     if scaling:
         kind = scaling.get("type", scaling.get("rope_type"))
-        if kind != "yarn":
+        if kind not in ("yarn", "default"):
             raise ValueError(f"rope scaling type {kind!r} is not supported (only yarn)")
-        fields["rope_scaling"] = {
-            key: scaling[key]
-            for key in (
-                "factor",
-                "original_max_position_embeddings",
-                "beta_fast",
-                "beta_slow",
-                "mscale",
-                "mscale_all_dim",
-            )
-            if scaling.get(key) is not None
-        }
+        if kind == "yarn":
+            if scaling.get("attention_factor") is not None:
+                raise ValueError("rope scaling attention_factor is not supported (derived from mscale)")
+            if scaling.get("truncate", True) is False:
+                raise ValueError("rope scaling truncate=false is not supported")
+            fields["rope_scaling"] = {key: scaling[key] for key in _YARN_KEYS if scaling.get(key) is not None}
     for token_field in ("bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token_field), list):
             fields[token_field] = fields[token_field][0]

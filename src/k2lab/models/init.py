@@ -48,3 +48,12 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
     return model
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast parameters to ``dtype``; routers stay fp32 (as transformers keeps ``mlp.gate`` and its bias)."""
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, SigmoidRouter):
+            module.float()
+    return model

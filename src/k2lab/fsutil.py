@@ -1,0 +1,44 @@
+"""Small filesystem helpers shared by every checkpoint writer and reader: atomic directory swaps, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from k2lab.errors import CheckpointError
+
+
+def staging_directory(target: Path) -> Path:
+    """A fresh temporary sibling of ``target`` (same filesystem, so the final rename is atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    return staging
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Swap ``staging`` in at ``target`` with renames (the old directory is removed afterwards)."""
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+        os.replace(target, old / target.name)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """Parse a JSON object from ``path``; every failure is a one-line ``CheckpointError`` naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error})") from error
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read ({error})") from error
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} should hold a JSON object, not {type(data).__name__}")
+    return data

@@ -1,0 +1,540 @@
+"""Read and write DeepseekV3 / Kimi-K2 Hugging Face checkpoint directories.
+
+A directory holds ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed by
+``model.safetensors.index.json`` (``weight_map``: key -> file). On disk routed experts are one tensor per
+expert and projection (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``); we stack them into
+our ``[E, out, in]`` parameters. transformers-5 fused keys (``mlp.experts.gate_up_proj`` [E, 2F, D], gate
+rows then up rows, and ``mlp.experts.down_proj`` [E, D, F]) are read too.
+
+FP8 (the public DeepSeek-V3 / Kimi-K2 release format): a quantised weight is ``float8_e4m3fn`` with a sibling
+``<name>_scale_inv`` (fp32, ``[ceil(out/128), ceil(in/128)]``), and the dequantised weight is
+``w[i, j] = w_fp8[i, j] · scale_inv[i // 128, j // 128]`` (block size from
+``quantization_config.weight_block_size``). Weights are dequantised as they are loaded.
+
+Loading checks every tensor header against the model's expected names and shapes before reading any data,
+and raises ``CheckpointError`` listing missing, unexpected and mis-shaped tensors. MTP layers
+(``model.layers.{num_hidden_layers}.*``) and ``rotary_emb.inv_freq`` are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+
+from k2lab.config import ModelConfig, format_validation_error
+from k2lab.errors import CheckpointError
+from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.hf.mapping import K2_MODEL_TYPES, config_from_hf, config_to_hf, hf_key_plan, to_hf_names
+from k2lab.models import CausalLM, build_model
+from k2lab.models.init import cast_model, materialize
+
+__all__ = ["CheckpointError", "dequantize_fp8", "from_hf", "read_hf_config", "to_hf"]
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
+
+_LIST_LIMIT = 10
+_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
+_FP8_DTYPES = {"F8_E4M3"}
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format section).
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of checkpoint directory ``path`` as a dict; ``CheckpointError`` if unusable.
+
+    Checks that the directory and file exist, that the file is a JSON object and that ``model_type`` is a
+    K2-family decoder (``deepseek_v3`` or ``kimi_k2``).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{root} has no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
+    data = read_json_object(config_path)
+    model_type = data.get("model_type")
+    if model_type not in K2_MODEL_TYPES:
+        raise CheckpointError(
+            f"{config_path}: model_type {model_type!r} is not supported (expected one of {list(K2_MODEL_TYPES)})"
+        )
+    return data
+
+
+def from_hf(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
+    """Load a DeepseekV3 / Kimi-K2 Hugging Face checkpoint directory as a ``CausalLM``.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors plus
+            ``model.safetensors.index.json``. Legacy ``rope_theta`` + ``rope_scaling`` and transformers-5
+            ``rope_parameters`` configs are both accepted; ``model_type`` must be ``deepseek_v3`` or
+            ``kimi_k2``.
+        dtype: parameter dtype. The router (``mlp.gate.weight`` and ``e_score_correction_bias``) stays fp32,
+            as in transformers (``_keep_in_fp32_modules_strict``) and as ``SigmoidRouter`` builds it.
+        device: where the parameters are allocated.
+
+    The model is built on the meta device, allocated once on ``device`` and filled tensor by tensor, one
+    safetensors file at a time, so peak memory is about the model plus one tensor. FP8 block-quantised
+    weights (``weight_scale_inv`` siblings) are dequantised on the way in.
+
+    Raises:
+        CheckpointError: missing directory / config / weights, malformed JSON, unsupported ``model_type``
+            or quantisation, an invalid config, or tensors that are missing, unexpected or mis-shaped
+            (the message lists them).
+    """
+    root = Path(path)
+    raw = read_hf_config(root)
+    config = _model_config(raw, root)
+    block = _fp8_block_size(raw, root)
+    files = _weight_files(root)
+    headers = _read_headers(files)
+
+    model = build_model(config, device="meta")
+    cast_model(model, dtype)
+    plan = _LoadPlan.build(config, model.state_dict(), headers, raw, block, root)
+    materialize(model, device)
+    _load_tensors(model, plan, files)
+    return model
+
+
+@dataclass(frozen=True)
+class _DiskTensor:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3"
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where (part of) a disk tensor goes: our state key, optional expert index, optional dim-1 row range."""
+
+    key: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+@dataclass
+class _LoadPlan:
+    targets: dict[str, list[_Target]] = field(default_factory=dict)  # disk key -> destinations
+    scales: dict[str, str] = field(default_factory=dict)  # disk weight key -> its scale_inv key
+    block: tuple[int, int] = DEFAULT_FP8_BLOCK
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        state: Mapping[str, torch.Tensor],
+        headers: Mapping[str, _DiskTensor],
+        raw_config: Mapping[str, Any],
+        block: tuple[int, int],
+        root: Path,
+    ) -> _LoadPlan:
+        """Match disk keys to the model; raise ``CheckpointError`` listing every mismatch."""
+        expected: dict[str, tuple[int, ...]] = {}
+        targets: dict[str, list[_Target]] = {}
+        for hf_key, (our_key, expert) in hf_key_plan(state).items():
+            shape = tuple(state[our_key].shape)
+            expected[hf_key] = shape if expert is None else shape[1:]
+            targets[hf_key] = [_Target(our_key, expert)]
+        skipped: set[str] = set()
+        if config.tie_word_embeddings:
+            # The head shares the embedding; a stored copy of it is redundant.
+            expected.pop("lm_head.weight", None)
+            targets.pop("lm_head.weight", None)
+            skipped.add("lm_head.weight")
+
+        # transformers-5 fused experts replace the per-expert keys of their layer and projection.
+        E, F, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        for layer in range(config.first_k_dense_replace, config.num_hidden_layers):
+            ours = f"layers.{layer}.mlp.experts."
+            prefix = f"model.layers.{layer}.mlp.experts."
+            fused = {
+                "gate_up_proj": (
+                    ("gate_proj", "up_proj"),
+                    (E, 2 * F, D),
+                    [_Target(ours + "gate_proj", rows=(0, F)), _Target(ours + "up_proj", rows=(F, 2 * F))],
+                ),
+                "down_proj": (("down_proj",), (E, D, F), [_Target(ours + "down_proj")]),
+            }
+            for name, (projections, shape, fused_targets) in fused.items():
+                if prefix + name not in headers:
+                    continue
+                for projection in projections:
+                    for expert in range(E):
+                        key = f"{prefix}{expert}.{projection}.weight"
+                        expected.pop(key)
+                        targets.pop(key)
+                expected[prefix + name] = shape
+                targets[prefix + name] = fused_targets
+
+        first_mtp = config.num_hidden_layers
+        mtp_layers = (raw_config.get(key) or 0 for key in ("num_nextn_predict_layers", "num_mtp_layers"))
+        last_mtp = first_mtp + max(1, *(int(n) for n in mtp_layers))
+
+        def ignored(key: str) -> bool:
+            match = _LAYER_PREFIX.match(key)
+            if match and first_mtp <= int(match.group(1)) < last_mtp:
+                return True  # multi-token-prediction layers: not part of the decoder
+            return key.endswith("rotary_emb.inv_freq") or key in skipped
+
+        missing = sorted(set(expected) - set(headers))
+        unexpected: list[str] = []
+        misshaped: list[str] = []
+        scales: dict[str, str] = {}
+        for key, disk in headers.items():
+            if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in expected:
+                weight_key = key.removesuffix(SCALE_SUFFIX)
+                scales[weight_key] = key
+                want = _scale_shape(expected[weight_key], block)
+                if disk.shape != want:
+                    misshaped.append(f"{key} {disk.shape} (expected {want} for block size {list(block)})")
+            elif key in expected:
+                if disk.shape != expected[key]:
+                    misshaped.append(f"{key} {disk.shape} (expected {expected[key]})")
+            elif not ignored(key):
+                unexpected.append(key)
+        for key in sorted(set(expected) & set(headers)):
+            if headers[key].dtype in _FP8_DTYPES and key not in scales:
+                missing.append(f"{key}{SCALE_SUFFIX} (the FP8 weight {key} needs its block scales)")
+
+        problems = [
+            _describe(label, items)
+            for label, items in (
+                ("missing", missing),
+                ("unexpected", sorted(unexpected)),
+                ("mis-shaped", misshaped),
+            )
+            if items
+        ]
+        if problems:
+            raise CheckpointError(f"{root} does not match its {CONFIG_FILE}: " + "; ".join(problems))
+        return cls(targets=targets, scales=scales, block=block)
+
+
+def _describe(label: str, items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_LIST_LIMIT])
+    if len(items) > _LIST_LIMIT:
+        shown += f", ... and {len(items) - _LIST_LIMIT} more"
+    return f"{len(items)} {label} tensor{'s' if len(items) != 1 else ''}: {shown}"
+
+
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: Sequence[int] = DEFAULT_FP8_BLOCK
+) -> torch.Tensor:
+    """Block-wise FP8 dequantisation: ``w[..., i, j] = weight[..., i, j] · scale_inv[..., i // b0, j // b1]``.
+
+    ``weight`` [..., out, in] (float8_e4m3fn or any float dtype), ``scale_inv`` [..., ceil(out/b0),
+    ceil(in/b1)]; the last row/column blocks may be partial. Returns fp32.
+    """
+    rows, cols = weight.shape[-2:]
+    b0, b1 = block_size
+    scale = scale_inv.float().repeat_interleave(b0, dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(b1, dim=-1)[..., :cols]
+    return weight.float() * scale
+
+
+def _load_tensors(model: CausalLM, plan: _LoadPlan, files: Sequence[Path]) -> None:
+    """Copy every planned tensor into the (materialised) model, one file at a time."""
+    state = model.state_dict()
+    scale_keys = set(plan.scales.values())
+    scale_values: dict[str, torch.Tensor] = {}
+    if scale_keys:  # block scales are ~1/16384 of their weights: read them all first (any shard)
+        for file in files:
+            with _open(file) as handle:
+                for key in scale_keys.intersection(handle.keys()):
+                    scale_values[key] = handle.get_tensor(key)
+    with torch.no_grad():
+        for file in files:
+            with _open(file) as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                    destinations = plan.targets.get(key)
+                    if destinations is None:
+                        continue
+                    tensor = handle.get_tensor(key)
+                    if key in plan.scales:
+                        tensor = dequantize_fp8(tensor, scale_values[plan.scales[key]], plan.block)
+                    for target in destinations:
+                        destination = state[target.key]
+                        if target.expert is not None:
+                            destination = destination[target.expert]
+                        source = tensor if target.rows is None else tensor[:, target.rows[0] : target.rows[1]]
+                        destination.copy_(source)
+
+
+def _model_config(raw: Mapping[str, Any], root: Path) -> ModelConfig:
+    try:
+        return config_from_hf(raw, name=root.resolve().name or "hf")
+    except ValidationError as error:
+        raise CheckpointError(
+            f"{root / CONFIG_FILE}: invalid config: {format_validation_error(error)}"
+        ) from error
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{root / CONFIG_FILE}: {error}") from error
+
+
+def _fp8_block_size(raw: Mapping[str, Any], root: Path) -> tuple[int, int]:
+    """The FP8 block size from ``quantization_config`` (128x128 when absent); reject other quantisations."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return DEFAULT_FP8_BLOCK
+    where = f"{root / CONFIG_FILE}: quantization_config"
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{where} should be a JSON object")
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"{where}: quant_method {method!r} is not supported (only block-wise fp8)")
+    fmt = quant.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{where}: fmt {fmt!r} is not supported (only e4m3)")
+    block = quant.get("weight_block_size", list(DEFAULT_FP8_BLOCK))
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise CheckpointError(f"{where}: weight_block_size {block!r} should be two positive integers")
+    return int(block[0]), int(block[1])
+
+
+def _weight_files(root: Path) -> list[Path]:
+    """The safetensors files of ``root``: the index's shards, else ``model.safetensors``, else any."""
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        index = read_json_object(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map")
+        names = list(dict.fromkeys(weight_map.values()))
+        absent = [name for name in names if not (root / name).is_file()]
+        if absent:
+            raise CheckpointError(f"{index_path} lists shard files that do not exist: " + ", ".join(absent))
+        return [root / name for name in names]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{root} has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
+    return found
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file} cannot be read as safetensors ({error})") from error
+
+
+def _read_headers(files: Iterable[Path]) -> dict[str, _DiskTensor]:
+    """Name, shape and dtype of every tensor in ``files`` (headers only, no tensor data)."""
+    headers: dict[str, _DiskTensor] = {}
+    for file in files:
+        with _open(file) as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if key in headers:
+                    raise CheckpointError(f"tensor {key} is stored twice: in {headers[key].file} and {file}")
+                piece = handle.get_slice(key)
+                headers[key] = _DiskTensor(file, tuple(piece.get_shape()), piece.get_dtype())
+    return headers
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def to_hf(
+    model: CausalLM,
+    path: str | os.PathLike[str],
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``model`` as a DeepseekV3 Hugging Face checkpoint directory; returns its path.
+
+    Writes ``config.json`` (``config_to_hf``), safetensors with one tensor per expert and projection, and
+    ``generation_config.json`` when the config has token ids. The result loads with
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` (no remote code) and with ``from_hf``.
+
+    Args:
+        model: the model to export.
+        path: target directory. It is written atomically: everything goes to a temporary sibling directory
+            that then replaces ``path``; files already in ``path`` that are not checkpoint files (tokenizer,
+            README ...) are carried over.
+        max_shard_bytes: when given, tensors are packed in order into ``model-0000i-of-0000n.safetensors``
+            shards of at most this size (a larger single tensor gets a shard of its own) with
+            ``model.safetensors.index.json``; if everything fits in one shard a single ``model.safetensors``
+            is written, as transformers does.
+        dtype: cast floating-point weights to this dtype (default: keep each tensor's dtype). The router's
+            ``e_score_correction_bias`` always stays fp32, as in the public checkpoints.
+
+    Tensors are streamed to disk one at a time (no second copy of the model in memory).
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    config = model.config
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors = list(to_hf_names(state))
+
+    def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:
+        if dtype is None or not tensor.is_floating_point() or key.endswith("e_score_correction_bias"):
+            return tensor.dtype
+        return dtype
+
+    sizes = [tensor.numel() * output_dtype(key, tensor).itemsize for key, tensor in tensors]
+    shards = _pack_shards(sizes, max_shard_bytes)
+
+    hf_config = config_to_hf(config)
+    main_dtype = output_dtype("lm_head.weight", model.lm_head.weight)
+    hf_config["torch_dtype"] = str(main_dtype).removeprefix("torch.")
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory")
+    staging = staging_directory(target)
+    try:
+        written = {CONFIG_FILE}
+        (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+        generation = {
+            key: getattr(config, key)
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if getattr(config, key) is not None
+        }
+        if generation:
+            (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+            written.add(GENERATION_CONFIG_FILE)
+
+        names = (
+            [SINGLE_FILE]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
+        weight_map: dict[str, str] = {}
+        for name, members in zip(names, shards, strict=True):
+            items = [(tensors[i][0], tensors[i][1], output_dtype(*tensors[i])) for i in members]
+            _write_safetensors(staging / name, items, metadata={"format": "pt"})
+            weight_map.update({key: name for key, _, _ in items})
+            written.add(name)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            written.add(INDEX_FILE)
+        _carry_over_other_files(target, staging, written)
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _pack_shards(sizes: Sequence[int], max_shard_bytes: int | None) -> list[list[int]]:
+    """Greedy in-order packing of tensor indices into shards of at most ``max_shard_bytes``."""
+    if max_shard_bytes is None:
+        return [list(range(len(sizes)))]
+    shards: list[list[int]] = [[]]
+    used = 0
+    for index, size in enumerate(sizes):
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(index)
+        used += size
+    return shards
+
+
+def _write_safetensors(
+    path: Path, items: Sequence[tuple[str, torch.Tensor, torch.dtype]], metadata: Mapping[str, str]
+) -> None:
+    """Stream (name, tensor, dtype) triples into one safetensors file, casting one tensor at a time.
+
+    ``safetensors.torch.save_file`` would need every tensor materialised and contiguous at once (per-expert
+    tensors are views of our fused weights, which it rejects as shared memory), so the format is written
+    directly: u64 little-endian header size, JSON header padded to 8 bytes, then the raw bytes in order.
+    """
+    if sys.byteorder != "little":  # pragma: no cover - safetensors data is little-endian
+        raise RuntimeError("writing safetensors needs a little-endian machine")
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, tensor, dtype in items:
+        if dtype not in _ST_DTYPES:
+            raise TypeError(f"cannot store {name} with dtype {dtype} in safetensors")
+        size = tensor.numel() * dtype.itemsize
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(blob)))
+        handle.write(blob)
+        for _, tensor, dtype in items:
+            data = tensor.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1)
+            if data.numel():
+                handle.write(memoryview(data.view(torch.uint8).numpy()))
+
+
+_CHECKPOINT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json)$")
+
+
+def _carry_over_other_files(target: Path, staging: Path, written: set[str]) -> None:
+    """Copy non-checkpoint files (tokenizer, README ...) of an existing ``target`` into ``staging``."""
+    if not target.is_dir():
+        return
+    for entry in target.iterdir():
+        if entry.name in written or entry.name == CONFIG_FILE or _CHECKPOINT_FILE.match(entry.name):
+            continue
+        if entry.name == GENERATION_CONFIG_FILE:
+            continue  # belongs to the checkpoint; rewritten (or dropped) with it
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, staging / entry.name, symlinks=True)
+        else:
+            shutil.copy2(entry, staging / entry.name, follow_symlinks=False)
