@@ -2,8 +2,9 @@
 
 Bytes per token = (kv_lora_rank + qk_rope_head_dim) × layers × element size
 (K2: 576 × 61 × 2 B = 70,272 B in bf16, versus 2 × 64 heads × 192 × 61 × 2 B ≈ 3 MB for a full KV cache).
-Storage is preallocated for ``max_length`` tokens; ``key_valid`` marks padding so prompts of different
-lengths can share a batch (left padding).
+Storage is preallocated for ``max_length`` tokens as one ``rows`` tensor [L, B, S, C + r] (c_KV then k_R per
+token), which is exactly the key of absorbed decode; ``latent`` and ``k_rope`` are views of it.
+``key_valid`` marks padding so prompts of different lengths can share a batch (left padding).
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ class _LayerLatents:
         self.cache = cache
         self.layer = layer
 
-    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write [B, T, C] / [B, T, r] after the cached tokens and return all of them."""
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r]."""
         start, end = self.cache.length, self.cache.length + latent.shape[1]
         if end > self.cache.max_length:
             raise ValueError(f"cache is full: {end} tokens > max_length={self.cache.max_length}")
-        self.cache.latent[self.layer, :, start:end] = latent
-        self.cache.k_rope[self.layer, :, start:end] = k_rope
-        return self.cache.latent[self.layer, :, :end], self.cache.k_rope[self.layer, :, :end]
+        rows = self.cache.rows[self.layer, :, :end]
+        rows[:, start:, : latent.shape[-1]] = latent
+        rows[:, start:, latent.shape[-1] :] = k_rope
+        return rows
 
 
 class LatentCache:
-    """Latent KV cache for a batch: ``latent`` [L, B, S, C], ``k_rope`` [L, B, S, r], ``key_valid`` [B, S]."""
+    """Latent KV cache for a batch: ``rows`` [L, B, S, C + r] with views ``latent`` [L, B, S, C] and
+    ``k_rope`` [L, B, S, r]; ``key_valid`` [B, S]."""
 
     def __init__(
         self,
@@ -42,10 +45,9 @@ class LatentCache:
         L = config.num_hidden_layers
         self.max_length = max_length
         self.length = 0
-        self.latent = torch.zeros(L, batch_size, max_length, config.kv_lora_rank, dtype=dtype, device=device)
-        self.k_rope = torch.zeros(
-            L, batch_size, max_length, config.qk_rope_head_dim, dtype=dtype, device=device
-        )
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        self.rows = torch.zeros(L, batch_size, max_length, width, dtype=dtype, device=device)
+        self.latent, self.k_rope = self.rows.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
         self.key_valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
@@ -74,4 +76,4 @@ class LatentCache:
         return per_layer * self.latent.shape[0]
 
     def nbytes(self) -> int:
-        return self.latent.nbytes + self.k_rope.nbytes
+        return self.rows.nbytes

@@ -52,13 +52,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.T
     return ids, valid
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig | None = None,
 ) -> list[list[int]]:
-    """Continue each prompt; returns the new tokens per prompt (up to and including EOS)."""
+    """Continue each prompt; returns the new tokens per prompt (up to and including EOS).
+
+    Tokens stay on the model's device until the end (one transfer, no per-step sync) unless an
+    ``eos_token_id`` needs checking after each step.
+    """
     config = config or GenerationConfig()
     param = next(model.parameters())
     ids, valid = left_pad(prompts, model.config.pad_token_id or 0)
@@ -73,15 +77,22 @@ def generate(
     generator = torch.Generator(device=param.device).manual_seed(config.seed)
 
     logits = model(ids, attention_mask=valid, cache=cache).logits[:, -1]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    finished = torch.zeros(len(prompts), dtype=torch.bool)
+    tokens: list[torch.Tensor] = []
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)
     for step in range(config.max_new_tokens):
         token = sample_next(logits, config, generator)
-        for row in (~finished).nonzero().flatten().tolist():
-            outputs[row].append(int(token[row]))
+        tokens.append(token)
         if config.eos_token_id is not None:
-            finished |= token.cpu() == config.eos_token_id
-        if finished.all() or step == config.max_new_tokens - 1:
-            break
-        logits = model(token[:, None], cache=cache).logits[:, -1]
-    return outputs
+            finished |= token == config.eos_token_id
+            if bool(finished.all()):
+                break
+        if step < config.max_new_tokens - 1:
+            logits = model(token[:, None], cache=cache).logits[:, -1]
+    return [_until_eos(row, config.eos_token_id) for row in torch.stack(tokens, 1).tolist()]
+
+
+def _until_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
+    """The tokens up to and including the first EOS."""
+    if eos_token_id is None or eos_token_id not in tokens:
+        return tokens
+    return tokens[: tokens.index(eos_token_id) + 1]

@@ -46,6 +46,7 @@ class DecoderLayer(nn.Module):
         mask: AttentionMask,
         cache: LatentKV | None = None,
     ) -> torch.Tensor:
+        """h [B, T, D], cos/sin [B, T, r/2] -> [B, T, D]."""
         h = h + self.attn(self.attn_norm(h), cos, sin, mask, cache)
         return h + self.mlp(self.mlp_norm(h))
 

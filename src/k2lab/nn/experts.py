@@ -28,17 +28,28 @@ class RoutedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
 
-    def forward(self, x_ND: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_ND: torch.Tensor,
+        indices_NK: torch.Tensor,
+        weights_NK: torch.Tensor,
+        counts_E: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [N, D], indices/weights [N, K] (``Routing``), optional per-expert counts [E] -> [N, D]."""
         top_k = indices_NK.shape[1]
         flat_expert = indices_NK.reshape(-1)
         order = flat_expert.argsort(stable=True)
         token_of_row = order // top_k
-        counts_E = torch.bincount(flat_expert, minlength=self.n_experts)
+        if counts_E is None:
+            counts_E = torch.bincount(flat_expert, minlength=self.n_experts)
 
-        x_sorted = x_ND[token_of_row]
+        # index_select/index_add_ rather than x[rows]: the backward of advanced indexing
+        # (index_put_ with accumulate) is several times slower on CPU.
+        x_sorted = x_ND.index_select(0, token_of_row)
         hidden = F.silu(grouped_matmul(x_sorted, self.gate_proj, counts_E)) * grouped_matmul(
             x_sorted, self.up_proj, counts_E
         )
         y_sorted = grouped_matmul(hidden, self.down_proj, counts_E)
-        y_sorted = (y_sorted.float() * weights_NK.reshape(-1)[order, None]).to(x_ND.dtype)
+        row_weight = weights_NK.reshape(-1).index_select(0, order).unsqueeze(1)
+        y_sorted = (y_sorted.float() * row_weight).to(x_ND.dtype)
         return torch.zeros_like(x_ND).index_add_(0, token_of_row, y_sorted)

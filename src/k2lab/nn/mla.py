@@ -8,9 +8,11 @@ Per token x [D] and head h (nope width n, rope width r, value width v, latent wi
     [k_C^h ; v^h] = W_UKV^h c_KV                  k_C^h ∈ R^n, v^h ∈ R^v
     o^h = softmax(scale · [q_C^h; q_R^h]·[k_C^h; k_R]ᵀ + mask) v^h,   y = W_O [o^1 … o^H]
 
-Only (c_KV, k_R) are cached. Decode uses the absorbed form: ``q̃^h = (W_UK^h)ᵀ q_C^h`` scores directly
-against the cached latents, ``softmax(scale·(q̃^h·c_KV + q_R^h·k_R)) c_KV`` is expanded once by W_UV^h, so
-past tokens are never re-expanded.
+Only (c_KV, k_R) are cached, side by side as one key row ``[c_KV ; k_R]`` (width C + r). Decode uses the
+absorbed form: ``q̃^h = (W_UK^h)ᵀ q_C^h`` scores directly against the cached rows,
+``softmax(scale·[q̃^h ; q_R^h]·[c_KV ; k_R]) c_KV`` is expanded once by W_UV^h, so past tokens are never
+re-expanded. Both paths run ``F.scaled_dot_product_attention``; on CPU the values are zero-padded to the
+query width, which selects the fused (flash) kernel instead of the unfused math fallback.
 
 Weight layout (matches the public checkpoints): ``q_up`` rows per head are n nope then r rope;
 ``kv_up`` rows per head are n key then v value; ``kv_down`` rows are C latent then r rope.
@@ -38,9 +40,11 @@ class AttentionMask:
 
 
 class LatentKV(Protocol):
-    """The per-layer view of a latent cache: appends (c_KV, k_R) and returns everything cached so far."""
+    """The per-layer view of a latent cache: appends (c_KV, k_R) and returns every cached key row so far."""
 
-    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """latent [B, T, C], k_rope [B, T, r] -> cached rows [B, S, C + r] (c_KV then k_R)."""
+        ...
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -72,22 +76,20 @@ class MultiHeadLatentAttention(nn.Module):
         self.out_proj = nn.Linear(self.n_heads * self.v_dim, D, bias=False)
 
     # ---- projections -----------------------------------------------------------------------------
-    def queries(
+    def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_nope [B, T, H, n], rotated q_rope [B, T, H, r]."""
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_up(self.q_norm(self.q_down(x)))
-        q = q.view(*x.shape[:2], self.n_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        return q_nope, apply_rotary(q_rope, cos, sin)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_nope [B, T, H, n], rotated q_rope [B, T, H, r], normalised c_KV [B, T, C], rotated k_R [B, T, r].
 
-    def latents(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised c_KV [B, T, C] and rotated shared k_R [B, T, r]: exactly what the cache stores."""
+        The H query rope parts and the shared key rope part are rotated together, as H + 1 heads.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_up(self.q_norm(self.q_down(x)))
+        q_nope, q_rope = q.view(B, T, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_down(x).split([self.latent_dim, self.rope_dim], dim=-1)
-        k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin).squeeze(2)
-        return self.kv_norm(latent), k_rope
+        rotated = apply_rotary(torch.cat((q_rope, k_rope.unsqueeze(2)), dim=2), cos, sin)  # [B, T, H + 1, r]
+        q_rope, k_rope = rotated.split([self.n_heads, 1], dim=2)
+        return q_nope, q_rope, self.kv_norm(latent), k_rope.squeeze(2)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, n, C] and W_UV [H, v, C] views of ``kv_up``."""
@@ -103,15 +105,18 @@ class MultiHeadLatentAttention(nn.Module):
         mask: AttentionMask,
         cache: LatentKV | None = None,
     ) -> torch.Tensor:
+        """x [B, T, D], cos/sin [B, T, r/2] -> [B, T, D]."""
         B, T, _ = x.shape
-        q_nope, q_rope = self.queries(x, cos, sin)
-        latent, k_rope = self.latents(x, cos, sin)
-        if cache is not None:
-            latent, k_rope = cache.append(latent, k_rope)
-        if cache is not None and T <= self.ABSORB_MAX_QUERIES:
-            out = self._absorbed_attention(q_nope, q_rope, latent, k_rope, mask)
-        else:
+        q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
+        if cache is None:
             out = self._expanded_attention(q_nope, q_rope, latent, k_rope, mask)
+        else:
+            keys = cache.append(latent, k_rope)
+            if T <= self.ABSORB_MAX_QUERIES:
+                out = self._absorbed_attention(q_nope, q_rope, keys, mask)
+            else:
+                latent, k_rope = keys.split([self.latent_dim, self.rope_dim], dim=-1)
+                out = self._expanded_attention(q_nope, q_rope, latent, k_rope, mask)
         return self.out_proj(out.reshape(B, T, self.n_heads * self.v_dim))
 
     def _expanded_attention(
@@ -128,6 +133,9 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
         key = torch.cat((k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.n_heads, -1)), dim=-1)
         query = torch.cat((q_nope, q_rope), dim=-1)
+        if query.device.type == "cpu" and self.v_dim < query.shape[-1]:
+            # The CPU flash kernel needs equal q/k/v widths; zero value columns add zero output columns.
+            value = F.pad(value, (0, query.shape[-1] - self.v_dim))
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2),
             key.transpose(1, 2),
@@ -136,28 +144,31 @@ class MultiHeadLatentAttention(nn.Module):
             is_causal=mask.allowed is None,
             scale=self.softmax_scale,
         )
-        return out.transpose(1, 2)
+        return out.transpose(1, 2)[..., : self.v_dim]
 
     def _absorbed_attention(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        latent: torch.Tensor,
-        k_rope: torch.Tensor,
-        mask: AttentionMask,
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
-        """Attention in latent space over cached (c_KV, k_R). Returns [B, Tq, H, v]."""
+        """Attention in latent space over the cached rows keys [B, S, C + r]. Returns [B, Tq, H, v].
+
+        The cached rows serve as keys and, sliced to c_KV after the softmax, as values (one shared head).
+        """
+        B, Tq, H, _ = q_nope.shape
         w_uk, w_uv = self.up_weights()
-        q_latent = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)
-        scores = torch.einsum("bhtc,bsc->bhts", q_latent, latent)
-        scores = scores + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
-        scores = scores.float() * self.softmax_scale
-        if mask.allowed is not None:
-            scores = scores.masked_fill(~mask.allowed, float("-inf"))
-        else:
-            Tq, Tk = scores.shape[-2:]
-            causal = torch.ones(Tq, Tk, dtype=torch.bool, device=scores.device).tril(Tk - Tq)
-            scores = scores.masked_fill(~causal, float("-inf"))
-        probs = scores.softmax(dim=-1).to(latent.dtype)
-        out_latent = torch.einsum("bhts,bsc->bthc", probs, latent)
-        return torch.einsum("bthc,hvc->bthv", out_latent, w_uv)
+        # q̃^h = (W_UK^h)ᵀ q_C^h for all heads at once: [H, B·Tq, n] @ [H, n, C]
+        q_latent = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * Tq, self.nope_dim), w_uk)
+        q_latent = q_latent.view(H, B, Tq, self.latent_dim).transpose(0, 1)
+        query = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, H, Tq, C + r]
+        allowed = mask.allowed
+        if allowed is None:  # plain causal, queries aligned to the end of the keys
+            allowed = torch.ones(Tq, keys.shape[1], dtype=torch.bool, device=keys.device).tril(
+                keys.shape[1] - Tq
+            )
+        keys = keys.unsqueeze(1)
+        out = F.scaled_dot_product_attention(
+            query, keys, keys, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=True
+        )
+        # o^h = W_UV^h c̄^h: [H, B·Tq, C] @ [H, C, v]
+        out_latent = out[..., : self.latent_dim].transpose(0, 1).reshape(H, B * Tq, self.latent_dim)
+        out = torch.bmm(out_latent, w_uv.transpose(1, 2))
+        return out.view(H, B, Tq, self.v_dim).permute(1, 2, 0, 3)

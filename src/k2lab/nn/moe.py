@@ -30,10 +30,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_ND = x.reshape(-1, x.shape[-1])
         routing = self.router(x_ND)
-        self.last_expert_counts = torch.bincount(
-            routing.indices.reshape(-1), minlength=self.experts.n_experts
-        ).detach()
-        y = self.experts(x_ND, routing.indices, routing.weights).view_as(x)
+        counts_E = torch.bincount(routing.indices.reshape(-1), minlength=self.experts.n_experts)
+        self.last_expert_counts = counts_E
+        y = self.experts(x_ND, routing.indices, routing.weights, counts_E).view_as(x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -1,0 +1,263 @@
+"""k2lab versus transformers' ``DeepseekV3ForCausalLM`` on the same K2 model, CPU, one process.
+
+Both models hold exactly the same weights (``k2lab.hf.bridge.to_transformers``) and run under the same
+``torch.set_num_threads``. Each comparison runs a warmup call, then ``--repeats`` timed calls, and reports
+the median wall time as a throughput (higher is better) and ``ratio = k2lab / transformers``.
+
+Comparisons:
+
+* ``forward_backward_tokens_per_s`` — one training step without the optimizer: ``logits = model(ids)``,
+  fp32 cross-entropy against the next tokens (labels shifted, last position ignored), ``loss.backward()``
+  (gradients cleared before each call).
+  Throughput is ``batch × seq / seconds``. Default: batch 8 × seq 256.
+* ``greedy_decode_tokens_per_s`` — greedy generation of ``--new-tokens`` tokens per prompt, prefill included:
+  ``k2lab.infer.generate`` (latent MLA cache, absorbed decode) versus ``model.generate(do_sample=False)``
+  with transformers' default ``DynamicCache``. EOS is disabled on both sides so every sequence produces all
+  tokens; throughput is ``batch × new_tokens / seconds``. Default: batch 4, prompt 64, 64 new tokens.
+  The script checks that both sides generate identical tokens and warns if they do not.
+  A second row repeats it after a ``--long-prompt`` (default 1024) prompt: transformers re-expands every cached
+  latent through ``kv_b_proj`` at each step, absorbed decode never does, so the gap grows with context.
+
+Usage::
+
+    python benchmarks/bench_k2_model.py                      # table
+    python benchmarks/bench_k2_model.py --json --threads 2   # one JSON object per comparison and line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import k2lab
+from k2lab.hf.bridge import to_transformers
+from k2lab.infer import GenerationConfig, generate
+
+
+@dataclass
+class Comparison:
+    """One measured row: throughputs in tokens/s, ``ratio = k2lab / transformers``."""
+
+    name: str
+    k2lab: float
+    transformers: float
+    ratio: float
+    repeats: int
+    k2lab_median_s: float
+    transformers_median_s: float
+    shape: dict[str, int]
+    preset: str
+    threads: int
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def median_seconds(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
+    """Median wall time of each ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
+
+    Calls are interleaved (a, b, a, b ...) so that load from other processes hits every side alike.
+    """
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, fn_times in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            fn_times.append(time.perf_counter() - start)
+    return [statistics.median(fn_times) for fn_times in times]
+
+
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels [B, T]: position t predicts token t + 1; the last position is ignored (-100)."""
+    return F.pad(ids[:, 1:], (0, 1), value=-100)
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, hf: bool) -> None:
+    """Forward, next-token cross-entropy in fp32 over all B·T logits, backward. ids, labels: [B, T].
+
+    Shifting the labels rather than slicing the logits (as transformers' own causal-LM loss does) keeps
+    the [B, T, V] logits free of copies on both sides.
+    """
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    loss.backward()
+
+
+def bench_forward_backward(ours, theirs, args) -> Comparison:
+    """Training tokens/s of forward + backward on a random batch [batch, seq]."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq), generator=generator)
+    labels = next_token_labels(ids)
+    ours.train()
+    theirs.train()
+    t_ours, t_theirs = median_seconds(
+        [lambda: train_step(ours, ids, labels, hf=False), lambda: train_step(theirs, ids, labels, hf=True)],
+        args.repeats,
+    )
+    ours.zero_grad(set_to_none=True)
+    theirs.zero_grad(set_to_none=True)
+    tokens = args.batch * args.seq
+    return _comparison(
+        "forward_backward_tokens_per_s",
+        tokens,
+        t_ours,
+        t_theirs,
+        args,
+        {"batch": args.batch, "seq": args.seq},
+    )
+
+
+def bench_greedy_decode(
+    ours, theirs, args, prompt_len: int, name: str = "greedy_decode_tokens_per_s"
+) -> Comparison:
+    """Greedy generation tokens/s (prefill included) from the same [decode_batch, prompt_len] prompts."""
+    generator = torch.Generator().manual_seed(1)
+    # Token ids >= 3 keep pad/bos/eos out of the prompts.
+    ids = torch.randint(3, ours.config.vocab_size, (args.decode_batch, prompt_len), generator=generator)
+    n_new = args.new_tokens
+    ours.eval()
+    theirs.eval()
+    theirs.generation_config.eos_token_id = None
+    theirs.generation_config.pad_token_id = ours.config.pad_token_id or 0
+    config = GenerationConfig(max_new_tokens=n_new, eos_token_id=None)
+    prompts = ids.tolist()
+
+    def run_ours() -> list[list[int]]:
+        return generate(ours, prompts, config)
+
+    def run_theirs() -> torch.Tensor:
+        with torch.no_grad():
+            out = theirs.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                eos_token_id=None,
+            )
+        return out[:, ids.shape[1] :]
+
+    same = run_ours() == run_theirs().tolist()
+    if not same:
+        warnings.warn("greedy outputs differ between k2lab and transformers", stacklevel=1)
+    t_ours, t_theirs = median_seconds([run_ours, run_theirs], args.repeats)
+    tokens = args.decode_batch * n_new
+    shape = {"batch": args.decode_batch, "prompt": prompt_len, "new_tokens": n_new}
+    return _comparison(name, tokens, t_ours, t_theirs, args, shape, {"same_tokens": same})
+
+
+def _comparison(name, tokens, t_ours, t_theirs, args, shape, extra=None) -> Comparison:
+    ours, theirs = tokens / t_ours, tokens / t_theirs
+    return Comparison(
+        name=name,
+        k2lab=round(ours, 2),
+        transformers=round(theirs, 2),
+        ratio=round(ours / theirs, 3),
+        repeats=args.repeats,
+        k2lab_median_s=round(t_ours, 5),
+        transformers_median_s=round(t_theirs, 5),
+        shape=shape,
+        preset=args.preset,
+        threads=args.threads,
+        extra=extra or {},
+    )
+
+
+def print_table(rows: list[Comparison]) -> None:
+    """A rich table when rich is importable, plain text otherwise."""
+    headers = ["comparison", "shape", "k2lab tok/s", "transformers tok/s", "ratio", "notes"]
+    shapes = {row.name.removesuffix("_tokens_per_s"): "×".join(row.shape) for row in rows}
+    cells = [
+        [
+            row.name.removesuffix("_tokens_per_s"),
+            "×".join(str(value) for value in row.shape.values()),
+            f"{row.k2lab:,.1f}",
+            f"{row.transformers:,.1f}",
+            f"{row.ratio:.2f}x",
+            " ".join(f"{key}={value}" for key, value in row.extra.items()),
+        ]
+        for row in rows
+    ]
+    title = f"{rows[0].preset}, {rows[0].threads} threads, median of {rows[0].repeats} (ratio = k2lab / transformers)"
+    legend = "; ".join(f"{name} shape = {shape}" for name, shape in shapes.items())
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for line in [headers, *cells]:
+            print(" | ".join(line))
+        print(legend)
+        return
+    table = Table(title=title)
+    for header in headers:
+        table.add_column(header, justify="right" if "tok/s" in header or header == "ratio" else "left")
+    for line in cells:
+        table.add_row(*line)
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    console.print(legend)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="k2-mini")
+    parser.add_argument("--batch", type=int, default=8, help="training batch")
+    parser.add_argument("--seq", type=int, default=256, help="training sequence length")
+    parser.add_argument("--decode-batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt length for decoding")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        default=1024,
+        help="also decode after a prompt this long, where re-expanding cached latents costs (0 = skip)",
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--only", choices=["train", "decode"], help="run one comparison only")
+    parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = k2lab.load_preset(args.preset)
+    ours = k2lab.build_model(config, seed=0)
+    theirs = to_transformers(ours)
+    rows = []
+    if args.only in (None, "train"):
+        rows.append(bench_forward_backward(ours, theirs, args))
+    if args.only in (None, "decode"):
+        rows.append(bench_greedy_decode(ours, theirs, args, args.prompt))
+        if args.long_prompt:
+            rows.append(
+                bench_greedy_decode(
+                    ours, theirs, args, args.long_prompt, "greedy_decode_long_prompt_tokens_per_s"
+                )
+            )
+    if args.json:
+        for row in rows:
+            print(json.dumps(asdict(row)), flush=True)
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
