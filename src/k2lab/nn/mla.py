@@ -52,6 +52,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     # Latent-space attention is cheaper than expanding keys/values when few queries see many keys.
     ABSORB_MAX_QUERIES = 8
+    # Queries per block when recomputing scores for the per-head max logit (QK-Clip).
+    MAX_LOGIT_BLOCK = 256
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -74,6 +76,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.latent_dim)
         self.kv_up = nn.Linear(self.latent_dim, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.out_proj = nn.Linear(self.n_heads * self.v_dim, D, bias=False)
+        # QK-Clip reads S_max^h here after each recorded forward (``k2lab.optim.qk_clip``).
+        self.record_max_logits = False
+        self.max_logits: torch.Tensor | None = None
 
     # ---- projections -----------------------------------------------------------------------------
     def project(
@@ -119,6 +124,16 @@ class MultiHeadLatentAttention(nn.Module):
                 out = self._expanded_attention(q_nope, q_rope, latent, k_rope, mask)
         return self.out_proj(out.reshape(B, T, self.n_heads * self.v_dim))
 
+    def expanded_qkv(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head query [B, Tq, H, n+r], key [B, Tk, H, n+r] (shared k_R broadcast), value [B, Tk, H, v]."""
+        B, Tk, _ = latent.shape
+        kv = self.kv_up(latent).view(B, Tk, self.n_heads, self.nope_dim + self.v_dim)
+        k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        key = torch.cat((k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.n_heads, -1)), dim=-1)
+        return torch.cat((q_nope, q_rope), dim=-1), key, value
+
     def _expanded_attention(
         self,
         q_nope: torch.Tensor,
@@ -128,11 +143,9 @@ class MultiHeadLatentAttention(nn.Module):
         mask: AttentionMask,
     ) -> torch.Tensor:
         """Expand keys/values per head and run SDPA. Returns [B, Tq, H, v]."""
-        B, Tk, _ = latent.shape
-        kv = self.kv_up(latent).view(B, Tk, self.n_heads, self.nope_dim + self.v_dim)
-        k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        key = torch.cat((k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.n_heads, -1)), dim=-1)
-        query = torch.cat((q_nope, q_rope), dim=-1)
+        query, key, value = self.expanded_qkv(q_nope, q_rope, latent, k_rope)
+        if self.record_max_logits:
+            self.max_logits = self._max_logits(query, key, mask)
         if query.device.type == "cpu" and self.v_dim < query.shape[-1]:
             # The CPU flash kernel needs equal q/k/v widths; zero value columns add zero output columns.
             value = F.pad(value, (0, query.shape[-1] - self.v_dim))
@@ -145,6 +158,40 @@ class MultiHeadLatentAttention(nn.Module):
             scale=self.softmax_scale,
         )
         return out.transpose(1, 2)[..., : self.v_dim]
+
+    # ---- QK-Clip hook ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _max_logits(self, query: torch.Tensor, key: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        """S_max^h = max over batch and valid (causal, unpadded) pairs of scale·q_i·k_j -> [H] fp32.
+
+        The fused attention kernel does not expose its scores, so they are recomputed here without
+        autograd, a block of queries at a time against only the keys they may see: peak extra memory is
+        [B, H, block, Tk] for one block, never a [T, T] copy per head.
+        """
+        Tq, Tk = query.shape[1], key.shape[1]
+        offset = Tk - Tq  # queries are the last Tq positions
+        q = query.transpose(1, 2)
+        k = key.transpose(1, 2)
+        best = torch.full((self.n_heads,), float("-inf"), device=query.device)
+        for start in range(0, Tq, self.MAX_LOGIT_BLOCK):
+            stop = min(start + self.MAX_LOGIT_BLOCK, Tq)
+            visible = stop + offset
+            scores = (q[:, :, start:stop].float() @ k[:, :, :visible].float().mT) * self.softmax_scale
+            if mask.allowed is None:
+                allowed = torch.ones(stop - start, visible, dtype=torch.bool, device=scores.device).tril(
+                    start + offset
+                )
+            else:
+                allowed = mask.allowed[:, :, start:stop, :visible]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+        return best
+
+    def attention_logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """All pre-softmax logits scale·q_i·k_j [B, H, T, T] of a forward without cache (for inspection)."""
+        q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
+        query, key, _ = self.expanded_qkv(q_nope, q_rope, latent, k_rope)
+        return (query.transpose(1, 2) @ key.transpose(1, 2).mT) * self.softmax_scale
 
     def _absorbed_attention(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, keys: torch.Tensor, mask: AttentionMask

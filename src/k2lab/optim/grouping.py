@@ -1,0 +1,128 @@
+"""Which parameter goes to which update rule, by explicit tags (Moonlight / K2 recipe).
+
+    muon   hidden matrices: attention projections, dense and expert MLP weights ([E, out, in] batched),
+           router weight
+    adamw  embeddings, lm_head, norms and biases (AdamW β = (0.9, 0.95))
+    none   the router's ``e_score_correction_bias`` is a buffer: no gradient, moved by the load balancer
+
+With ``per_head_muon`` (K3), the query projection is orthogonalised per head block [q_nope_h; q_rope_h]
+and the key/value up-projection per head and per part ([k_nope_h], [v_h]).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+from rich.table import Table
+
+from k2lab.nn.mla import MultiHeadLatentAttention
+from k2lab.optim.muon import NS_COEFFICIENTS, Muon
+
+
+class OptimizerConfig(BaseModel):
+    """Optimizer recipe; ``name`` picks MuonClip (Muon + QK-Clip), plain Muon, or AdamW for everything."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["muonclip", "muon", "adamw"] = "muonclip"
+    lr: float = Field(default=2e-3, gt=0)
+    adamw_lr: float | None = Field(default=None, gt=0, description="AdamW-group lr; defaults to lr.")
+    weight_decay: float = Field(default=0.1, ge=0)
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    nesterov: bool = True
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    ns_steps: int = Field(default=5, gt=0, lt=100)
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    ns_bf16: bool = False
+    per_head_muon: bool = False
+    qk_clip_tau: float = Field(default=100.0, gt=0)
+    qk_clip_alpha: float = Field(default=0.5, ge=0, le=1)
+
+
+def _is_adamw_parameter(name: str, parameter: torch.Tensor) -> bool:
+    return parameter.ndim < 2 or name.startswith(("embed.", "lm_head.")) or name.endswith("norm.weight")
+
+
+def _head_row_blocks(model: torch.nn.Module) -> dict[int, list[int]]:
+    """Per-head row blocks for each attention q / kv up-projection weight, keyed by ``id(weight)``."""
+    blocks: dict[int, list[int]] = {}
+    for attn in model.modules():
+        if not isinstance(attn, MultiHeadLatentAttention):
+            continue
+        query = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.q_up.weight
+        blocks[id(query)] = [attn.nope_dim + attn.rope_dim] * attn.n_heads
+        blocks[id(attn.kv_up.weight)] = [attn.nope_dim, attn.v_dim] * attn.n_heads
+    return blocks
+
+
+def parameter_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[dict]:
+    """Tagged parameter groups (``kind`` muon / adamw) for ``Muon``; unique and complete over trainables."""
+    head_blocks = _head_row_blocks(model) if config.per_head_muon else {}
+    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    names: dict[tuple, list[str]] = defaultdict(list)
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        if config.name == "adamw" or _is_adamw_parameter(name, parameter):
+            key: tuple = ("adamw",)
+        else:
+            key = ("muon", tuple(head_blocks.get(id(parameter), ())))
+        buckets[key].append(parameter)
+        names[key].append(name)
+    adamw_lr = config.adamw_lr or config.lr
+    groups = []
+    for key, params in buckets.items():
+        if key[0] == "adamw":
+            groups.append(
+                dict(params=params, kind="adamw", lr=adamw_lr, betas=config.betas, adam_eps=config.adam_eps)
+            )
+        else:
+            groups.append(dict(params=params, kind="muon", row_blocks=list(key[1]) or None))
+        groups[-1]["names"] = names[key]
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, verbose: bool = True) -> Muon:
+    """One ``Muon`` optimizer carrying every trainable parameter in tagged groups (see module doc)."""
+    groups = parameter_groups(model, config)
+    optimizer = Muon(
+        groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        ns_coefficients=config.ns_coefficients,
+        ns_steps=config.ns_steps,
+        adjust_lr_fn=config.adjust_lr_fn,
+        ns_dtype=torch.bfloat16 if config.ns_bf16 else torch.float32,
+    )
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+    if verbose:
+        print_grouping(optimizer, config)
+    return optimizer
+
+
+def print_grouping(optimizer: Muon, config: OptimizerConfig, console: Console | None = None) -> None:
+    """One table: per group the rule, tensor count and parameter total."""
+    table = Table(title=f"optimizer: {config.name}")
+    for column in ("group", "tensors", "parameters", "lr", "examples"):
+        table.add_column(column, justify="right" if column in ("tensors", "parameters", "lr") else "left")
+    for group in optimizer.param_groups:
+        label = group["kind"] + (" (per-head)" if group.get("row_blocks") else "")
+        examples = ", ".join(sorted({n.split(".", 2)[-1] for n in group["names"]})[:3])
+        table.add_row(
+            label,
+            str(len(group["params"])),
+            f"{sum(p.numel() for p in group['params']):,}",
+            f"{group['lr']:.2e}",
+            examples,
+        )
+    table.caption = "router e_score_correction_bias: no gradient (buffer, moved by the balancer)"
+    (console or Console()).print(table)

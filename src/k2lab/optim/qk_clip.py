@@ -1,0 +1,110 @@
+"""QK-Clip (Kimi K2 report, Algorithm 1), MLA-aware and per head.
+
+After the optimizer step, for every attention head h whose maximum pre-softmax logit on the last batch
+
+    S_max^h = max_{X ∈ batch} max_{i ≥ j, valid} softmax_scale · q_i^h · k_j^h
+
+exceeds τ, rescale that head's query/key projections with γ_h = τ / S_max^h:
+
+    W_qc^h ×= γ_h^α        (q nope rows of q_up / q_proj)
+    W_kc^h ×= γ_h^(1−α)    (k nope rows of kv_up)
+    W_qr^h ×= γ_h          (q rope rows: the shared rope key k_R is not touched, so one head's clip
+                           does not change any other head)
+
+Value rows, q_down / kv_down and the norms are untouched. Every logit of a clipped head is then exactly
+γ_h times what it was (nope part γ^α·γ^(1−α), rope part γ·1), so re-running the same batch gives
+S_max^h = τ. Under data parallelism the maxima are all-reduced with MAX before clipping.
+Defaults τ = 100, α = 0.5 (the report); K2 run facts in facts.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from k2lab.nn.mla import MultiHeadLatentAttention
+
+
+@dataclass
+class ClipStats:
+    """What one clip did: the per-layer maxima it saw and how many heads it rescaled."""
+
+    max_logits: list[torch.Tensor]  # per layer [H], before clipping
+    clipped_heads: int
+    clipped_mask: list[torch.Tensor] = field(default_factory=list)  # per layer [H] bool
+
+
+def all_reduce_max(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """MAX-reduce per-layer maxima across data-parallel ranks (no-op without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or not values:
+        return values
+    flat = torch.cat([v.reshape(-1) for v in values])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    return list(flat.split([v.numel() for v in values]))
+
+
+@torch.no_grad()
+def clip_head_weights(attn: MultiHeadLatentAttention, gamma: torch.Tensor, alpha: float = 0.5) -> None:
+    """Scale one layer's per-head q/k projection rows by γ [H] (γ = 1 leaves a head bit-identical)."""
+    H, n, r, v = attn.n_heads, attn.nope_dim, attn.rope_dim, attn.v_dim
+    gamma = gamma.to(torch.float32)
+    q_weight = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.q_up.weight
+    q_rows = q_weight.view(H, n + r, -1)
+    _scale_rows(q_rows[:, :n], gamma.pow(alpha))
+    _scale_rows(q_rows[:, n:], gamma)
+    kv_rows = attn.kv_up.weight.view(H, n + v, -1)
+    _scale_rows(kv_rows[:, :n], gamma.pow(1 - alpha))
+
+
+def _scale_rows(rows: torch.Tensor, factor: torch.Tensor) -> None:
+    """rows [H, R, C] *= factor [H], only for heads whose factor differs from 1."""
+    heads = (factor != 1).nonzero().flatten()
+    if heads.numel():
+        scaled = rows[heads].float() * factor[heads].view(-1, 1, 1)
+        rows[heads] = scaled.to(rows.dtype)
+
+
+class QKClip:
+    """Applies per-head QK-Clip to every MLA layer of a model from the maxima its forward recorded."""
+
+    def __init__(self, model: torch.nn.Module, tau: float = 100.0, alpha: float = 0.5) -> None:
+        if tau <= 0 or not 0 <= alpha <= 1:
+            raise ValueError(f"QK-Clip needs tau > 0 and alpha in [0, 1], got tau={tau}, alpha={alpha}")
+        self.tau = tau
+        self.alpha = alpha
+        self.layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+        self.ever_clipped = [torch.zeros(a.n_heads, dtype=torch.bool) for a in self.layers]
+
+    def record(self, enabled: bool = True) -> None:
+        """Turn per-head max-logit recording on (training forwards) or off."""
+        for attn in self.layers:
+            attn.record_max_logits = enabled
+
+    def recorded_maxima(self) -> list[torch.Tensor]:
+        maxima = []
+        for attn in self.layers:
+            if attn.max_logits is None:
+                raise RuntimeError("no max logits recorded: call QKClip.record() before the forward pass")
+            maxima.append(attn.max_logits.float())
+        return all_reduce_max(maxima)
+
+    @torch.no_grad()
+    def apply(self, maxima: list[torch.Tensor] | None = None) -> ClipStats:
+        """Clip heads whose S_max > τ (maxima default to what the last forward recorded)."""
+        maxima = self.recorded_maxima() if maxima is None else maxima
+        clipped, masks = 0, []
+        for index, (attn, s_max) in enumerate(zip(self.layers, maxima, strict=True)):
+            over = s_max > self.tau
+            gamma = torch.where(over, self.tau / s_max.clamp(min=1e-12), torch.ones_like(s_max))
+            clip_head_weights(attn, gamma, self.alpha)
+            self.ever_clipped[index] |= over.cpu()
+            clipped += int(over.sum())
+            masks.append(over)
+        return ClipStats(max_logits=maxima, clipped_heads=clipped, clipped_mask=masks)
+
+    @property
+    def ever_clipped_fraction(self) -> float:
+        heads = sum(m.numel() for m in self.ever_clipped)
+        return sum(int(m.sum()) for m in self.ever_clipped) / max(heads, 1)

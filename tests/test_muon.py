@@ -1,0 +1,118 @@
+"""k2lab.optim.Muon against torch.optim.Muon, torch.optim.AdamW and hand-computed Newton–Schulz."""
+
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.optim.grouping import OptimizerConfig, build_optimizer, parameter_groups
+from k2lab.optim.muon import Muon, newton_schulz
+
+
+def run_steps(optimizer, params, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 80), (40, 40)], ids=["tall", "wide", "square"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_torch_muon(shape, adjust_lr_fn, nesterov):
+    torch.manual_seed(0)
+    weight = torch.randn(shape)
+    grads = [[torch.randn(shape)] for _ in range(3)]
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    reference = torch.nn.Parameter(weight.clone())
+    run_steps(torch.optim.Muon([reference], **kwargs), [reference], grads)
+
+    ours_bf16 = torch.nn.Parameter(weight.clone())
+    run_steps(Muon([ours_bf16], ns_dtype=torch.bfloat16, **kwargs), [ours_bf16], grads)
+    torch.testing.assert_close(ours_bf16, reference, rtol=0, atol=1e-6)  # same arithmetic, fp32 rounding only
+
+    ours_fp32 = torch.nn.Parameter(weight.clone())
+    run_steps(Muon([ours_fp32], **kwargs), [ours_fp32], grads)
+    # torch runs Newton–Schulz in bf16 (relative error ~2^-8 per entry of the update): lr·r·2^-8·few
+    torch.testing.assert_close(ours_fp32, reference, rtol=0, atol=3e-3)
+
+
+def test_newton_schulz_hand_iteration():
+    torch.manual_seed(1)
+    g = torch.randn(6, 9)
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / g.norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    torch.testing.assert_close(newton_schulz(g), x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(newton_schulz(g.T), x.T, rtol=1e-5, atol=1e-6)  # tall: transposed
+
+
+def test_expert_weights_orthogonalised_per_expert_in_one_batch():
+    torch.manual_seed(2)
+    experts = torch.nn.Parameter(torch.randn(5, 12, 20))
+    separate = [torch.nn.Parameter(experts[e].detach().clone()) for e in range(5)]
+    grads = [torch.randn(5, 12, 20) for _ in range(2)]
+    run_steps(Muon([experts], lr=0.01), [experts], [[g] for g in grads])
+    run_steps(Muon(separate, lr=0.01), separate, [list(g.unbind(0)) for g in grads])
+    torch.testing.assert_close(
+        experts.detach(), torch.stack([p.detach() for p in separate]), rtol=0, atol=1e-6
+    )
+
+
+def test_per_head_blocks_equal_newton_schulz_by_hand():
+    torch.manual_seed(3)
+    blocks = [4, 6, 4, 6]
+    weight = torch.nn.Parameter(torch.zeros(20, 16))
+    grad = torch.randn(20, 16)
+    weight.grad = grad.clone()
+    Muon(
+        [dict(params=[weight], row_blocks=blocks)], lr=1.0, weight_decay=0, momentum=0, nesterov=False
+    ).step()
+    expected, start = [], 0
+    for rows in blocks:
+        ratio = max(1.0, rows / 16) ** 0.5
+        expected.append(-ratio * newton_schulz(grad[start : start + rows]))
+        start += rows
+    torch.testing.assert_close(weight.detach(), torch.cat(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_groups_match_torch_adamw():
+    torch.manual_seed(4)
+    weight = torch.randn(7)
+    grads = [[torch.randn(7)] for _ in range(5)]
+    ours = torch.nn.Parameter(weight.clone())
+    reference = torch.nn.Parameter(weight.clone())
+    group = dict(params=[ours], kind="adamw", lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), adam_eps=1e-8)
+    run_steps(Muon([group]), [ours], grads)
+    run_steps(
+        torch.optim.AdamW([reference], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95)), [reference], grads
+    )
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_vectors_rejected_from_muon_groups():
+    with pytest.raises(ValueError, match="kind='adamw'"):
+        Muon([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_grouping_covers_every_parameter_once():
+    model = build_model(load_preset("k2-nano"))
+    groups = parameter_groups(model, OptimizerConfig(per_head_muon=True))
+    seen = [id(p) for g in groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    by_name = {n: g["kind"] for g in groups for n in g["names"]}
+    assert by_name["embed.weight"] == by_name["lm_head.weight"] == by_name["norm.weight"] == "adamw"
+    assert by_name["layers.1.mlp.experts.gate_proj"] == by_name["layers.0.attn.kv_down.weight"] == "muon"
+    assert "layers.1.mlp.router.e_score_correction_bias" not in by_name  # a buffer: no gradient
+    q_group = next(g for g in groups if "layers.0.attn.q_up.weight" in g["names"])
+    assert q_group["row_blocks"] == [24, 24]  # per head: 16 nope + 8 rope rows
+    kv_group = next(g for g in groups if "layers.0.attn.kv_up.weight" in g["names"])
+    assert kv_group["row_blocks"] == [16, 16, 16, 16]  # per head: k nope rows, then v rows
+
+
+def test_build_optimizer_prints_grouping(capsys):
+    model = build_model(load_preset("k2-nano"))
+    build_optimizer(model, OptimizerConfig())
+    out = capsys.readouterr().out
+    assert "muon" in out and "adamw" in out and "e_score_correction_bias" in out

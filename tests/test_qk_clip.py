@@ -1,0 +1,148 @@
+"""QK-Clip: the recorded per-head maxima, the exact effect of clipping, and a high-lr training run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k2lab.optim import MuonClip, OptimizerConfig, QKClip
+from tests.conftest import nano_variant
+
+
+def layer_inputs(model, ids, mask=None):
+    """Per layer: the normed attention input, cos/sin and the mask, captured during a forward."""
+    captured = []
+    for layer in model.layers:
+        layer.attn.register_forward_hook(lambda mod, args, out: captured.append(args), with_kwargs=False)
+    model(ids, attention_mask=mask)
+    return captured
+
+
+def brute_force_maxima(model, ids, mask=None):
+    maxima = []
+    for layer, (x, cos, sin, attn_mask, _cache) in zip(
+        model.layers, layer_inputs(model, ids, mask), strict=True
+    ):
+        logits = layer.attn.attention_logits(x, cos, sin)
+        T = ids.shape[1]
+        allowed = attn_mask.allowed
+        if allowed is None:
+            allowed = torch.ones(T, T, dtype=torch.bool).tril()
+        maxima.append(logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)))
+    return maxima
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_recorded_maxima_equal_brute_force(padded):
+    model = nano_variant()
+    clip = QKClip(model)
+    clip.record()
+    for layer in model.layers:
+        layer.attn.MAX_LOGIT_BLOCK = 5  # several blocks, the last one partial
+    ids = torch.randint(0, 128, (3, 23))
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, :9] = 0  # left padding: padded keys never count
+    model(ids, attention_mask=mask)
+    recorded = clip.recorded_maxima()
+    with torch.no_grad():
+        expected = brute_force_maxima(model, ids, mask)
+    for got, want in zip(recorded, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}], ids=["q-lora", "no-q-lora"])
+def test_clipping_measured_weights_pins_clipped_heads_at_tau(overrides):
+    model = nano_variant(**overrides, num_attention_heads=4)
+    ids = torch.randint(0, 128, (2, 30))
+    causal = torch.ones(30, 30, dtype=torch.bool).tril()
+    clip = QKClip(model)
+    clip.record()
+    with torch.no_grad():
+        inputs = [args[:3] for args in layer_inputs(model, ids)]  # the batch each layer saw
+        measured = clip.recorded_maxima()
+        before = [layer.attn.attention_logits(*x) for layer, x in zip(model.layers, inputs, strict=True)]
+    # τ at the median head maximum, so some heads clip and some do not
+    flat = torch.cat(measured)
+    clip.tau = float(flat.median())
+    stats = clip.apply(measured)
+    assert 0 < stats.clipped_heads < flat.numel()
+
+    with torch.no_grad():
+        after = [layer.attn.attention_logits(*x) for layer, x in zip(model.layers, inputs, strict=True)]
+    for layer, over in enumerate(stats.clipped_mask):
+        gamma = clip.tau / measured[layer]
+        for h in range(len(over)):
+            if over[h]:
+                s_max = after[layer][:, h].masked_fill(~causal, float("-inf")).max()
+                assert s_max.item() == pytest.approx(clip.tau, rel=1e-4)
+                torch.testing.assert_close(
+                    after[layer][:, h], before[layer][:, h] * gamma[h], rtol=1e-4, atol=1e-6
+                )
+            else:
+                assert torch.equal(after[layer][:, h], before[layer][:, h])
+
+
+def test_single_layer_rerun_records_tau():
+    model = nano_variant(num_hidden_layers=1, first_k_dense_replace=0)
+    ids = torch.randint(0, 128, (2, 30))
+    clip = QKClip(model)
+    clip.record()
+    with torch.no_grad():
+        model(ids)
+        measured = clip.recorded_maxima()
+        clip.tau = float(measured[0].min()) * 0.5  # every head clips
+        clip.apply(measured)
+        model(ids)
+    torch.testing.assert_close(
+        clip.recorded_maxima()[0], torch.full_like(measured[0], clip.tau), rtol=1e-4, atol=0
+    )
+
+
+def test_clip_leaves_values_rope_key_and_down_projections_alone():
+    model = nano_variant()
+    attn = model.layers[0].attn
+    untouched = {
+        name: p.detach().clone()
+        for name, p in attn.named_parameters()
+        if name not in ("q_up.weight", "q_proj.weight", "kv_up.weight")
+    }
+    value_rows = attn.kv_up.weight.view(attn.n_heads, attn.nope_dim + attn.v_dim, -1)[
+        :, attn.nope_dim :
+    ].clone()
+    clip = QKClip(model, tau=1e-3)
+    clip.apply([torch.full((a.n_heads,), 50.0) for a in clip.layers])
+    for name, p in attn.named_parameters():
+        if name in untouched:
+            assert torch.equal(p, untouched[name]), name
+    now = attn.kv_up.weight.view(attn.n_heads, attn.nope_dim + attn.v_dim, -1)[:, attn.nope_dim :]
+    assert torch.equal(now, value_rows)
+
+
+def train(optimizer_name, steps=30, tau=5.0, lr=0.05):
+    torch.manual_seed(0)
+    model = nano_variant()
+    opt = MuonClip(model, OptimizerConfig(name=optimizer_name, lr=lr, qk_clip_tau=tau), verbose=False)
+    data = torch.randint(0, 128, (8, 33))
+    history = []
+    for _ in range(steps):
+        logits = model(data[:, :-1]).logits
+        F.cross_entropy(logits.reshape(-1, 128), data[:, 1:].reshape(-1)).backward()
+        history.append(opt.step())
+        opt.zero_grad()
+    return history
+
+
+def test_high_lr_run_muon_runs_past_tau_muonclip_stays_at_tau():
+    tau = 5.0
+    plain = train("muon", tau=tau)
+    clipped = train("muonclip", tau=tau)
+    assert max(s["max_logit"] for s in plain) > 1.5 * tau
+    assert all(s["qk_clipped_heads"] == 0 for s in plain)
+    assert all(s["max_logit_clipped"] <= tau * (1 + 1e-6) for s in clipped)
+    # the clip follows the update, so the next step's maximum sits near τ, not far past it
+    assert max(s["max_logit"] for s in clipped[5:]) < 1.3 * tau
+    assert clipped[-1]["qk_clip_ever_frac"] > 0
+    assert {"max_logit/layer0", "muon_update_rms", "ns_orthogonality_error"} <= set(clipped[-1])
+    # match_rms_adamw scaling: the update RMS sits near 0.2 (Moonlight)
+    assert 0.1 < clipped[-1]["muon_update_rms"] < 0.3
