@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
@@ -100,6 +101,15 @@ def _like(full: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def _global_rms(square_sum: float, count: int) -> float:
+    """RMS over every rank's shard of the updates (plain RMS without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        totals = torch.tensor([square_sum, float(count)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        square_sum, count = float(totals[0]), int(totals[1])
+    return math.sqrt(square_sum / max(count, 1))
+
+
 class Muon(Optimizer):
     """Drop-in for ``torch.optim.Muon`` that also takes 3-D expert weights and AdamW groups.
 
@@ -175,9 +185,10 @@ class Muon(Optimizer):
                 scaled = self._muon_update(p, group)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(scaled, alpha=-group["lr"])
-                square_sum += float(_full(scaled).float().pow(2).sum())
-                count += scaled.numel()
-        self.last_update_rms = math.sqrt(square_sum / max(count, 1))
+                local = scaled.to_local() if isinstance(scaled, DTensor) else scaled
+                square_sum += float(local.float().pow(2).sum())
+                count += local.numel()
+        self.last_update_rms = _global_rms(square_sum, count)
         return loss
 
     def _muon_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:

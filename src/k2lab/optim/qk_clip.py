@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k2lab.nn.mla import MultiHeadLatentAttention
 
@@ -47,23 +48,31 @@ def all_reduce_max(values: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def clip_head_weights(attn: MultiHeadLatentAttention, gamma: torch.Tensor, alpha: float = 0.5) -> None:
-    """Scale one layer's per-head q/k projection rows by γ [H] (γ = 1 leaves a head bit-identical)."""
-    H, n, r, v = attn.n_heads, attn.nope_dim, attn.rope_dim, attn.v_dim
-    gamma = gamma.to(torch.float32)
+    """Scale one layer's per-head q/k projection rows by γ [H] (γ = 1 leaves a head bit-identical).
+
+    Works on plain and FSDP2-sharded (DTensor) weights alike: a per-row factor is built for the whole
+    matrix and multiplied in, so each rank scales exactly the rows it holds.
+    """
+    if bool((gamma == 1).all()):
+        return
+    n, r, v = attn.nope_dim, attn.rope_dim, attn.v_dim
+    gamma = gamma.float()
+    ones = torch.ones_like(gamma)
     q_weight = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.q_up.weight
-    q_rows = q_weight.view(H, n + r, -1)
-    _scale_rows(q_rows[:, :n], gamma.pow(alpha))
-    _scale_rows(q_rows[:, n:], gamma)
-    kv_rows = attn.kv_up.weight.view(H, n + v, -1)
-    _scale_rows(kv_rows[:, :n], gamma.pow(1 - alpha))
+    _scale_rows(q_weight, _per_head_rows([(gamma.pow(alpha), n), (gamma, r)]))
+    _scale_rows(attn.kv_up.weight, _per_head_rows([(gamma.pow(1 - alpha), n), (ones, v)]))
 
 
-def _scale_rows(rows: torch.Tensor, factor: torch.Tensor) -> None:
-    """rows [H, R, C] *= factor [H], only for heads whose factor differs from 1."""
-    heads = (factor != 1).nonzero().flatten()
-    if heads.numel():
-        scaled = rows[heads].float() * factor[heads].view(-1, 1, 1)
-        rows[heads] = scaled.to(rows.dtype)
+def _per_head_rows(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """[(factor [H], rows), ...] -> one factor per weight row [H·Σrows], head-major as the weights lay out."""
+    return torch.cat([factor[:, None].expand(-1, rows) for factor, rows in parts], dim=1).reshape(-1)
+
+
+def _scale_rows(weight: torch.Tensor, row_factor: torch.Tensor) -> None:
+    factor = row_factor[:, None].to(weight.device)
+    if isinstance(weight, DTensor):
+        factor = distribute_tensor(factor, weight.device_mesh, weight.placements, src_data_rank=None)
+    weight.mul_(factor)
 
 
 class QKClip:

@@ -1,0 +1,81 @@
+"""Run under ``torchrun --nproc_per_node 2``: MuonClip on FSDP2-sharded k2-nano vs one process.
+
+Each rank trains on its half of the batch with ``fully_shard`` parameters (gloo on CPU); rank 0 also
+runs the same steps unsharded on the whole batch. Prints one JSON line with the largest differences.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+from k2lab import build_model, load_preset
+from k2lab.optim import MuonClip, OptimizerConfig
+
+STEPS = 3
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = load_preset("k2-nano")
+    reference = build_model(config, seed=0)
+    with torch.no_grad():  # larger weights so logits pass a low τ and clipping really happens
+        for p in reference.parameters():
+            p.mul_(6.0)
+    sharded = copy.deepcopy(reference)
+    for layer in sharded.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+
+    settings = OptimizerConfig(name="muonclip", lr=0.02, qk_clip_tau=2.0)
+    sharded_opt = MuonClip(sharded, settings, verbose=False)
+    reference_opt = MuonClip(reference, settings, verbose=False)
+    data = torch.randint(0, config.vocab_size, (4 * world, 17), generator=torch.Generator().manual_seed(1))
+    local = data.chunk(world)[rank]
+
+    stats = []
+    for _ in range(STEPS):
+        loss_of(sharded, local).backward()
+        sharded_stats = sharded_opt.step()
+        sharded_opt.zero_grad()
+        loss_of(reference, data).backward()
+        reference_stats = reference_opt.step()
+        reference_opt.zero_grad()
+        stats.append((sharded_stats, reference_stats))
+
+    worst = 0.0
+    for p, ref in zip(sharded.parameters(), reference.parameters(), strict=True):
+        full = p.detach().full_tensor()
+        ref = ref.detach()
+        worst = max(worst, float((full - ref).abs().max() / ref.abs().max().clamp(min=1e-12)))
+    result = {
+        "rank": rank,
+        "max_rel_param_diff": worst,
+        "clipped_heads": [s["qk_clipped_heads"] for s, _ in stats],
+        "reference_clipped_heads": [r["qk_clipped_heads"] for _, r in stats],
+        "max_logit": [s["max_logit"] for s, _ in stats],
+        "reference_max_logit": [r["max_logit"] for _, r in stats],
+        "update_rms": [s["muon_update_rms"] for s, _ in stats],
+        "reference_update_rms": [r["muon_update_rms"] for _, r in stats],
+    }
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
