@@ -38,8 +38,10 @@ def torchrun(script: Path, nproc: int = 2) -> dict:
 @pytest.mark.timeout(300)
 def test_fsdp2_muonclip_matches_single_process():
     result = torchrun(SCRIPT)
-    # Newton–Schulz runs on the full matrix (all-gathered), so only reduction order differs
-    assert result["max_rel_param_diff"] < 1e-4
+    # fp32 Newton–Schulz on the full (all-gathered) matrix: only the gradient reduction order differs.
+    # (In bf16 the same run agrees on Muon matrices to bf16 rounding, but AdamW's sign-like first steps
+    # amplify that into O(update) differences on rarely-hit embedding rows, so fp32 is the sharp check.)
+    assert result["max_diff_rel_to_update"] < 1e-3
     assert result["clipped_heads"] == result["reference_clipped_heads"]
     assert sum(result["clipped_heads"]) > 0  # the MAX all-reduce fed clipping on every rank
     for got, want in zip(result["max_logit"], result["reference_max_logit"], strict=True):

@@ -31,7 +31,7 @@ def test_matches_torch_muon(shape, adjust_lr_fn, nesterov):
     torch.testing.assert_close(ours_bf16, reference, rtol=0, atol=1e-6)  # same arithmetic, fp32 rounding only
 
     ours_fp32 = torch.nn.Parameter(weight.clone())
-    run_steps(Muon([ours_fp32], **kwargs), [ours_fp32], grads)
+    run_steps(Muon([ours_fp32], ns_dtype=torch.float32, **kwargs), [ours_fp32], grads)
     # torch runs Newton–Schulz in bf16 (relative error ~2^-8 per entry of the update): lr·r·2^-8·few
     torch.testing.assert_close(ours_fp32, reference, rtol=0, atol=3e-3)
 
@@ -67,7 +67,12 @@ def test_per_head_blocks_equal_newton_schulz_by_hand():
     grad = torch.randn(20, 16)
     weight.grad = grad.clone()
     Muon(
-        [dict(params=[weight], row_blocks=blocks)], lr=1.0, weight_decay=0, momentum=0, nesterov=False
+        [dict(params=[weight], row_blocks=blocks)],
+        lr=1.0,
+        weight_decay=0,
+        momentum=0,
+        nesterov=False,
+        ns_dtype=torch.float32,
     ).step()
     expected, start = [], 0
     for rows in blocks:

@@ -40,7 +40,10 @@ def main() -> None:
         fully_shard(layer)
     fully_shard(sharded)
 
-    settings = OptimizerConfig(name="muonclip", lr=0.02, qk_clip_tau=2.0)
+    initial = [p.detach().clone() for p in reference.parameters()]
+    settings = OptimizerConfig(
+        name="muonclip", lr=0.02, qk_clip_tau=2.0, ns_bf16=os.environ.get("K2LAB_TEST_NS", "fp32") == "bf16"
+    )
     sharded_opt = MuonClip(sharded, settings, verbose=False)
     reference_opt = MuonClip(reference, settings, verbose=False)
     data = torch.randint(0, config.vocab_size, (4 * world, 17), generator=torch.Generator().manual_seed(1))
@@ -56,14 +59,19 @@ def main() -> None:
         reference_opt.zero_grad()
         stats.append((sharded_stats, reference_stats))
 
-    worst = 0.0
-    for p, ref in zip(sharded.parameters(), reference.parameters(), strict=True):
-        full = p.detach().full_tensor()
-        ref = ref.detach()
-        worst = max(worst, float((full - ref).abs().max() / ref.abs().max().clamp(min=1e-12)))
+    worst, worst_name = 0.0, ""
+    named = zip(sharded.named_parameters(), reference.parameters(), initial, strict=True)
+    for (name, p), ref, start in named:
+        full, ref = p.detach().full_tensor(), ref.detach()
+        # difference relative to how far training moved the parameter
+        moved = (ref - start).abs().max().clamp(min=1e-12)
+        gap = float((full - ref).abs().max() / moved)
+        if gap > worst:
+            worst, worst_name = gap, name
     result = {
         "rank": rank,
-        "max_rel_param_diff": worst,
+        "max_diff_rel_to_update": worst,
+        "worst_parameter": worst_name,
         "clipped_heads": [s["qk_clipped_heads"] for s, _ in stats],
         "reference_clipped_heads": [r["qk_clipped_heads"] for _, r in stats],
         "max_logit": [s["max_logit"] for s, _ in stats],

@@ -39,7 +39,7 @@ class OptimizerConfig(BaseModel):
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     ns_steps: int = Field(default=5, gt=0, lt=100)
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
-    ns_bf16: bool = False
+    ns_bf16: bool = True
     per_head_muon: bool = False
     qk_clip_tau: float = Field(default=100.0, gt=0)
     qk_clip_alpha: float = Field(default=0.5, ge=0, le=1)

@@ -1,0 +1,149 @@
+"""k2lab Muon versus ``torch.optim.Muon`` on k2-mini's matrices, and QK-Clip's share of a training step.
+
+Comparisons (medians of ``--repeats`` after a warmup, one process, same threads):
+
+* ``muon_step_s`` — one optimizer step over every hidden matrix of k2-mini with fixed random gradients.
+  k2lab's ``Muon`` takes the 3-D expert tensors [E, out, in] and orthogonalises them in one batched
+  Newton–Schulz (bf16, the default, as torch); ``torch.optim.Muon`` takes 2-D parameters only, so it gets every expert
+  matrix as a separate parameter (bf16 Newton–Schulz, its only mode). Same lr, weight decay, momentum,
+  Nesterov and ``match_rms_adamw`` scaling. ``ratio = torch / k2lab`` (> 1: k2lab faster).
+* ``qk_clip_share`` — a full k2-mini training step (forward, backward, MuonClip step) with per-head max-logit
+  recording and clipping, against the same step with both off; ``share = (with − without) / with``.
+
+Usage::
+
+    python benchmarks/bench_muon.py [--json] [--repeats 7] [--batch 8 --seq 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import k2lab
+from k2lab.optim import Muon, MuonClip, OptimizerConfig
+from k2lab.optim.grouping import parameter_groups
+
+
+def alternating_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Run the functions in turn (a, b, a, b, ...) so machine noise hits both alike; median seconds each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def muon_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    groups = parameter_groups(model, OptimizerConfig())
+    return [p for g in groups if g["kind"] == "muon" for p in g["params"]]
+
+
+def bench_muon_step(args: argparse.Namespace) -> dict:
+    model = k2lab.build_model(k2lab.load_preset(args.preset))
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in muon_matrices(model)]
+    generator = torch.Generator().manual_seed(0)
+    for p in ours:
+        p.grad = torch.randn(p.shape, generator=generator)
+
+    def as_matrices(tensor: torch.Tensor) -> list[torch.Tensor]:
+        return list(tensor.unbind(0)) if tensor.ndim == 3 else [tensor]
+
+    theirs = []
+    for p in ours:
+        for weight, grad in zip(as_matrices(p.detach()), as_matrices(p.grad), strict=True):
+            theirs.append(torch.nn.Parameter(weight.clone()))
+            theirs[-1].grad = grad.clone()
+    kwargs = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    our_opt, torch_opt = Muon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs)
+    t_ours, t_torch = alternating_medians([our_opt.step, torch_opt.step], args.repeats)
+    return {
+        "name": "muon_step_s",
+        "k2lab": t_ours,
+        "torch": t_torch,
+        "ratio": t_torch / t_ours,
+        "k2lab_tensors": len(ours),
+        "torch_tensors": len(theirs),
+        "parameters": sum(p.numel() for p in ours),
+        "repeats": args.repeats,
+    }
+
+
+def bench_qk_clip_share(args: argparse.Namespace) -> dict:
+    config = k2lab.load_preset(args.preset)
+    ids = torch.randint(
+        3, config.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1)
+    )
+
+    def make_step(clip: bool) -> Callable[[], None]:
+        model = k2lab.build_model(config)
+        optimizer = MuonClip(model, OptimizerConfig(name="muonclip" if clip else "muon"), verbose=False)
+        optimizer.qk_clip.record(clip)
+        if not clip:
+            optimizer.qk_clip.recorded_maxima = lambda: [torch.zeros(1)]  # nothing recorded, nothing clipped
+
+        def step() -> None:
+            logits = model(ids[:, :-1]).logits
+            F.cross_entropy(logits.reshape(-1, config.vocab_size), ids[:, 1:].reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step
+
+    with_clip, without = alternating_medians([make_step(True), make_step(False)], args.repeats)
+    return {
+        "name": "qk_clip_share",
+        "step_with_qk_clip_s": with_clip,
+        "step_without_s": without,
+        "share": (with_clip - without) / with_clip,
+        "shape": {"batch": args.batch, "seq": args.seq},
+        "repeats": args.repeats,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="k2-mini")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [bench_muon_step(args), bench_qk_clip_share(args)]
+    for row in rows:
+        row["threads"] = args.threads
+        if args.json:
+            print(json.dumps(row), flush=True)
+    if not args.json:
+        step, clip = rows
+        print(
+            f"Muon step on {args.preset}: k2lab {step['k2lab'] * 1e3:.1f} ms ({step['k2lab_tensors']} tensors), "
+            f"torch.optim.Muon {step['torch'] * 1e3:.1f} ms ({step['torch_tensors']} tensors): "
+            f"k2lab {step['ratio']:.2f}x faster"
+        )
+        print(
+            f"QK-Clip share of a training step: {clip['share']:.1%} "
+            f"({clip['step_with_qk_clip_s'] * 1e3:.0f} ms with, {clip['step_without_s'] * 1e3:.0f} ms without)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
