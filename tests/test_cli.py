@@ -64,3 +64,13 @@ def test_invalid_values(tmp_path):
 
 def test_init_refuses_full_size_presets(tmp_path):
     assert_clean_error(k2lab("init", "--preset", "k2", "--out", str(tmp_path / "k2")), "k2lab params")
+
+
+def test_stability_json_shows_clip_holding_tau():
+    result = k2lab("stability", "--optimizer", "muonclip", "--qk-clip-tau", "3", "--steps", "20", "--json")
+    assert result.returncode == 0, result.stderr
+    import json
+
+    steps = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(steps) == 20 and all(s["max_logit_clipped"] <= 3 * (1 + 1e-6) for s in steps)
+    assert any(s["qk_clipped_heads"] > 0 for s in steps)

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from k2lab.optim import MuonClip, OptimizerConfig, QKClip
+from k2lab.config import load_preset
+from k2lab.optim import OptimizerConfig, QKClip
+from k2lab.optim.stability import stability_run
 from tests.conftest import nano_variant
 
 
@@ -119,18 +120,9 @@ def test_clip_leaves_values_rope_key_and_down_projections_alone():
     assert torch.equal(now, value_rows)
 
 
-def train(optimizer_name, steps=30, tau=5.0, lr=0.05):
-    torch.manual_seed(0)
-    model = nano_variant()
-    opt = MuonClip(model, OptimizerConfig(name=optimizer_name, lr=lr, qk_clip_tau=tau), verbose=False)
-    data = torch.randint(0, 128, (8, 33))
-    history = []
-    for _ in range(steps):
-        logits = model(data[:, :-1]).logits
-        F.cross_entropy(logits.reshape(-1, 128), data[:, 1:].reshape(-1)).backward()
-        history.append(opt.step())
-        opt.zero_grad()
-    return history
+def train(optimizer_name, tau=5.0, lr=0.05):
+    config = load_preset("k2-nano")
+    return stability_run(config, OptimizerConfig(name=optimizer_name, lr=lr, qk_clip_tau=tau), steps=30)
 
 
 def test_high_lr_run_muon_runs_past_tau_muonclip_stays_at_tau():

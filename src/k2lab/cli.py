@@ -174,6 +174,40 @@ def generate(
     console.print(f"{produced} tokens in {seconds:.2f}s ({produced / max(seconds, 1e-9):.1f} tokens/s)")
 
 
+@app.command()
+def stability(
+    preset: PresetOption = "k2-nano",
+    optimizer: Annotated[str, typer.Option(help="muonclip, muon or adamw.")] = "muonclip",
+    lr: Annotated[float, typer.Option(help="Learning rate (high on purpose).")] = 0.05,
+    tau: Annotated[float, typer.Option("--qk-clip-tau", help="QK-Clip threshold τ.")] = 5.0,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 30,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per step.")] = False,
+) -> None:
+    """Short high-lr run on one random batch: max attention logit per step with and without QK-Clip."""
+    from k2lab.optim import OptimizerConfig
+    from k2lab.optim.stability import stability_run
+
+    settings = OptimizerConfig(name=optimizer, lr=lr, qk_clip_tau=tau)
+    history = stability_run(load_preset(preset), settings, steps=steps)
+    if as_json:
+        for step, stats in enumerate(history, start=1):
+            print(json.dumps({"step": step, **stats}))
+        return
+    table = Table(title=f"{preset}, {optimizer}, lr {lr}, τ {tau}")
+    for column in ("step", "loss", "max logit", "after clip", "clipped heads", "ever clipped"):
+        table.add_column(column, justify="right")
+    for step, stats in enumerate(history, start=1):
+        table.add_row(
+            str(step),
+            f"{stats['loss']:.3f}",
+            f"{stats['max_logit']:.2f}",
+            f"{stats['max_logit_clipped']:.2f}",
+            f"{stats['qk_clipped_heads']:.0f}",
+            f"{stats['qk_clip_ever_frac']:.0%}",
+        )
+    console.print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
     err = Console(stderr=True)
