@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -81,9 +82,14 @@ def main() -> None:
     }
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()  # both ranks finish their collectives before the process group goes away
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # Skip interpreter teardown: gloo worker threads that still hold finished work objects can abort the
+    # process during finalisation (pytorch/pytorch#179291), after every result is already printed.
+    sys.stdout.flush()
+    os._exit(0)
