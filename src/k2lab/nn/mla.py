@@ -53,7 +53,7 @@ class MultiHeadLatentAttention(nn.Module):
     # Latent-space attention is cheaper than expanding keys/values when few queries see many keys.
     ABSORB_MAX_QUERIES = 8
     # Queries per block when recomputing scores for the per-head max logit (QK-Clip).
-    MAX_LOGIT_BLOCK = 256
+    MAX_LOGIT_BLOCK = 64
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -144,8 +144,10 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """Expand keys/values per head and run SDPA. Returns [B, Tq, H, v]."""
         query, key, value = self.expanded_qkv(q_nope, q_rope, latent, k_rope)
-        if self.record_max_logits:
-            self.max_logits = self._max_logits(query, key, mask)
+        if self.record_max_logits:  # max over every recorded forward since QK-Clip last read it
+            batch_max = self._max_logits(query, key, mask)
+            previous = self.max_logits
+            self.max_logits = batch_max if previous is None else torch.maximum(previous, batch_max)
         if query.device.type == "cpu" and self.v_dim < query.shape[-1]:
             # The CPU flash kernel needs equal q/k/v widths; zero value columns add zero output columns.
             value = F.pad(value, (0, query.shape[-1] - self.v_dim))

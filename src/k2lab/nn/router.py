@@ -46,7 +46,8 @@ class SigmoidRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> Routing:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        with torch.autocast(x.device.type, enabled=False):  # routing stays fp32 under bf16 autocast
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores.detach() + self.e_score_correction_bias
         if self.n_group > 1:
             choice = self._mask_unselected_groups(choice)

@@ -35,7 +35,13 @@ def grouped_matmul_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [N, in] sorted by expert, w [E, out, in], counts [E] -> [N, out]."""
+    """x [N, in] sorted by expert, w [E, out, in], counts [E] -> [N, out] in x's dtype.
+
+    Weights are cast to the activations' dtype when they differ (as autocast does for ``mm``, which it
+    does not do for the grouped kernel).
+    """
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
     if not _grouped_mm_supported(x, w):
         return grouped_matmul_loop(x, w, counts.tolist())
     offsets = counts.cumsum(0).to(torch.int32)

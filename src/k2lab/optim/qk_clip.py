@@ -92,11 +92,14 @@ class QKClip:
             attn.record_max_logits = enabled
 
     def recorded_maxima(self) -> list[torch.Tensor]:
+        """Per-layer S_max [H] over every forward since the last call (e.g. all micro-batches of a step),
+        MAX-reduced over data-parallel ranks. Reading clears them for the next step."""
         maxima = []
         for attn in self.layers:
             if attn.max_logits is None:
                 raise RuntimeError("no max logits recorded: call QKClip.record() before the forward pass")
             maxima.append(attn.max_logits.float())
+            attn.max_logits = None
         return all_reduce_max(maxima)
 
     @torch.no_grad()
