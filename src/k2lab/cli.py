@@ -175,6 +175,47 @@ def generate(
 
 
 @app.command()
+def train(
+    preset: Annotated[
+        str | None, typer.Option("--preset", "-p", help="Model preset (default k2-mini).")
+    ] = None,
+    recipe: Annotated[Path | None, typer.Option(help="TOML recipe; flags below override it.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
+    out: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
+    ] = False,
+    data: Annotated[
+        str | None, typer.Option(help="Directory of .txt/.md/.jsonl (default: embedded corpus).")
+    ] = None,
+    optimizer: Annotated[str | None, typer.Option(help="muonclip, muon or adamw.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    qk_clip_tau: Annotated[float | None, typer.Option(help="QK-Clip threshold τ.")] = None,
+    save_every: Annotated[int | None, typer.Option(help="Checkpoint every K steps.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    precision: Annotated[str | None, typer.Option(help="auto, fp32 or bf16.")] = None,
+) -> None:
+    """Pre-train a K2 model with MuonClip on packed text, with telemetry, checkpoints and exact resume."""
+    from k2lab.train.config import load_train_config
+    from k2lab.train.trainer import run_training
+
+    config = load_train_config(
+        recipe,
+        preset=preset,
+        steps=steps,
+        out=out,
+        data=data,
+        save_every=save_every,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        **{"optimizer.name": optimizer, "optimizer.lr": lr, "optimizer.qk_clip_tau": qk_clip_tau},
+    )
+    run_training(config, resume=resume)
+
+
+@app.command()
 def stability(
     preset: PresetOption = "k2-nano",
     optimizer: Annotated[str, typer.Option(help="muonclip, muon or adamw.")] = "muonclip",

@@ -1,0 +1,233 @@
+"""Byte-level BPE tokenizers (Hugging Face ``tokenizers``) with K2's special tokens at fixed low ids.
+
+``train_tokenizer(corpus)`` trains a byte-level BPE (GPT-2 style ``ByteLevel`` pre-tokenizer and
+decoder, all 256 byte symbols in the initial alphabet, so any text encodes without an unknown token)
+on the corpus' train split and caches it as ``<cache_dir>/<fingerprint>-<vocab_size>.json``; the next
+call with the same corpus and vocabulary size loads that file instead of training. The cache directory
+is ``cache_dir`` if given, else ``$K2LAB_CACHE_DIR/tokenizers``, else ``~/.cache/k2lab/tokenizers``.
+
+Training reads at most ``max_train_bytes`` (64 MB by default) of train documents, taken in sorted path
+order, so a large corpus trains on a deterministic prefix; the whole embedded standard-library corpus
+(~11 MB) fits and trains in a few seconds on two cores.
+
+``load_tokenizer(path)`` wraps any local ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from k2lab.data.corpus import Corpus
+from k2lab.errors import K2LabError
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+# K2 chat and tool-call tokens (MoonshotAI/Kimi-K2 docs/tool_call_guidance.md).
+CHAT_TOKENS = (
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+SPECIAL_TOKENS = (PAD, BOS, EOS, *CHAT_TOKENS)  # ids 0, 1, 2, ... in this order
+DEFAULT_VOCAB_SIZE = 8192  # k2-mini's vocabulary
+DEFAULT_MAX_TRAIN_BYTES = 64 * 2**20
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
+# Names other tokenizer.json files use for the same roles, tried in order by load_tokenizer.
+ROLE_NAMES = {
+    "pad": (PAD, "<pad>", "[PAD]", "<|endoftext|>"),
+    "bos": (BOS, "<s>", "<bos>", "<|begin_of_text|>", "[BOS]", "[CLS]"),
+    "eos": (EOS, "</s>", "<eos>", "<|endoftext|>", "<|end_of_text|>", "[EOS]", "[SEP]"),
+}
+
+
+class Tokenizer:
+    """A thin wrapper over ``tokenizers.Tokenizer``: ids in, ids out, no special tokens added implicitly.
+
+    Special-token strings in the text (``"<|im_end|>"``) encode to their single ids unless
+    ``allow_special=False``, which encodes them as ordinary text.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, path: Path | None = None, from_cache: bool = False):
+        self.backend = backend
+        self.path = path
+        self.from_cache = from_cache
+        ids = {role: find_token(backend, names) for role, names in ROLE_NAMES.items()}
+        if ids["eos"] is None:
+            raise K2LabError(
+                f"tokenizer {path or ''} has no end-of-sequence token (tried {', '.join(ROLE_NAMES['eos'])})"
+            )
+        self.eos_id: int = ids["eos"]
+        self.bos_id: int | None = ids["bos"]
+        self.pad_id: int | None = ids["pad"]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Special token string -> id, in id order."""
+        added = self.backend.get_added_tokens_decoder()
+        return {token.content: i for i, token in sorted(added.items()) if token.special}
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        return self.encode_batch([text], allow_special)[0]
+
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = True) -> list[list[int]]:
+        """Token ids of each text, encoded in parallel by the Rust backend."""
+        self.backend.encode_special_tokens = not allow_special
+        try:
+            return [e.ids for e in self.backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+        finally:
+            self.backend.encode_special_tokens = False
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; ``decode(encode(text)) == text`` for any text."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a standard ``tokenizer.json`` (atomically) that ``load_tokenizer`` reads back."""
+        atomic_write_text(Path(path), self.backend.to_str())
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, path={str(self.path) if self.path else None!r})"
+
+
+def find_token(backend: tokenizers.Tokenizer, names: Sequence[str]) -> int | None:
+    """Id of the first of ``names`` in the vocabulary, or None."""
+    for name in names:
+        token_id = backend.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load any local ``tokenizer.json`` (a directory holding one also works)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise K2LabError(f"tokenizer file {path} does not exist")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # the Rust side raises plain Exception for any parse error
+        raise K2LabError(f"{path} is not a valid tokenizer.json ({str(error).splitlines()[0]})") from error
+    return Tokenizer(backend, path)
+
+
+def default_cache_dir() -> Path:
+    """``$K2LAB_CACHE_DIR/tokenizers`` or ``~/.cache/k2lab/tokenizers``."""
+    base = os.environ.get("K2LAB_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "k2lab") / "tokenizers"
+
+
+def cache_path(corpus: Corpus, vocab_size: int, cache_dir: Path, max_train_bytes: int) -> Path:
+    """``<cache_dir>/<fingerprint>-<vocab_size>.json`` (a non-default training cap adds ``-max<bytes>``)."""
+    suffix = "" if max_train_bytes == DEFAULT_MAX_TRAIN_BYTES else f"-max{max_train_bytes}"
+    return cache_dir / f"{corpus.fingerprint}-{vocab_size}{suffix}.json"
+
+
+def train_tokenizer(
+    corpus: Corpus,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    cache_dir: str | os.PathLike[str] | None = None,
+    max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES,
+    use_cache: bool = True,
+) -> Tokenizer:
+    """A byte-level BPE with ``vocab_size`` ids trained on ``corpus.train``, loaded from the cache if there.
+
+    The result's ``from_cache`` says whether it was loaded; ``path`` is its cache file (None when
+    ``use_cache=False`` or the cache directory is not writable, which only warns).
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise K2LabError(
+            f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size}"
+        )
+    if not corpus.train:
+        raise K2LabError(f"corpus {corpus.name} has no training documents to train a tokenizer on")
+    path = cache_path(
+        corpus, vocab_size, Path(cache_dir) if cache_dir else default_cache_dir(), max_train_bytes
+    )
+    if use_cache and path.is_file():
+        cached = load_cached(path, vocab_size)
+        if cached is not None:
+            return cached
+    backend = train_bpe(training_sample(corpus, max_train_bytes), vocab_size)
+    tokenizer = Tokenizer(backend)
+    if use_cache:
+        try:
+            tokenizer.save(path)
+            tokenizer.path = path
+        except OSError as error:
+            warnings.warn(f"could not cache the tokenizer at {path}: {error}", stacklevel=2)
+    return tokenizer
+
+
+def load_cached(path: Path, vocab_size: int) -> Tokenizer | None:
+    """The cached tokenizer at ``path``, or None if unreadable or not what we would train (a tiny corpus
+    may give fewer than ``vocab_size`` ids, never more)."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except K2LabError:
+        return None
+    expected = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    if tokenizer.vocab_size > vocab_size or tokenizer.special_tokens != expected:
+        return None
+    tokenizer.from_cache = True
+    return tokenizer
+
+
+def training_sample(corpus: Corpus, max_train_bytes: int) -> Iterator[str]:
+    """Train documents in sorted path order until ``max_train_bytes`` of UTF-8 are reached (>= 1 doc)."""
+    total = 0
+    for document in corpus.train:
+        size = len(document.text.encode("utf-8"))
+        if total and total + size > max_train_bytes:
+            return
+        total += size
+        yield document.text
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """Train a byte-level BPE; the special tokens come first, so they take ids 0..12."""
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    return backend
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling and a rename (readers never see half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; the result is an ordinary file
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

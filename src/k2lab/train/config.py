@@ -1,0 +1,96 @@
+"""The training recipe: one validated object, read from a TOML file and overridden from the command line.
+
+Example ``recipe.toml``::
+
+    preset = "k2-mini"
+    steps = 300
+    batch_size = 8
+    seq_len = 256
+
+    [optimizer]
+    name = "muonclip"
+    lr = 2e-3
+    qk_clip_tau = 100.0
+
+    [schedule]
+    kind = "wsd"
+    warmup_steps = 20
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from k2lab.config import format_validation_error
+from k2lab.errors import K2LabError
+from k2lab.optim.grouping import OptimizerConfig
+from k2lab.train.schedule import ScheduleConfig
+
+
+class BalanceConfig(BaseModel):
+    """Router load balancing: the DeepSeek-V3 bias rule (γ) and an optional sequence-wise loss (α)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bias_rule: Literal["deepseek", "none"] = "deepseek"
+    gamma: float = Field(default=1e-3, ge=0)
+    sequence_loss_alpha: float = Field(default=0.0, ge=0)
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = "k2-mini"
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    data: str | None = Field(
+        default=None, description="Directory of .txt/.md/.jsonl; None = embedded corpus."
+    )
+    data_max_bytes: int | None = Field(default=None, gt=0)
+    tokenizer: str | None = Field(default=None, description="A local tokenizer.json; None = train BPE.")
+    steps: int = Field(default=300, gt=0)
+    batch_size: int = Field(default=8, gt=0)
+    seq_len: int = Field(default=256, gt=1)
+    grad_accum: int = Field(default=1, gt=0)
+    grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping.")
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    eval_every: int = Field(default=50, gt=0)
+    eval_batches: int = Field(default=8, gt=0)
+    save_every: int = Field(default=100, gt=0)
+    keep_last: int = Field(default=3, gt=0)
+    log_every: int = Field(default=1, gt=0)
+    seed: int = 0
+    sample_prompt: str = "def "
+    sample_tokens: int = Field(default=64, ge=0)
+    out: str = "runs/k2-mini"
+
+
+def load_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """Recipe file (TOML) plus overrides (None values ignored; ``optimizer.lr`` style keys for nesting)."""
+    data: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as error:
+            raise K2LabError(f"recipe {path} does not exist") from error
+        except tomllib.TOMLDecodeError as error:
+            raise K2LabError(f"recipe {path} is not valid TOML ({error})") from error
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        target = data
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as error:
+        raise K2LabError(f"invalid training recipe: {format_validation_error(error)}") from error

@@ -1,0 +1,311 @@
+"""The pre-training loop: packed batches -> K2 model -> MuonClip, with telemetry, checkpoints and resume.
+
+One optimizer step:
+
+    for each of grad_accum micro-batches: loss = CE(model(x), y)/grad_accum (+ balance loss); backward
+    clip the global gradient norm; lr ← peak · schedule(step)
+    MuonClip.step()  -> Muon/AdamW update, then per-head QK-Clip on the step's max logits
+    router bias ← DeepSeek-V3 sign rule on the step's expert loads
+    log metrics; validate every ``eval_every``; checkpoint every ``save_every``
+
+Everything that decides the next step (weights, optimizer, data position, RNG) is in the checkpoint, so a
+run killed at any moment and resumed continues with exactly the losses it would have had.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from k2lab.config import load_preset
+from k2lab.models import CausalLM, build_model
+from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update
+from k2lab.optim.muonclip import MuonClip
+from k2lab.train.config import TrainConfig
+from k2lab.train.schedule import lr_multiplier
+
+console = Console()
+
+
+def use_bf16(precision: str) -> bool:
+    """bf16 autocast where the CPU/GPU runs bf16 matmuls natively (AMX / AVX512-BF16 / CUDA)."""
+    if precision != "auto":
+        return precision == "bf16"
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+@dataclass
+class StepResult:
+    loss: float
+    aux_loss: float
+    grad_norm: float
+    tokens: int
+
+
+class Trainer:
+    """Owns the model, optimizer, data and run directory of one training run."""
+
+    def __init__(
+        self, config: TrainConfig, model: CausalLM, batches, val_batches: list, run_dir: Path
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.batches = batches
+        self.val_batches = val_batches
+        self.run_dir = run_dir
+        self.muonclip = MuonClip(model, config.optimizer)
+        self.bf16 = use_bf16(config.precision)
+        for moe in model.moe_layers():
+            moe.balance_alpha = config.balance.sequence_loss_alpha
+        self.step = 0
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def autocast(self):
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+    def loss_of(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.autocast():
+            logits = self.model(inputs).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        aux = sum(
+            (moe.aux_loss for moe in self.model.moe_layers() if moe.aux_loss is not None), torch.zeros(())
+        )
+        return loss, aux
+
+    def train_step(self) -> tuple[StepResult, list[torch.Tensor]]:
+        config = self.config
+        self.model.train()
+        loads = [torch.zeros(moe.experts.n_experts) for moe in self.model.moe_layers()]
+        total_loss, total_aux, tokens = 0.0, 0.0, 0
+        for _ in range(config.grad_accum):
+            inputs, labels = next(self.batches)
+            loss, aux = self.loss_of(inputs, labels)
+            ((loss + aux) / config.grad_accum).backward()
+            total_loss += loss.item() / config.grad_accum
+            total_aux += float(aux) / config.grad_accum
+            tokens += labels.numel()
+            for load, moe in zip(loads, self.model.moe_layers(), strict=True):
+                load += moe.last_expert_counts.float().cpu()
+        grad_norm = self._clip_gradients()
+        for group in self.muonclip.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier(self.step, config.steps, config.schedule)
+        return StepResult(total_loss, total_aux, grad_norm, tokens), all_reduce_loads(loads)
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def update(self, loads: list[torch.Tensor]) -> dict[str, float]:
+        stats = self.muonclip.step()
+        self.muonclip.zero_grad()
+        if self.config.balance.bias_rule == "deepseek":
+            for moe, load in zip(self.model.moe_layers(), loads, strict=True):
+                deepseek_bias_update(moe.router, load, self.config.balance.gamma)
+        return stats
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        self.model.eval()
+        self.muonclip.qk_clip.record(False)
+        losses = [self.loss_of(inputs, labels)[0].item() for inputs, labels in self.val_batches]
+        self.muonclip.qk_clip.record(True)
+        return sum(losses) / max(len(losses), 1)
+
+    def metrics(
+        self, result: StepResult, stats: dict[str, float], loads: list[torch.Tensor], seconds: float
+    ) -> dict:
+        values: dict[str, float | list[float]] = {
+            "loss": result.loss,
+            "lr": self.muonclip.param_groups[0]["lr"],
+            "tokens_per_s": result.tokens / max(seconds, 1e-9),
+            "grad_norm": result.grad_norm,
+            **stats,
+        }
+        if self.config.balance.sequence_loss_alpha > 0:
+            values["balance_loss"] = result.aux_loss
+        for index, load in enumerate(loads):
+            values[f"expert_load/layer{index + self.model.config.first_k_dense_replace}"] = load.tolist()
+            values[f"expert_imbalance/layer{index + self.model.config.first_k_dense_replace}"] = float(
+                load.max() / load.mean().clamp(min=1e-9)
+            )
+        return values
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def build_trainer_model(config: TrainConfig, vocab_size: int) -> CausalLM:
+    """The preset with the tokenizer's vocabulary and the recipe's overrides."""
+    model_config = load_preset(config.preset, **{"vocab_size": vocab_size, **config.model_overrides})
+    return build_model(model_config, seed=config.seed)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# ---- the whole run ---------------------------------------------------------------------------------------
+def training_state(trainer: Trainer, batches) -> dict:
+    """Everything the next step depends on (checkpoint payload)."""
+    from k2lab.train.checkpoint import capture_rng_state
+
+    return {
+        "step": trainer.step,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.muonclip.state_dict(),
+        "data": batches.state_dict(),
+        "rng": capture_rng_state(),
+        "train_config": trainer.config.model_dump(mode="json"),
+        "model_config": trainer.model.config.model_dump(mode="json"),
+    }
+
+
+def restore_training_state(trainer: Trainer, batches, state: dict) -> None:
+    from k2lab.train.checkpoint import restore_rng_state
+
+    trainer.model.load_state_dict(state["model"])
+    trainer.muonclip.load_state_dict(state["optimizer"])
+    batches.load_state_dict(state["data"])
+    restore_rng_state(state["rng"])
+    trainer.step = int(state["step"])
+
+
+def sample_text(model: CausalLM, tokenizer, prompt: str, tokens: int, seed: int) -> str:
+    """A short greedy-ish continuation (temperature 0.8, top-p 0.95) of ``prompt``."""
+    from k2lab.infer import GenerationConfig, generate
+
+    ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
+    settings = GenerationConfig(
+        max_new_tokens=tokens, temperature=0.8, top_p=0.95, seed=seed, eos_token_id=tokenizer.eos_id
+    )
+    model.eval()
+    return prompt + tokenizer.decode(generate(model, [ids], settings)[0], skip_special_tokens=True)
+
+
+def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
+    """Train per ``config``; writes the run directory and returns the final summary."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from k2lab.checkpoint import save_model
+    from k2lab.data import (
+        PackedBatches,
+        load_corpus,
+        load_tokenizer,
+        train_tokenizer,
+        unigram_baseline,
+        validation_batches,
+    )
+    from k2lab.errors import K2LabError
+    from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
+    from k2lab.train.dashboard import plot_dashboard
+    from k2lab.train.metrics import MetricsLogger
+
+    run_dir = Path(config.out)
+    if list_checkpoints(run_dir) and not resume:
+        raise K2LabError(
+            f"{run_dir} already holds checkpoints; pass --resume to continue it or choose a new --out"
+        )
+    torch.manual_seed(config.seed)
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    preset_vocab = load_preset(config.preset).vocab_size
+    tokenizer = (
+        load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, preset_vocab)
+    )
+    console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
+    overrides = {
+        "pad_token_id": tokenizer.pad_id,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+    }
+    config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
+    model = build_trainer_model(config, tokenizer.vocab_size)
+    batches = PackedBatches(corpus.train, tokenizer, config.batch_size, config.seq_len, seed=config.seed)
+    val = validation_batches(
+        corpus.val, tokenizer, config.batch_size, config.seq_len, max_batches=config.eval_batches
+    )
+    trainer = Trainer(config, model, _pairs(batches), [(b.input_ids, b.labels) for b in val], run_dir)
+
+    if resume:
+        loaded = load_latest_checkpoint(
+            run_dir, on_skip=lambda line: console.print(line, style="yellow", markup=False)
+        )
+        if loaded is not None:
+            restore_training_state(trainer, batches, loaded[1])
+            console.print(f"resumed {run_dir} at step {trainer.step}")
+    baseline = unigram_baseline(corpus, tokenizer)
+    metrics = MetricsLogger(run_dir, resume_step=trainer.step)
+    tau = config.optimizer.qk_clip_tau
+    progress = Progress(
+        TextColumn("[bold]train[/] {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn(
+            "loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s  max logit {task.fields[logit]:.1f}"
+        ),
+        TextColumn("clipped {task.fields[clipped]:.0f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    val_loss = float("nan")
+    with progress, metrics:
+        task = progress.add_task(
+            "train", total=config.steps, completed=trainer.step, loss=0.0, tps=0.0, logit=0.0, clipped=0
+        )
+        while trainer.step < config.steps:
+            start = time.perf_counter()
+            result, loads = trainer.train_step()
+            stats = trainer.update(loads)
+            seconds = time.perf_counter() - start
+            trainer.step += 1
+            values = trainer.metrics(result, stats, loads, seconds)
+            if trainer.step % config.eval_every == 0 or trainer.step == config.steps:
+                val_loss = trainer.validation_loss()
+                values["val_loss"] = val_loss
+            metrics.log(trainer.step, values)
+            progress.update(
+                task,
+                completed=trainer.step,
+                loss=result.loss,
+                tps=values["tokens_per_s"],
+                logit=stats["max_logit"],
+                clipped=stats["qk_clipped_heads"],
+            )
+            if trainer.step % config.save_every == 0 or trainer.step == config.steps:
+                save_training_checkpoint(
+                    run_dir, trainer.step, training_state(trainer, batches), config.keep_last
+                )
+
+    save_model(model, run_dir / "model")
+    tokenizer.save(run_dir / "model" / "tokenizer.json")
+    sample = sample_text(model, tokenizer, config.sample_prompt, config.sample_tokens, config.seed)
+    (run_dir / "sample.txt").write_text(sample + "\n")
+    dashboard = plot_dashboard(run_dir, tau=tau)
+    summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
+    (run_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2) + "\n")
+    console.print(f"[bold]sample:[/]\n{sample}")
+    console.print(
+        f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f}) vs unigram baseline "
+        f"{baseline:.3f}; run directory {run_dir} (checkpoints, metrics.jsonl, tensorboard/, {dashboard.name}, sample.txt)"
+    )
+    return summary
+
+
+def _pairs(batches):
+    for batch in batches:
+        yield batch.input_ids, batch.labels
