@@ -51,6 +51,7 @@ class TrainConfig(BaseModel):
     )
     data_max_bytes: int | None = Field(default=None, gt=0)
     tokenizer: str | None = Field(default=None, description="A local tokenizer.json; None = train BPE.")
+    vocab_size: int | None = Field(default=None, gt=0, description="BPE vocabulary; None = the preset's.")
     steps: int = Field(default=300, gt=0)
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=256, gt=1)

@@ -223,10 +223,8 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
         )
     torch.manual_seed(config.seed)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    preset_vocab = load_preset(config.preset).vocab_size
-    tokenizer = (
-        load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, preset_vocab)
-    )
+    vocab = config.vocab_size or load_preset(config.preset).vocab_size
+    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
     console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
     overrides = {
         "pad_token_id": tokenizer.pad_id,
@@ -299,9 +297,13 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
     summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
     (run_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2) + "\n")
     console.print(f"[bold]sample:[/]\n{sample}")
+    verdict = "below" if val_loss < baseline else "[red]NOT below[/]"
     console.print(
-        f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f}) vs unigram baseline "
-        f"{baseline:.3f}; run directory {run_dir} (checkpoints, metrics.jsonl, tensorboard/, {dashboard.name}, sample.txt)"
+        f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f}): "
+        f"{abs(baseline - val_loss):.2f} nats {verdict} the unigram baseline {baseline:.3f}"
+    )
+    console.print(
+        f"run directory {run_dir}: checkpoints/, metrics.jsonl, tensorboard/, {dashboard.name}, sample.txt, model/"
     )
     return summary
 

@@ -1,0 +1,110 @@
+"""The training loop end to end on a tiny corpus: metrics, checkpoints, and exact resume after SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from k2lab.train.config import load_train_config
+from k2lab.train.metrics import read_metrics
+from k2lab.train.trainer import run_training
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "        self.y = y\n\n# the quick brown fox jumps over the lazy dog\n"
+)
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"doc{i}.txt").write_text(TEXT * (3 + i) + f"file {i}\n")
+    monkeypatch.setenv("K2LAB_CACHE_DIR", str(tmp_path / "cache"))
+    return folder
+
+
+def recipe(tmp_path, corpus, out, steps=12):
+    path = tmp_path / "recipe.toml"
+    path.write_text(
+        f"""
+preset = "k2-nano"
+vocab_size = 300
+data = "{corpus}"
+steps = {steps}
+batch_size = 2
+seq_len = 32
+eval_every = 4
+eval_batches = 2
+save_every = 3
+precision = "fp32"
+sample_tokens = 4
+out = "{out}"
+[optimizer]
+lr = 0.01
+[schedule]
+warmup_steps = 2
+"""
+    )
+    return path
+
+
+def losses(run_dir):
+    return [(row["step"], row["loss"]) for row in read_metrics(run_dir)]
+
+
+def test_short_run_writes_everything(tmp_path, corpus):
+    out = tmp_path / "run"
+    summary = run_training(load_train_config(recipe(tmp_path, corpus, out, steps=6)))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    required = {"loss", "lr", "tokens_per_s", "max_logit", "qk_clipped_heads", "expert_load/layer1"}
+    assert required <= set(rows[0])
+    assert "val_loss" in rows[3] and "val_loss" in rows[5]
+    for name in ("dashboard.png", "sample.txt", "summary.json", "model/k2lab.json", "tensorboard"):
+        assert (out / name).exists(), name
+    assert summary["steps"] == 6
+
+
+def test_refuses_to_overwrite_a_run(tmp_path, corpus):
+    from k2lab.errors import K2LabError
+
+    config = load_train_config(recipe(tmp_path, corpus, tmp_path / "run", steps=3))
+    run_training(config)
+    with pytest.raises(K2LabError, match="--resume"):
+        run_training(config)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(tmp_path, corpus):
+    steps = 30
+    reference = tmp_path / "reference"
+    run_training(load_train_config(recipe(tmp_path, corpus, reference, steps=steps)))
+
+    killed = tmp_path / "killed"
+    command = [
+        sys.executable,
+        "-m",
+        "k2lab",
+        "train",
+        "--recipe",
+        str(recipe(tmp_path, corpus, killed, steps)),
+    ]
+    env = {**os.environ, "K2LAB_CACHE_DIR": str(tmp_path / "cache")}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 200
+    while time.time() < deadline and len(losses(killed) if (killed / "metrics.jsonl").exists() else []) < 8:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    before = losses(killed)
+    assert 8 <= len(before) < steps, "the kill should land mid-run"
+
+    resumed = subprocess.run([*command, "--resume"], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed" in resumed.stdout
+    assert losses(killed) == losses(reference)  # every step, bit for bit
