@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from k2lab.config import ModelConfig
+from k2lab.config import ModelConfig, YarnScaling
 from k2lab.infer.cache import LatentCache
 from k2lab.nn.mla import AttentionMask, LatentKV, MultiHeadLatentAttention
 from k2lab.nn.mlp import SwiGLU
@@ -112,6 +112,14 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.commit(valid)
         return CausalLMOutput(logits=self.lm_head(self.norm(h)))
+
+    def set_rope_scaling(self, rope_scaling: YarnScaling | None) -> None:
+        """Switch YaRN (context extension): new rotary frequencies and softmax temperature, same weights."""
+        self.config = self.config.replace(rope_scaling=rope_scaling)
+        self.rotary.config = self.config
+        self.rotary.reset_buffers()
+        for layer in self.layers:
+            layer.attn.softmax_scale = self.config.softmax_scale
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]

@@ -23,11 +23,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 from k2lab.optim.grouping import OptimizerConfig
+from k2lab.train.curriculum import CurriculumStage, validate_stages
 from k2lab.train.schedule import ScheduleConfig
 
 
@@ -61,6 +62,9 @@ class TrainConfig(BaseModel):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    curriculum: list[CurriculumStage] = Field(
+        default_factory=list, description="Context-length stages; empty = one stage of seq_len."
+    )
     eval_every: int = Field(default=50, gt=0)
     eval_batches: int = Field(default=8, gt=0)
     save_every: int = Field(default=100, gt=0)
@@ -70,6 +74,15 @@ class TrainConfig(BaseModel):
     sample_prompt: str = "def "
     sample_tokens: int = Field(default=64, ge=0)
     out: str = "runs/k2-mini"
+
+    @field_validator("curriculum")
+    @classmethod
+    def _stages_in_order(cls, stages: list[CurriculumStage]) -> list[CurriculumStage]:
+        return validate_stages(stages)
+
+    def stages(self) -> list[CurriculumStage]:
+        """The curriculum, or a single stage of ``seq_len`` when none is given."""
+        return self.curriculum or [CurriculumStage(start_step=0, seq_len=self.seq_len)]
 
 
 def load_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.errors import K2LabError
+from k2lab.train.config import load_train_config
+from k2lab.train.curriculum import CurriculumStage, rope_scaling_for, stage_index
+
+STAGES = [
+    CurriculumStage(start_step=0, seq_len=64),
+    CurriculumStage(start_step=10, seq_len=128, yarn_factor=2.0),
+    CurriculumStage(start_step=20, seq_len=256, yarn_factor=4.0),
+]
+
+
+def test_stage_lookup():
+    assert [stage_index(STAGES, s) for s in (0, 9, 10, 19, 20, 99)] == [0, 0, 1, 1, 2, 2]
+
+
+def test_yarn_switch_equals_a_model_built_with_that_scaling():
+    model = build_model(load_preset("k2-nano", rope_scaling=None))
+    scaling = rope_scaling_for(STAGES, 2)
+    assert scaling.factor == 4 and scaling.original_max_position_embeddings == 64
+    model.set_rope_scaling(scaling)
+    reference = build_model(load_preset("k2-nano", rope_scaling=scaling.model_dump()))
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (1, 200))
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert rope_scaling_for(STAGES, 0) is None
+
+
+def test_recipe_validation(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[[curriculum]]\nstart_step = 5\nseq_len = 64\n")
+    with pytest.raises(K2LabError, match="first stage must start at step 0"):
+        load_train_config(recipe)
+    recipe.write_text(
+        "[[curriculum]]\nstart_step = 0\nseq_len = 64\n[[curriculum]]\nstart_step = 0\nseq_len = 128\n"
+    )
+    with pytest.raises(K2LabError, match="must increase"):
+        load_train_config(recipe)
+    assert load_train_config(seq_len=99).stages()[0].seq_len == 99
