@@ -108,3 +108,26 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(tmp_path, corpus)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed" in resumed.stdout
     assert losses(killed) == losses(reference)  # every step, bit for bit
+
+
+def test_generate_reads_text_prompts_with_the_runs_tokenizer(tmp_path, corpus):
+    out = tmp_path / "run"
+    run_training(load_train_config(recipe(tmp_path, corpus, out, steps=2)))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k2lab",
+            "generate",
+            "-c",
+            str(out / "model"),
+            "--prompt",
+            "def add",
+            "--max-new-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def add")

@@ -138,12 +138,17 @@ def parse_token_ids(text: str) -> list[int]:
 def generate(
     checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory.")],
     prompt: Annotated[
-        list[str], typer.Option("--prompt", help="Token ids, e.g. '1 2 3'; repeat for a batch.")
+        list[str],
+        typer.Option(
+            "--prompt",
+            help="Text when the checkpoint has a tokenizer.json, else token ids like '1 2 3'; repeat for a batch.",
+        ),
     ],
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 16,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    token_ids: Annotated[bool, typer.Option("--token-ids", help="Read prompts as token ids.")] = False,
 ) -> None:
     """Generate continuations with the latent KV cache (absorbed MLA decode)."""
     import time
@@ -152,10 +157,17 @@ def generate(
     from k2lab.infer import GenerationConfig
     from k2lab.infer import generate as run_generation
 
-    prompts = [parse_token_ids(text) for text in prompt]
+    tokenizer = None
+    if not token_ids and (checkpoint / "tokenizer.json").is_file():
+        from k2lab.data import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text) for text in prompt]
     model = load_model(checkpoint).eval()
     vocab = model.config.vocab_size
     for ids in prompts:
+        if not ids:
+            raise K2LabError("a prompt encodes to no tokens")
         if max(ids) >= vocab:
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
     settings = GenerationConfig(
@@ -168,8 +180,13 @@ def generate(
     start = time.perf_counter()
     outputs = run_generation(model, prompts, settings)
     seconds = time.perf_counter() - start
-    for ids, new in zip(prompts, outputs, strict=True):
-        console.print(f"prompt {ids} -> {new}")
+    for text, ids, new in zip(prompt, prompts, outputs, strict=True):
+        if tokenizer:
+            console.print(
+                text + tokenizer.decode(new, skip_special_tokens=True), markup=False, highlight=False
+            )
+        else:
+            console.print(f"prompt {ids} -> {new}")
     produced = sum(len(new) for new in outputs)
     console.print(f"{produced} tokens in {seconds:.2f}s ({produced / max(seconds, 1e-9):.1f} tokens/s)")
 
