@@ -28,6 +28,7 @@ from k2lab.config import load_preset
 from k2lab.models import CausalLM, build_model
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update
 from k2lab.optim.muonclip import MuonClip
+from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.schedule import lr_multiplier
 
@@ -63,7 +64,7 @@ class Trainer:
         self.batches = batches
         self.val_batches = val_batches
         self.run_dir = run_dir
-        self.muonclip = MuonClip(model, config.optimizer)
+        self.muonclip = MuonClip(model, config.optimizer, verbose=distributed.is_main())
         self.bf16 = use_bf16(config.precision)
         for moe in model.moe_layers():
             moe.balance_alpha = config.balance.sequence_loss_alpha
@@ -100,12 +101,13 @@ class Trainer:
         grad_norm = self._clip_gradients()
         for group in self.muonclip.param_groups:
             group["lr"] = group["initial_lr"] * lr_multiplier(self.step, config.steps, config.schedule)
-        return StepResult(total_loss, total_aux, grad_norm, tokens), all_reduce_loads(loads)
+        loss, aux = distributed.all_reduce_mean([total_loss, total_aux])  # identity in one process
+        return StepResult(loss, aux, grad_norm, tokens * distributed.world_size()), all_reduce_loads(loads)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     def update(self, loads: list[torch.Tensor]) -> dict[str, float]:
         stats = self.muonclip.step()
@@ -122,7 +124,7 @@ class Trainer:
         self.muonclip.qk_clip.record(False)
         losses = [self.loss_of(inputs, labels)[0].item() for inputs, labels in self.val_batches]
         self.muonclip.qk_clip.record(True)
-        return sum(losses) / max(len(losses), 1)
+        return distributed.all_reduce_mean(sum(losses) / max(len(losses), 1))
 
     def metrics(
         self, result: StepResult, stats: dict[str, float], loads: list[torch.Tensor], seconds: float
@@ -167,8 +169,8 @@ def training_state(trainer: Trainer, batches) -> dict:
 
     return {
         "step": trainer.step,
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.muonclip.state_dict(),
+        "model": distributed.full_state_dict(trainer.model, rank0_only=True),
+        "optimizer": distributed.full_optimizer_state_dict(trainer.muonclip, rank0_only=True),
         "data": batches.state_dict(),
         "rng": capture_rng_state(),
         "train_config": trainer.config.model_dump(mode="json"),
@@ -179,8 +181,8 @@ def training_state(trainer: Trainer, batches) -> dict:
 def restore_training_state(trainer: Trainer, batches, state: dict) -> None:
     from k2lab.train.checkpoint import restore_rng_state
 
-    trainer.model.load_state_dict(state["model"])
-    trainer.muonclip.load_state_dict(state["optimizer"])
+    distributed.load_full_state_dict(trainer.model, state["model"])
+    distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"])
     batches.load_state_dict(state["data"])
     restore_rng_state(state["rng"])
     trainer.step = int(state["step"])
@@ -199,7 +201,17 @@ def sample_text(model: CausalLM, tokenizer, prompt: str, tokens: int, seed: int)
 
 
 def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
-    """Train per ``config``; writes the run directory and returns the final summary."""
+    """Train per ``config``; writes the run directory and returns the final summary.
+
+    Under ``torchrun`` every process runs this: data-parallel FSDP2 over the global ``batch_size``
+    (see ``k2lab.train.distributed``); rank 0 prints and writes the run directory.
+    """
+    with distributed.session():
+        console.quiet = not distributed.is_main()
+        return _run_training(config, resume)
+
+
+def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from k2lab.checkpoint import save_model
@@ -221,10 +233,12 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
         raise K2LabError(
             f"{run_dir} already holds checkpoints; pass --resume to continue it or choose a new --out"
         )
+    distributed.check_batch_size(config.batch_size)
     torch.manual_seed(config.seed)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     vocab = config.vocab_size or load_preset(config.preset).vocab_size
-    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
+    with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
     console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
     overrides = {
         "pad_token_id": tokenizer.pad_id,
@@ -232,12 +246,13 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
         "eos_token_id": tokenizer.eos_id,
     }
     config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
-    model = build_trainer_model(config, tokenizer.vocab_size)
+    model = distributed.shard_model(build_trainer_model(config, tokenizer.vocab_size))
     batches = PackedBatches(corpus.train, tokenizer, config.batch_size, config.seq_len, seed=config.seed)
     val = validation_batches(
         corpus.val, tokenizer, config.batch_size, config.seq_len, max_batches=config.eval_batches
     )
-    trainer = Trainer(config, model, _pairs(batches), [(b.input_ids, b.labels) for b in val], run_dir)
+    val_pairs = [(distributed.local_rows(b.input_ids), distributed.local_rows(b.labels)) for b in val]
+    trainer = Trainer(config, model, distributed.local_batches(_pairs(batches)), val_pairs, run_dir)
 
     if resume:
         loaded = load_latest_checkpoint(
@@ -247,7 +262,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
             restore_training_state(trainer, batches, loaded[1])
             console.print(f"resumed {run_dir} at step {trainer.step}")
     baseline = unigram_baseline(corpus, tokenizer)
-    metrics = MetricsLogger(run_dir, resume_step=trainer.step)
+    metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     tau = config.optimizer.qk_clip_tau
     progress = Progress(
         TextColumn("[bold]train[/] {task.completed}/{task.total}"),
@@ -259,6 +274,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
+        disable=not distributed.is_main(),
     )
     val_loss = float("nan")
     with progress, metrics:
@@ -285,16 +301,19 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
                 clipped=stats["qk_clipped_heads"],
             )
             if trainer.step % config.save_every == 0 or trainer.step == config.steps:
-                save_training_checkpoint(
-                    run_dir, trainer.step, training_state(trainer, batches), config.keep_last
-                )
+                state = training_state(trainer, batches)  # a collective under FSDP2
+                if distributed.is_main():
+                    save_training_checkpoint(run_dir, trainer.step, state, config.keep_last)
 
+    summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
+    model = distributed.gather_model(model, lambda: build_trainer_model(config, tokenizer.vocab_size))
+    if model is None:  # not rank 0: it took part in the gather; rank 0 writes the rest
+        return summary
     save_model(model, run_dir / "model")
     tokenizer.save(run_dir / "model" / "tokenizer.json")
     sample = sample_text(model, tokenizer, config.sample_prompt, config.sample_tokens, config.seed)
     (run_dir / "sample.txt").write_text(sample + "\n")
     dashboard = plot_dashboard(run_dir, tau=tau)
-    summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
     (run_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2) + "\n")
     console.print(f"[bold]sample:[/]\n{sample}")
     verdict = "below" if val_loss < baseline else "[red]NOT below[/]"
