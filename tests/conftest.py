@@ -32,3 +32,41 @@ def nano() -> CausalLM:
 
 def nano_variant(**overrides: object) -> CausalLM:
     return randomize(build_model(load_preset("k2-nano", **overrides)))
+
+
+TINY_TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+    "        self.y = y\n\n# the quick brown fox jumps over the lazy dog\n"
+)
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path, monkeypatch):
+    """A 6-file text corpus (train/validation split by file) and a private tokenizer cache."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"doc{i}.txt").write_text(TINY_TEXT * (3 + i) + f"file {i}\n")
+    monkeypatch.setenv("K2LAB_CACHE_DIR", str(tmp_path / "cache"))
+    return folder
+
+
+def tiny_recipe(path, corpus, **fields) -> object:
+    """Write a k2-nano recipe (vocab 300, batch 2 × 32, fp32) over ``corpus`` to ``path``; returns the path."""
+    values = {
+        "preset": "k2-nano",
+        "vocab_size": 300,
+        "data": str(corpus),
+        "batch_size": 2,
+        "seq_len": 32,
+        "eval_batches": 2,
+        "precision": "fp32",
+        "sample_tokens": 4,
+        **fields,
+    }
+    lines = [
+        f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
+        for key, value in values.items()
+    ]
+    path.write_text("\n".join(lines) + "\n[schedule]\nwarmup_steps = 2\n")
+    return path

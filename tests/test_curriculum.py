@@ -40,3 +40,34 @@ def test_recipe_validation(tmp_path):
     with pytest.raises(K2LabError, match="must increase"):
         load_train_config(recipe)
     assert load_train_config(seq_len=99).stages()[0].seq_len == 99
+
+
+def test_curriculum_run_switches_stages_and_resumes_across_the_boundary(tmp_path, tiny_corpus):
+    import json
+    import shutil
+
+    from k2lab.train.metrics import read_metrics
+    from k2lab.train.trainer import run_training
+    from tests.conftest import tiny_recipe
+
+    path = tiny_recipe(tmp_path / "r.toml", tiny_corpus, steps=8, save_every=4, eval_every=4)
+    path.write_text(
+        path.read_text()
+        + "[[curriculum]]\nstart_step = 0\nseq_len = 16\n"
+        + "[[curriculum]]\nstart_step = 5\nseq_len = 48\nyarn_factor = 3.0\n"
+    )
+    full = tmp_path / "full"
+    run_training(load_train_config(path, out=str(full)))
+    manifest = json.loads((full / "model" / "k2lab.json").read_text())
+    scaling = manifest["config"]["rope_scaling"]
+    assert scaling["factor"] == 3.0 and scaling["original_max_position_embeddings"] == 16
+    rows = read_metrics(full)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[5]["tokens_per_s"] > 0
+
+    # resume from the stage-0 checkpoint at step 4: steps 5-8 (stage 1, YaRN on) must repeat exactly
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "step_00000008")
+    run_training(load_train_config(path, out=str(part)), resume=True)
+    assert [(r["step"], r["loss"]) for r in read_metrics(part)] == [(r["step"], r["loss"]) for r in rows]

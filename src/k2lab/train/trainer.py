@@ -30,6 +30,7 @@ from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
+from k2lab.train.curriculum import rope_scaling_for, stage_index
 from k2lab.train.schedule import lr_multiplier
 
 console = Console()
@@ -163,7 +164,7 @@ def timed(fn):
 
 
 # ---- the whole run ---------------------------------------------------------------------------------------
-def training_state(trainer: Trainer, batches) -> dict:
+def training_state(trainer: Trainer, data: StageData) -> dict:
     """Everything the next step depends on (checkpoint payload)."""
     from k2lab.train.checkpoint import capture_rng_state
 
@@ -171,19 +172,19 @@ def training_state(trainer: Trainer, batches) -> dict:
         "step": trainer.step,
         "model": distributed.full_state_dict(trainer.model, rank0_only=True),
         "optimizer": distributed.full_optimizer_state_dict(trainer.muonclip, rank0_only=True),
-        "data": batches.state_dict(),
+        "data": data.state_dict(),
         "rng": capture_rng_state(),
         "train_config": trainer.config.model_dump(mode="json"),
         "model_config": trainer.model.config.model_dump(mode="json"),
     }
 
 
-def restore_training_state(trainer: Trainer, batches, state: dict) -> None:
+def restore_training_state(trainer: Trainer, data: StageData, state: dict) -> None:
     from k2lab.train.checkpoint import restore_rng_state
 
     distributed.load_full_state_dict(trainer.model, state["model"])
     distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"])
-    batches.load_state_dict(state["data"])
+    data.load_state_dict(state["data"])
     restore_rng_state(state["rng"])
     trainer.step = int(state["step"])
 
@@ -216,12 +217,10 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
 
     from k2lab.checkpoint import save_model
     from k2lab.data import (
-        PackedBatches,
         load_corpus,
         load_tokenizer,
         train_tokenizer,
         unigram_baseline,
-        validation_batches,
     )
     from k2lab.errors import K2LabError
     from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
@@ -247,19 +246,17 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     }
     config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
     model = distributed.shard_model(build_trainer_model(config, tokenizer.vocab_size))
-    batches = PackedBatches(corpus.train, tokenizer, config.batch_size, config.seq_len, seed=config.seed)
-    val = validation_batches(
-        corpus.val, tokenizer, config.batch_size, config.seq_len, max_batches=config.eval_batches
-    )
-    val_pairs = [(distributed.local_rows(b.input_ids), distributed.local_rows(b.labels)) for b in val]
-    trainer = Trainer(config, model, distributed.local_batches(_pairs(batches)), val_pairs, run_dir)
+    data = StageData(config, corpus, tokenizer, model)
+    data.enter(0)
+    trainer = Trainer(config, model, data.train_pairs(), data.val_pairs, run_dir)
 
     if resume:
         loaded = load_latest_checkpoint(
             run_dir, on_skip=lambda line: console.print(line, style="yellow", markup=False)
         )
         if loaded is not None:
-            restore_training_state(trainer, batches, loaded[1])
+            restore_training_state(trainer, data, loaded[1])
+            trainer.batches, trainer.val_batches = data.train_pairs(), data.val_pairs
             console.print(f"resumed {run_dir} at step {trainer.step}")
     baseline = unigram_baseline(corpus, tokenizer)
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
@@ -282,6 +279,11 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
             "train", total=config.steps, completed=trainer.step, loss=0.0, tps=0.0, logit=0.0, clipped=0
         )
         while trainer.step < config.steps:
+            stage = stage_index(data.stages, trainer.step)
+            if stage != data.index:
+                data.enter(stage)
+                trainer.batches, trainer.val_batches = data.train_pairs(), data.val_pairs
+                console.print(f"step {trainer.step}: curriculum stage {stage} {data.describe()}")
             start = time.perf_counter()
             result, loads = trainer.train_step()
             stats = trainer.update(loads)
@@ -301,12 +303,14 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
                 clipped=stats["qk_clipped_heads"],
             )
             if trainer.step % config.save_every == 0 or trainer.step == config.steps:
-                state = training_state(trainer, batches)  # a collective under FSDP2
+                state = training_state(trainer, data)  # a collective under FSDP2
                 if distributed.is_main():
                     save_training_checkpoint(run_dir, trainer.step, state, config.keep_last)
 
     summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
-    model = distributed.gather_model(model, lambda: build_trainer_model(config, tokenizer.vocab_size))
+    model = distributed.gather_model(
+        model, lambda: data.final_model(build_trainer_model(config, tokenizer.vocab_size))
+    )
     if model is None:  # not rank 0: it took part in the gather; rank 0 writes the rest
         return summary
     save_model(model, run_dir / "model")
@@ -325,6 +329,54 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
         f"run directory {run_dir}: checkpoints/, metrics.jsonl, tensorboard/, {dashboard.name}, sample.txt, model/"
     )
     return summary
+
+
+class StageData:
+    """Batches of the current context-curriculum stage (``TrainConfig.stages()``): one ``PackedBatches``
+    per stage (seeded by stage), that stage's validation batches, and its YaRN scaling on the model."""
+
+    def __init__(self, config: TrainConfig, corpus, tokenizer, model: CausalLM) -> None:
+        self.config, self.corpus, self.tokenizer, self.model = config, corpus, tokenizer, model
+        self.stages = config.stages()
+        self.index: int | None = None
+
+    def enter(self, index: int) -> None:
+        from k2lab.data import PackedBatches, validation_batches
+
+        config, stage = self.config, self.stages[index]
+        self.index = index
+        self.batches = PackedBatches(
+            self.corpus.train, self.tokenizer, config.batch_size, stage.seq_len, seed=config.seed + index
+        )
+        val = validation_batches(
+            self.corpus.val, self.tokenizer, config.batch_size, stage.seq_len, max_batches=config.eval_batches
+        )
+        self.val_pairs = [
+            (distributed.local_rows(b.input_ids), distributed.local_rows(b.labels)) for b in val
+        ]
+        if self.config.curriculum:  # without a curriculum the preset's own rope scaling stays
+            self.model.set_rope_scaling(rope_scaling_for(self.stages, index))
+
+    def final_model(self, model: CausalLM) -> CausalLM:
+        """``model`` (a fresh build) with the rope scaling the run ended in."""
+        if self.config.curriculum:
+            model.set_rope_scaling(rope_scaling_for(self.stages, self.index))
+        return model
+
+    def describe(self) -> str:
+        scaling = self.model.config.rope_scaling
+        yarn = f", YaRN ×{scaling.factor:g}" if scaling else ""
+        return f"(seq_len {self.stages[self.index].seq_len}{yarn})"
+
+    def train_pairs(self):
+        return distributed.local_batches(_pairs(self.batches))
+
+    def state_dict(self) -> dict:
+        return {"stage": self.index, "batches": self.batches.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.enter(int(state["stage"]))
+        self.batches.load_state_dict(state["batches"])
 
 
 def _pairs(batches):
