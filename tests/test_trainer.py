@@ -12,20 +12,10 @@ from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.trainer import run_training
 
-TEXT = (
-    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
-    "        self.y = y\n\n# the quick brown fox jumps over the lazy dog\n"
-)
-
 
 @pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for i in range(6):
-        (folder / f"doc{i}.txt").write_text(TEXT * (3 + i) + f"file {i}\n")
-    monkeypatch.setenv("K2LAB_CACHE_DIR", str(tmp_path / "cache"))
-    return folder
+def corpus(tiny_corpus):
+    return tiny_corpus
 
 
 def recipe(tmp_path, corpus, out, steps=12):
