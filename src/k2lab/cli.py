@@ -266,6 +266,129 @@ def stability(
     console.print(table)
 
 
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory holding metrics.jsonl.")],
+    tau: Annotated[
+        float | None,
+        typer.Option(
+            "--tau",
+            help="QK-Clip τ line on the max-logit panel (default: the τ an ablation run recorded, else none).",
+        ),
+    ] = None,
+) -> None:
+    """Draw RUN_DIR/dashboard.png from RUN_DIR/metrics.jsonl (loss, lr, max logit vs τ, clipping, expert load)."""
+    from k2lab.train.dashboard import plot_dashboard
+
+    if tau is None:
+        tau = _recorded_tau(run_dir)
+    path = plot_dashboard(run_dir, tau=tau)
+    console.print(f"wrote {path}")
+
+
+def _recorded_tau(run_dir: Path) -> float | None:
+    """τ of the run's recipe when a checkpoint or an ablation marker records it, else None."""
+    marker = run_dir / "ablation_run.json"
+    try:
+        if marker.is_file():
+            return float(json.loads(marker.read_text())["recipe"]["optimizer"]["qk_clip_tau"])
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+ablate_app = typer.Typer(
+    help="Ablations that train several runs on the same tokens and compare them.", no_args_is_help=True
+)
+app.add_typer(ablate_app, name="ablate")
+
+
+@ablate_app.command("optimizer")
+def ablate_optimizer(
+    preset: Annotated[
+        str | None,
+        typer.Option("--preset", "-p", help="Model preset (default k2-mini; k2-nano with --quick)."),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="Optimizer steps per run (default 150; 30 with --quick).")
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option(help="Output directory (default runs/ablation, runs/ablation-quick).")
+    ] = None,
+    lrs: Annotated[
+        str | None, typer.Option(help="Comma-separated lr grid for every optimizer (default 1e-3,3e-3,1e-2).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Smoke run: k2-nano, 2 MB of the corpus, 30 steps (~2 min).")
+    ] = False,
+    recipe: Annotated[
+        Path | None, typer.Option(help="TOML recipe for everything but the optimizer; flags override it.")
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Directory of .txt/.md/.jsonl (default: embedded corpus).")
+    ] = None,
+    tau: Annotated[float | None, typer.Option(help="MuonClip τ in the sweep (default 100).")] = None,
+    stress_lr: Annotated[
+        float | None, typer.Option(help="Stress setting lr (default 3e-2; 5e-2 with --quick).")
+    ] = None,
+    stress_tau: Annotated[
+        float | None, typer.Option(help="Stress setting τ (default 10; 2 with --quick).")
+    ] = None,
+    stress_steps: Annotated[
+        int | None, typer.Option(help="Stress setting steps (default: min(--steps, 100)).")
+    ] = None,
+    no_stress: Annotated[bool, typer.Option("--no-stress", help="Skip the stress setting.")] = False,
+    target_loss: Annotated[
+        float | None, typer.Option(help="Target val loss (default: the worst optimizer's final val loss).")
+    ] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    precision: Annotated[str | None, typer.Option(help="auto, fp32 or bf16.")] = None,
+    keep_weights: Annotated[
+        bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
+    ] = False,
+    optimizers: Annotated[
+        str | None, typer.Option(help="Comma-separated subset of adamw,muon,muonclip (default all).")
+    ] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            help="torch threads (default torch's; 1 with --quick); 1 avoids OpenMP stalls on a busy machine."
+        ),
+    ] = None,
+) -> None:
+    """AdamW vs Muon vs MuonClip on the same tokens: lr sweep, equal-token losses, max logits, QK-Clip stress.
+
+    Writes OUT/ablation.md, OUT/ablation.json and OUT/ablation.png; each run lives in OUT/runs/ or
+    OUT/stress/ and a finished run is reused when the command is repeated (so runs can also be split over
+    several processes with --optimizers / --no-stress and gathered by one final full invocation).
+    """
+    from k2lab.train.ablation import ablation_config, parse_lrs, run_ablation
+
+    settings = ablation_config(
+        quick=quick,
+        recipe=recipe,
+        lrs=parse_lrs(lrs) if lrs is not None else None,
+        tau=tau,
+        stress_lr=stress_lr,
+        stress_tau=stress_tau,
+        stress_steps=stress_steps,
+        no_stress=no_stress,
+        target_loss=target_loss,
+        out=out,
+        keep_weights=keep_weights,
+        optimizers=[name.strip() for name in optimizers.split(",") if name.strip()] if optimizers else None,
+        threads=threads,
+        preset=preset,
+        steps=steps,
+        data=data,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+    )
+    run_ablation(settings, console)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
     err = Console(stderr=True)

@@ -1,0 +1,790 @@
+"""Optimizer ablation: AdamW, Muon and MuonClip trained on the same tokens from the same initial weights.
+
+Every run is one ``run_training`` call with the same recipe except ``optimizer.name`` / ``optimizer.lr`` /
+``optimizer.qk_clip_tau`` (and its run directory), so data order, model initialisation, schedule, batch,
+evaluation batches and precision are identical across runs. With ``adjust_lr_fn = "match_rms_adamw"``
+(Moonlight's update-RMS matching, the default) Muon's lr lives on AdamW's scale, so one lr grid serves all.
+
+The ablation, for an output directory ``DIR``:
+
+1. **sweep**: every optimizer at every lr of the grid (``DIR/runs/{optimizer}-lr{lr}``); the best lr of an
+   optimizer is the one with the lowest final validation loss (a diverged run, NaN, never wins);
+2. **comparison** of the best runs: validation loss at equal tokens (the shared evaluation points), tokens
+   each needs to reach a target validation loss (default: the worst best-run's final validation loss,
+   linearly interpolated between evaluation points), token efficiency ``tokens(AdamW) / tokens(x)``, and
+   the max-logit trajectories;
+3. **stress** (``DIR/stress/...``): plain Muon and MuonClip at a higher lr and a low τ, where Muon's max
+   attention logit runs past τ while MuonClip rescales every head back to τ after each step
+   (``max_logit_clipped ≤ τ``; ``max_logit``, the next forward's maximum before clipping, is reported too).
+
+Outputs: ``DIR/ablation.json`` (everything, including the curves), ``DIR/ablation.md`` (tables) and
+``DIR/ablation.png`` (validation loss vs tokens; final loss vs lr; max logit vs step with τ; stress).
+
+A run directory that already holds a finished run of exactly the same recipe (``ablation_run.json``) is
+reused, so an interrupted ablation continues where it stopped. Checkpoints and final weights of the runs
+are deleted once a run finishes unless ``keep_weights`` (an ablation of 11 k2-mini runs would keep ~3 GB).
+Finished runs can therefore also be produced by several processes at once (``optimizers`` subsets, one
+with ``stress=None``) and gathered by a final full invocation that only reuses them.
+
+``threads`` sets ``torch.set_num_threads`` for the ablation: on a shared machine whose cores are busy with
+other work, one thread avoids OpenMP barrier stalls that can make a 2-thread step 10-30x slower.
+
+On the WSD schedule the final evaluation sits after the lr decay, which lowers the loss quickly; the worst
+run reaches the default target only there, while better runs may cross it during the constant phase. The
+token efficiency reported is therefore a lower bound of what equal schedules would give.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rich.console import Console
+from rich.table import Table
+
+from k2lab.errors import K2LabError
+from k2lab.train.config import TrainConfig, load_train_config
+from k2lab.train.metrics import read_metrics
+
+OPTIMIZERS = ("adamw", "muon", "muonclip")
+LABELS = {"adamw": "AdamW", "muon": "Muon", "muonclip": "MuonClip"}
+COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "muonclip": "tab:green"}
+STYLES = {
+    "adamw": "-",
+    "muon": "-",
+    "muonclip": "--",
+}  # MuonClip = Muon until a head passes τ: keep both visible
+RUN_MARKER = "ablation_run.json"
+
+# The default (full) ablation: k2-mini on the embedded corpus, sized for ~30 min on 2 CPU cores.
+FULL_RECIPE: dict[str, Any] = {
+    "preset": "k2-mini",
+    "steps": 150,
+    "batch_size": 8,
+    "seq_len": 256,
+    "eval_batches": 4,
+    "sample_tokens": 8,
+    "schedule": {"kind": "wsd", "warmup_steps": 15, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
+}
+FULL_LRS = (1e-3, 3e-3, 1e-2)
+FULL_STRESS = {"lr": 3e-2, "tau": 10.0, "steps": None}  # steps None: min(sweep steps, 100)
+
+# ``--quick``: a smoke run of the same pipeline (k2-nano, a 2 MB slice of the corpus, a few steps).
+QUICK_RECIPE: dict[str, Any] = {
+    "preset": "k2-nano",
+    "vocab_size": 512,
+    "data_max_bytes": 2_000_000,
+    "steps": 30,
+    "batch_size": 4,
+    "seq_len": 64,
+    "eval_batches": 2,
+    "sample_tokens": 4,
+    "precision": "fp32",
+    "schedule": {"kind": "wsd", "warmup_steps": 3, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
+}
+QUICK_LRS = (3e-3, 1e-2, 3e-2)
+QUICK_STRESS = {"lr": 5e-2, "tau": 2.0, "steps": None}
+
+
+class StressConfig(BaseModel):
+    """The setting where QK-Clip has to act: plain Muon vs MuonClip at a high lr and a low τ."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(gt=0)
+    tau: float = Field(gt=0)
+    steps: int | None = Field(default=None, gt=0, description="None = min(the sweep's steps, 100).")
+
+
+class AblationConfig(BaseModel):
+    """What to run: a base recipe (everything but the optimizer), the lr grid, τ, the stress setting."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: TrainConfig
+    optimizers: list[str] = Field(default_factory=lambda: list(OPTIMIZERS))
+    lrs: list[float] = Field(min_length=1)
+    tau: float = Field(default=100.0, gt=0, description="MuonClip's τ in the sweep.")
+    target_loss: float | None = Field(default=None, description="None = worst best-run's final val loss.")
+    stress: StressConfig | None = None
+    out: str = "runs/ablation"
+    keep_weights: bool = False
+    threads: int | None = Field(default=None, gt=0, description="torch threads; None = torch's default.")
+
+    @field_validator("optimizers")
+    @classmethod
+    def _known_optimizers(cls, names: list[str]) -> list[str]:
+        unknown = sorted(set(names) - set(OPTIMIZERS))
+        if unknown or not names:
+            raise ValueError(f"optimizers must be a non-empty subset of {list(OPTIMIZERS)}, got {names}")
+        return [name for name in OPTIMIZERS if name in names]
+
+    @field_validator("lrs")
+    @classmethod
+    def _positive_lrs(cls, lrs: list[float]) -> list[float]:
+        if any(not lr > 0 for lr in lrs):
+            raise ValueError(f"learning rates must be positive, got {lrs}")
+        return sorted(set(lrs))
+
+
+# ---- configuration -------------------------------------------------------------------------------------
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "model_overrides":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def ablation_config(
+    quick: bool = False,
+    recipe: str | os.PathLike[str] | None = None,
+    lrs: list[float] | None = None,
+    tau: float | None = None,
+    stress_lr: float | None = None,
+    stress_tau: float | None = None,
+    stress_steps: int | None = None,
+    no_stress: bool = False,
+    target_loss: float | None = None,
+    optimizers: list[str] | None = None,
+    out: str | None = None,
+    keep_weights: bool = False,
+    threads: int | None = None,
+    **overrides: Any,
+) -> AblationConfig:
+    """The ablation from the defaults (full or ``quick``), then ``recipe`` (TOML), then the overrides.
+
+    ``overrides`` are ``TrainConfig`` fields (dotted keys for nesting; None values ignored), e.g.
+    ``preset="k2-nano", steps=20, **{"schedule.warmup_steps": 2}``. The recipe's ``[optimizer]`` table
+    sets everything but the name, lr and τ, which the ablation varies. ``eval_every`` defaults to a tenth
+    of the steps, checkpoints are written once, at the end.
+    """
+    data: dict[str, Any] = json.loads(json.dumps(QUICK_RECIPE if quick else FULL_RECIPE))
+    if recipe is not None:
+        path = Path(recipe)
+        try:
+            _merge(data, tomllib.loads(path.read_text()))
+        except FileNotFoundError as error:
+            raise K2LabError(f"recipe {path} does not exist") from error
+        except tomllib.TOMLDecodeError as error:
+            raise K2LabError(f"recipe {path} is not valid TOML ({error})") from error
+    flat = {**_flatten(data), **{key: value for key, value in overrides.items() if value is not None}}
+    steps = int(flat.get("steps", 300))
+    flat.setdefault("eval_every", max(1, steps // 10))
+    flat.update(save_every=steps, keep_last=1)
+    base = load_train_config(None, **flat)
+    defaults = QUICK_STRESS if quick else FULL_STRESS
+    stress = None
+    if not no_stress:
+        stress = StressConfig(
+            lr=stress_lr if stress_lr is not None else defaults["lr"],
+            tau=stress_tau if stress_tau is not None else defaults["tau"],
+            steps=stress_steps if stress_steps is not None else defaults["steps"],
+        )
+    try:
+        return AblationConfig(
+            base=base,
+            optimizers=optimizers or list(OPTIMIZERS),
+            lrs=lrs or list(QUICK_LRS if quick else FULL_LRS),
+            tau=tau if tau is not None else base.optimizer.qk_clip_tau,
+            target_loss=target_loss,
+            stress=stress,
+            out=out or ("runs/ablation-quick" if quick else "runs/ablation"),
+            keep_weights=keep_weights,
+            threads=threads if threads is not None or not quick else 1,
+        )
+    except ValueError as error:  # pydantic's ValidationError is a ValueError
+        raise K2LabError(f"invalid ablation setting: {error}") from error
+
+
+def parse_lrs(text: str) -> list[float]:
+    """'1e-3,3e-3, 1e-2' -> [0.001, 0.003, 0.01]."""
+    try:
+        values = [float(part) for part in text.replace(" ", ",").split(",") if part]
+    except ValueError as error:
+        raise K2LabError(
+            f"--lrs must be numbers separated by commas (e.g. 1e-3,3e-3), got {text!r}"
+        ) from error
+    if not values or any(not value > 0 for value in values):
+        raise K2LabError(f"--lrs must be positive numbers separated by commas, got {text!r}")
+    return values
+
+
+def run_name(optimizer: str, lr: float, tau: float | None = None) -> str:
+    name = f"{optimizer}-lr{lr:g}"
+    return name if tau is None else f"{name}-tau{tau:g}"
+
+
+def train_config(
+    ablation: AblationConfig, optimizer: str, lr: float, tau: float, out: Path, steps: int | None = None
+) -> TrainConfig:
+    """The base recipe with this run's optimizer, lr, τ, run directory (and steps)."""
+    settings = ablation.base.optimizer.model_copy(update={"name": optimizer, "lr": lr, "qk_clip_tau": tau})
+    update: dict[str, Any] = {"optimizer": settings, "out": str(out)}
+    if steps is not None and steps != ablation.base.steps:
+        update.update(steps=steps, save_every=steps, eval_every=max(1, steps // 10))
+    return TrainConfig.model_validate({**ablation.base.model_dump(), **update})
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def train_or_reuse(config: TrainConfig, keep_weights: bool, console: Console) -> tuple[dict, bool]:
+    """Run ``config`` (``run_training``) unless its directory holds a finished run of the same recipe.
+
+    Returns the run's summary (with ``seconds``, the wall time of the training call) and whether it was
+    reused. A directory with an unfinished or different run is wiped first: it belongs to the ablation.
+    """
+    from k2lab.train.trainer import run_training
+
+    run_dir = Path(config.out)
+    marker = run_dir / RUN_MARKER
+    recipe = config.model_dump(mode="json")
+    if marker.is_file():
+        try:
+            previous = json.loads(marker.read_text())
+        except json.JSONDecodeError:
+            previous = {}
+        if previous.get("recipe") == recipe and read_metrics(run_dir):
+            return previous["summary"], True
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    start = time.perf_counter()
+    summary = dict(run_training(config))
+    summary["seconds"] = time.perf_counter() - start
+    if not keep_weights:
+        for name in ("checkpoints", "model"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    _atomic_write(marker, json.dumps({"recipe": recipe, "summary": summary}, indent=2) + "\n")
+    return summary, False
+
+
+def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str, Any]:
+    """One run's figures and curves from its ``metrics.jsonl``."""
+    records = read_metrics(config.out)
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
+    val = [(r["step"], r["step"] * tokens_per_step, float(r["val_loss"])) for r in records if "val_loss" in r]
+    max_logit = [float(r.get("max_logit", math.nan)) for r in records]
+    clipped_max = [float(r.get("max_logit_clipped", math.nan)) for r in records]
+    tau = config.optimizer.qk_clip_tau
+    finite = [v for v in max_logit if math.isfinite(v)]
+    speeds = [float(r["tokens_per_s"]) for r in records if "tokens_per_s" in r]
+    return {
+        "name": Path(config.out).name,
+        "optimizer": config.optimizer.name,
+        "lr": config.optimizer.lr,
+        "tau": tau,
+        "run_dir": str(config.out),
+        "steps": len(records),
+        "tokens": len(records) * tokens_per_step,
+        "final_val_loss": val[-1][2] if val else math.nan,
+        "unigram_baseline": summary.get("unigram_baseline", math.nan),
+        "val_curve": [{"step": s, "tokens": t, "val_loss": v} for s, t, v in val],
+        "loss": [float(r.get("loss", math.nan)) for r in records],
+        "max_logit": max_logit,
+        "max_logit_clipped": clipped_max,
+        "peak_max_logit": max(finite) if finite else math.nan,
+        "peak_max_logit_clipped": max((v for v in clipped_max if math.isfinite(v)), default=math.nan),
+        "steps_above_tau": sum(v > tau for v in finite),
+        "clipped_heads_total": sum(float(r.get("qk_clipped_heads", 0)) for r in records),
+        "qk_clip_ever_frac": float(records[-1].get("qk_clip_ever_frac", 0.0)) if records else 0.0,
+        "median_tokens_per_s": statistics.median(speeds) if speeds else math.nan,
+        "seconds": summary.get("seconds", math.nan),
+        "reused": reused,
+    }
+
+
+def run_ablation(ablation: AblationConfig, console: Console | None = None) -> dict[str, Any]:
+    """Train every run (or reuse it), analyse, write DIR/ablation.{json,md,png}; returns the results."""
+    console = console or Console()
+    out = Path(ablation.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan: list[tuple[str, TrainConfig]] = []
+    for optimizer in ablation.optimizers:
+        for lr in ablation.lrs:
+            plan.append(
+                (
+                    "sweep",
+                    train_config(
+                        ablation, optimizer, lr, ablation.tau, out / "runs" / run_name(optimizer, lr)
+                    ),
+                )
+            )
+    if ablation.stress is not None:
+        stress = ablation.stress
+        for optimizer in ("muon", "muonclip"):
+            run_dir = out / "stress" / run_name(optimizer, stress.lr, stress.tau)
+            steps = stress.steps or min(ablation.base.steps, 100)
+            plan.append(("stress", train_config(ablation, optimizer, stress.lr, stress.tau, run_dir, steps)))
+
+    threads = torch.get_num_threads()
+    if ablation.threads is not None:
+        torch.set_num_threads(ablation.threads)
+    try:
+        return _run_plan(ablation, plan, out, console)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_plan(
+    ablation: AblationConfig, plan: list[tuple[str, TrainConfig]], out: Path, console: Console
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    sweep: list[dict[str, Any]] = []
+    stressed: list[dict[str, Any]] = []
+    for index, (kind, config) in enumerate(plan, start=1):
+        label = (
+            f"[{index}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]}, lr {config.optimizer.lr:g}, "
+            f"τ {config.optimizer.qk_clip_tau:g}, {config.steps} steps → {config.out}"
+        )
+        console.rule(label)
+        summary, reused = train_or_reuse(config, ablation.keep_weights, console)
+        if reused:
+            console.print(f"reused the finished run in {config.out}")
+        result = summarize_run(config, summary, reused)
+        (sweep if kind == "sweep" else stressed).append(result)
+        console.print(
+            f"final val loss {result['final_val_loss']:.4f}, peak max logit {result['peak_max_logit']:.2f}, "
+            f"elapsed {time.perf_counter() - start:.0f}s"
+        )
+
+    results = analyse(ablation, sweep, stressed)
+    results["wall_seconds"] = time.perf_counter() - start
+    results["settings"]["threads"] = torch.get_num_threads()
+    results["training_seconds"] = sum(
+        run["seconds"] for run in [*sweep, *stressed] if math.isfinite(run["seconds"])
+    )
+    write_outputs(results, out)
+    print_summary(results, console)
+    console.print(f"wrote {out / 'ablation.md'}, {out / 'ablation.json'}, {out / 'ablation.png'}")
+    return results
+
+
+# ---- analysis --------------------------------------------------------------------------------------------
+def _sort_key(run: dict[str, Any]) -> float:
+    loss = run["final_val_loss"]
+    return loss if math.isfinite(loss) else math.inf
+
+
+def tokens_to_reach(curve: list[dict[str, float]], target: float) -> float | None:
+    """Tokens at which a validation curve first reaches ``target`` (linear between evaluation points)."""
+    previous = None
+    for point in curve:
+        if math.isfinite(point["val_loss"]) and point["val_loss"] <= target:
+            if previous is None or not math.isfinite(previous["val_loss"]):
+                return float(point["tokens"])
+            fraction = (previous["val_loss"] - target) / (previous["val_loss"] - point["val_loss"])
+            return previous["tokens"] + fraction * (point["tokens"] - previous["tokens"])
+        previous = point
+    return None
+
+
+def analyse(
+    ablation: AblationConfig, sweep: list[dict[str, Any]], stressed: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Best lr per optimizer, equal-token losses, tokens to target, efficiency, stress verdict."""
+    base = ablation.base
+    best: dict[str, dict[str, Any]] = {}
+    for optimizer in ablation.optimizers:
+        runs = [run for run in sweep if run["optimizer"] == optimizer]
+        best[optimizer] = min(runs, key=_sort_key)
+    finals = [run["final_val_loss"] for run in best.values() if math.isfinite(run["final_val_loss"])]
+    target = (
+        ablation.target_loss if ablation.target_loss is not None else (max(finals) if finals else math.nan)
+    )
+    reference = "adamw" if "adamw" in best else next(iter(best))
+    reached = {name: tokens_to_reach(run["val_curve"], target) for name, run in best.items()}
+    comparison = {}
+    for name, run in best.items():
+        tokens, ref_tokens = reached[name], reached[reference]
+        comparison[name] = {
+            "lr": run["lr"],
+            "final_val_loss": run["final_val_loss"],
+            "tokens_to_target": tokens,
+            "token_efficiency_vs_" + reference: (ref_tokens / tokens) if tokens and ref_tokens else None,
+            "peak_max_logit": run["peak_max_logit"],
+            "qk_clip_ever_frac": run["qk_clip_ever_frac"],
+            "median_tokens_per_s": run["median_tokens_per_s"],
+        }
+    stress = None
+    if stressed and ablation.stress is not None:
+        by_name = {run["optimizer"]: run for run in stressed}
+        tau = ablation.stress.tau
+        muon, clip = by_name.get("muon"), by_name.get("muonclip")
+        stress = {
+            "lr": ablation.stress.lr,
+            "tau": tau,
+            "steps": stressed[0]["steps"],
+            "runs": {run["optimizer"]: _stress_row(run) for run in stressed},
+            "muon_exceeds_tau": bool(muon and muon["peak_max_logit"] > tau),
+            # max_logit_clipped is min(S_max, τ) in fp32: τ itself may round up by one fp32 ulp.
+            "muonclip_clipped_within_tau": bool(clip and clip["peak_max_logit_clipped"] <= tau * (1 + 1e-6)),
+        }
+        stress["demonstrated"] = stress["muon_exceeds_tau"] and stress["muonclip_clipped_within_tau"]
+    return {
+        "settings": {
+            "preset": base.preset,
+            "steps": base.steps,
+            "batch_size": base.batch_size,
+            "seq_len": base.seq_len,
+            "grad_accum": base.grad_accum,
+            "tokens_per_step": base.batch_size * base.seq_len * base.grad_accum,
+            "tokens": base.steps * base.batch_size * base.seq_len * base.grad_accum,
+            "data": base.data or "embedded stdlib corpus",
+            "data_max_bytes": base.data_max_bytes,
+            "vocab_size": base.vocab_size,
+            "precision": base.precision,
+            "seed": base.seed,
+            "schedule": base.schedule.model_dump(mode="json"),
+            "eval_every": base.eval_every,
+            "eval_batches": base.eval_batches,
+            "lrs": ablation.lrs,
+            "tau": ablation.tau,
+            "adjust_lr_fn": base.optimizer.adjust_lr_fn,
+            "weight_decay": base.optimizer.weight_decay,
+            "stress": ablation.stress.model_dump() if ablation.stress else None,
+        },
+        "runs": sweep,
+        "stress_runs": stressed,
+        "best": {name: run["name"] for name, run in best.items()},
+        "target_loss": target,
+        "target_rule": "given" if ablation.target_loss is not None else "worst best-run final val loss",
+        "reference": reference,
+        "comparison": comparison,
+        "equal_tokens": equal_token_losses(best),
+        "stress": stress,
+    }
+
+
+def _stress_row(run: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "lr",
+        "tau",
+        "peak_max_logit",
+        "peak_max_logit_clipped",
+        "steps_above_tau",
+        "clipped_heads_total",
+        "qk_clip_ever_frac",
+        "final_val_loss",
+    )
+    return {key: run[key] for key in keys}
+
+
+def equal_token_losses(best: dict[str, dict[str, Any]], points: int = 4) -> dict[str, Any]:
+    """Validation loss of each best run at up to ``points`` evaluation points shared by all, evenly spread."""
+    shared = sorted(set.intersection(*(set(p["tokens"] for p in run["val_curve"]) for run in best.values())))
+    if not shared:
+        return {"tokens": [], "val_loss": {}}
+    picks = sorted({shared[round(i * (len(shared) - 1) / max(points - 1, 1))] for i in range(points)})
+    losses = {
+        name: [next(p["val_loss"] for p in run["val_curve"] if p["tokens"] == t) for t in picks]
+        for name, run in best.items()
+    }
+    return {"tokens": picks, "val_loss": losses}
+
+
+# ---- outputs ---------------------------------------------------------------------------------------------
+def _atomic_write(path: Path, text: str) -> None:
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return format(value, spec)
+
+
+def _tokens(value: float | None) -> str:
+    if value is None:
+        return "not reached"
+    return f"{value / 1e3:,.0f}k" if value >= 1e4 else f"{value:,.0f}"
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """The tables of ``ablation.md``."""
+    s = results["settings"]
+    lines = [
+        f"# Optimizer ablation: {s['preset']}, {s['steps']} steps × {s['tokens_per_step']:,} tokens "
+        f"({s['tokens']:,} tokens)",
+        "",
+        f"Same data order, same initial weights (seed {s['seed']}), same evaluation batches for every run; "
+        f"data: {s['data']}; precision {s['precision']}; schedule {s['schedule']['kind']} "
+        f"(warmup {s['schedule'].get('warmup_steps')}, decay fraction {s['schedule'].get('decay_fraction')}); "
+        f"validation every {s['eval_every']} steps on {s['eval_batches']} batches; Muon lr "
+        f"`{s['adjust_lr_fn']}`, weight decay {s['weight_decay']}; MuonClip τ = {s['tau']:g}.",
+        "",
+        "## Learning-rate sweep (final validation loss)",
+        "",
+    ]
+    lrs = s["lrs"]
+    lines.append("| optimizer | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr |")
+    lines.append("|---|" + "---|" * (len(lrs) + 1))
+    for name in results["best"]:
+        cells = []
+        for lr in lrs:
+            run = next((r for r in results["runs"] if r["optimizer"] == name and r["lr"] == lr), None)
+            cells.append(_fmt(run["final_val_loss"]) if run else "—")
+        lines.append(
+            f"| {LABELS[name]} | " + " | ".join(cells) + f" | {results['comparison'][name]['lr']:g} |"
+        )
+
+    equal = results["equal_tokens"]
+    lines += ["", "## Validation loss at equal tokens (best lr of each optimizer)", ""]
+    lines.append("| optimizer | " + " | ".join(f"{_tokens(t)} tokens" for t in equal["tokens"]) + " |")
+    lines.append("|---|" + "---|" * len(equal["tokens"]))
+    for name, losses in equal["val_loss"].items():
+        lines.append(f"| {LABELS[name]} | " + " | ".join(_fmt(v) for v in losses) + " |")
+
+    reference = results["reference"]
+    lines += [
+        "",
+        f"## Tokens to reach validation loss {_fmt(results['target_loss'])} ({results['target_rule']})",
+        "",
+        f"| optimizer | lr | final val loss | tokens to target | token efficiency vs {LABELS[reference]} "
+        "| peak max logit | heads ever clipped | median tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in results["comparison"].items():
+        efficiency = row["token_efficiency_vs_" + reference]
+        lines.append(
+            f"| {LABELS[name]} | {row['lr']:g} | {_fmt(row['final_val_loss'])} | {_tokens(row['tokens_to_target'])} "
+            f"| {_fmt(efficiency, '.2f')}{'×' if efficiency else ''} | {_fmt(row['peak_max_logit'], '.2f')} "
+            f"| {row['qk_clip_ever_frac']:.0%} | {_fmt(row['median_tokens_per_s'], ',.0f')} |"
+        )
+
+    stress = results["stress"]
+    if stress:
+        lines += [
+            "",
+            f"## Stress: lr {stress['lr']:g}, τ = {stress['tau']:g}, {stress['steps']} steps",
+            "",
+            "`max logit` is the largest per-head attention logit S_max of a step's forward, before that step's "
+            "clip; `after clip` is the same batch's maximum after QK-Clip rescaled the heads (`max_logit_clipped`).",
+            "",
+            "| optimizer | peak max logit | peak after clip | steps with max logit > τ | clipped head-steps "
+            "| heads ever clipped | final val loss |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, row in stress["runs"].items():
+            lines.append(
+                f"| {LABELS[name]} | {_fmt(row['peak_max_logit'], '.2f')} | {_fmt(row['peak_max_logit_clipped'], '.2f')} "
+                f"| {row['steps_above_tau']} | {row['clipped_heads_total']:.0f} | {row['qk_clip_ever_frac']:.0%} "
+                f"| {_fmt(row['final_val_loss'])} |"
+            )
+        verdict = (
+            "Muon's max logit ran past τ while MuonClip kept every head at or below τ after each step."
+            if stress["demonstrated"]
+            else "Not demonstrated in this setting: "
+            + ("Muon stayed at or below τ." if not stress["muon_exceeds_tau"] else "MuonClip exceeded τ.")
+        )
+        lines += ["", f"**{verdict}**"]
+    runs = len(results["runs"]) + len(results["stress_runs"])
+    lines += [
+        "",
+        f"Training time of the {runs} runs: {results.get('training_seconds', math.nan) / 60:.1f} min "
+        f"({s.get('threads', '?')} torch threads; finished runs are reused with their original time); "
+        f"wall time of this invocation {results.get('wall_seconds', math.nan) / 60:.1f} min.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_ablation(results: dict[str, Any], target: Path) -> Path:
+    """``ablation.png``: val loss vs tokens, final val loss vs lr, max logit vs step (sweep and stress)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(13, 9), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(2, 2)
+    s = results["settings"]
+    figure.suptitle(
+        f"Optimizer ablation: {s['preset']}, {s['tokens']:,} tokens, same data and init", fontsize=14
+    )
+    best_names = set(results["best"].values())
+
+    ax = axes[0, 0]
+    for run in results["runs"]:
+        curve = run["val_curve"]
+        if not curve:
+            continue
+        is_best = run["name"] in best_names
+        ax.plot(
+            [p["tokens"] for p in curve],
+            [p["val_loss"] for p in curve],
+            color=COLORS[run["optimizer"]],
+            linewidth=2 if is_best else 0.8,
+            alpha=1.0 if is_best else 0.35,
+            linestyle=STYLES[run["optimizer"]] if is_best else ":",
+            marker="o" if is_best else None,
+            markersize=3,
+            label=f"{LABELS[run['optimizer']]} lr {run['lr']:g}" if is_best else None,
+        )
+    if math.isfinite(results["target_loss"]):
+        ax.axhline(results["target_loss"], color="grey", linestyle=":", label="target")
+    finals = [r["final_val_loss"] for r in results["runs"] if math.isfinite(r["final_val_loss"])]
+    if finals:
+        firsts = [r["val_curve"][0]["val_loss"] for r in results["runs"] if r["val_curve"]]
+        top = min(max(v for v in firsts if math.isfinite(v)), min(finals) + 3.0) if firsts else None
+        ax.set_ylim(min(finals) - 0.1, top)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss vs tokens (best lr bold, other lrs dotted)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    ax = axes[0, 1]
+    for name in results["best"]:
+        runs = sorted((r for r in results["runs"] if r["optimizer"] == name), key=lambda r: r["lr"])
+        ax.plot(
+            [r["lr"] for r in runs],
+            [r["final_val_loss"] for r in runs],
+            marker="o",
+            color=COLORS[name],
+            label=LABELS[name],
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final validation loss")
+    ax.set_title("learning-rate sweep")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    ax = axes[1, 0]
+    for run in results["runs"]:
+        if run["name"] in best_names:
+            steps = range(1, len(run["max_logit"]) + 1)
+            name = run["optimizer"]
+            ax.plot(steps, run["max_logit"], color=COLORS[name], linestyle=STYLES[name], label=LABELS[name])
+    ax.axhline(s["tau"], color="red", linestyle="--", label=f"τ = {s['tau']:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max attention logit (all layers, heads)")
+    ax.set_title("max logit vs step (best lr of each)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+
+    ax = axes[1, 1]
+    stress = results["stress"]
+    if stress:
+        for run in results["stress_runs"]:
+            steps = range(1, len(run["max_logit"]) + 1)
+            color = COLORS[run["optimizer"]]
+            ax.plot(steps, run["max_logit"], color=color, label=f"{LABELS[run['optimizer']]} max logit")
+            if run["optimizer"] == "muonclip":
+                ax.plot(
+                    steps, run["max_logit_clipped"], color=color, linestyle=":", label="MuonClip after clip"
+                )
+        ax.axhline(stress["tau"], color="red", linestyle="--", label=f"τ = {stress['tau']:g}")
+        ax.set_title(f"stress: lr {stress['lr']:g}, τ = {stress['tau']:g}")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no stress run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("stress")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max attention logit")
+    ax.grid(alpha=0.3)
+
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            figure.savefig(handle, format="png", dpi=100)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _strict_json(value: Any) -> Any:
+    """NaN / infinity -> None, so ablation.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> None:
+    _atomic_write(out / "ablation.json", json.dumps(_strict_json(results), indent=2) + "\n")
+    _atomic_write(out / "ablation.md", markdown_report(results))
+    plot_ablation(results, out / "ablation.png")
+
+
+def print_summary(results: dict[str, Any], console: Console) -> None:
+    """Rich tables of the comparison and the stress setting."""
+    reference = results["reference"]
+    table = Table(
+        title=f"best lr of each optimizer; target val loss {_fmt(results['target_loss'])} "
+        f"({results['target_rule']})"
+    )
+    for column in (
+        "optimizer",
+        "lr",
+        "final val loss",
+        "tokens to target",
+        f"vs {LABELS[reference]}",
+        "peak max logit",
+    ):
+        table.add_column(column, justify="left" if column == "optimizer" else "right")
+    for name, row in results["comparison"].items():
+        efficiency = row["token_efficiency_vs_" + reference]
+        table.add_row(
+            LABELS[name],
+            f"{row['lr']:g}",
+            _fmt(row["final_val_loss"]),
+            _tokens(row["tokens_to_target"]),
+            f"{_fmt(efficiency, '.2f')}×" if efficiency else "—",
+            _fmt(row["peak_max_logit"], ".2f"),
+        )
+    console.print(table)
+    stress = results["stress"]
+    if stress:
+        table = Table(title=f"stress: lr {stress['lr']:g}, τ {stress['tau']:g}")
+        for column in ("optimizer", "peak max logit", "peak after clip", "steps > τ", "final val loss"):
+            table.add_column(column, justify="left" if column == "optimizer" else "right")
+        for name, row in stress["runs"].items():
+            table.add_row(
+                LABELS[name],
+                _fmt(row["peak_max_logit"], ".2f"),
+                _fmt(row["peak_max_logit_clipped"], ".2f"),
+                str(row["steps_above_tau"]),
+                _fmt(row["final_val_loss"]),
+            )
+        console.print(table)
+        style = "green" if stress["demonstrated"] else "yellow"
+        console.print(
+            f"[{style}]QK-Clip {'demonstrated' if stress['demonstrated'] else 'NOT demonstrated'}:[/] "
+            f"Muon above τ: {stress['muon_exceeds_tau']}, MuonClip after clip ≤ τ: "
+            f"{stress['muonclip_clipped_within_tau']}"
+        )
