@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_plot_without_metrics_is_a_clean_error(tmp_path, capsys):
     assert not (tmp_path / "dashboard.png").exists()
 
 
-def test_ablation_tables_json_png_and_reuse(tmp_path, tiny_corpus, capsys):
+def test_ablation_tables_json_png_reuse_and_workers(tmp_path, tiny_corpus):
     recipe = tiny_recipe(tmp_path / "recipe.toml", tiny_corpus)
     out = tmp_path / "ablation"
     args = (
@@ -112,11 +113,15 @@ def test_ablation_tables_json_png_and_reuse(tmp_path, tiny_corpus, capsys):
     assert image.read_bytes()[:8] == PNG_MAGIC and image.stat().st_size > 20_000
     assert not (out / "runs" / "adamw-lr0.01" / "checkpoints").exists()  # weights dropped by default
 
-    capsys.readouterr()
-    assert run_cli(*args) == 0  # the second invocation reuses every finished run
+    # Again on 2 worker processes, one run removed: that one trains again (identically), the rest is reused.
+    shutil.rmtree(out / "runs" / "muon-lr0.03")
+    assert run_cli(*args, "--jobs", 2) == 0
     again = json.loads((out / "ablation.json").read_text())
-    assert all(r["reused"] for r in [*again["runs"], *again["stress_runs"]])
-    assert [r["final_val_loss"] for r in again["runs"]] == [r["final_val_loss"] for r in results["runs"]]
+    assert [r["name"] for r in again["runs"] if not r["reused"]] == ["muon-lr0.03"]
+    assert all(r["reused"] for r in again["stress_runs"])
+    for before, after in zip(results["runs"], again["runs"], strict=True):
+        assert after["loss"] == before["loss"] and after["final_val_loss"] == before["final_val_loss"]
+    assert (out / "logs" / "sweep-muon-lr0.03.log").read_text().count("validation loss") == 1
 
 
 def test_tokens_to_reach_interpolates_between_evaluations():

@@ -316,7 +316,7 @@ def ablate_optimizer(
         str | None, typer.Option(help="Output directory (default runs/ablation, runs/ablation-quick).")
     ] = None,
     lrs: Annotated[
-        str | None, typer.Option(help="Comma-separated lr grid for every optimizer (default 1e-3,3e-3,1e-2).")
+        str | None, typer.Option(help="Comma-separated lr grid for every optimizer (default 3e-4,1e-3,3e-3).")
     ] = None,
     quick: Annotated[
         bool, typer.Option("--quick", help="Smoke run: k2-nano, 2 MB of the corpus, 30 steps (~2 min).")
@@ -350,6 +350,13 @@ def ablate_optimizer(
     optimizers: Annotated[
         str | None, typer.Option(help="Comma-separated subset of adamw,muon,muonclip (default all).")
     ] = None,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            help="Runs trained at once, in worker processes (each with threads/jobs torch threads, "
+            "output in OUT/logs/)."
+        ),
+    ] = 1,
     threads: Annotated[
         int | None,
         typer.Option(
@@ -379,6 +386,7 @@ def ablate_optimizer(
         keep_weights=keep_weights,
         optimizers=[name.strip() for name in optimizers.split(",") if name.strip()] if optimizers else None,
         threads=threads,
+        jobs=jobs,
         preset=preset,
         steps=steps,
         data=data,

@@ -76,7 +76,7 @@ FULL_RECIPE: dict[str, Any] = {
     "sample_tokens": 8,
     "schedule": {"kind": "wsd", "warmup_steps": 15, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
 }
-FULL_LRS = (1e-3, 3e-3, 1e-2)
+FULL_LRS = (3e-4, 1e-3, 3e-3)  # brackets the optimum (1e-3) of every optimizer at 150 steps
 FULL_STRESS = {"lr": 3e-2, "tau": 10.0, "steps": None}  # steps None: min(sweep steps, 100)
 
 # ``--quick``: a smoke run of the same pipeline (k2-nano, a 2 MB slice of the corpus, a few steps).
@@ -119,7 +119,10 @@ class AblationConfig(BaseModel):
     stress: StressConfig | None = None
     out: str = "runs/ablation"
     keep_weights: bool = False
-    threads: int | None = Field(default=None, gt=0, description="torch threads; None = torch's default.")
+    threads: int | None = Field(
+        default=None, gt=0, description="torch threads per run; None: see run_ablation."
+    )
+    jobs: int = Field(default=1, gt=0, description="Runs trained at once, in worker processes when > 1.")
 
     @field_validator("optimizers")
     @classmethod
@@ -171,6 +174,7 @@ def ablation_config(
     out: str | None = None,
     keep_weights: bool = False,
     threads: int | None = None,
+    jobs: int = 1,
     **overrides: Any,
 ) -> AblationConfig:
     """The ablation from the defaults (full or ``quick``), then ``recipe`` (TOML), then the overrides.
@@ -213,6 +217,7 @@ def ablation_config(
             out=out or ("runs/ablation-quick" if quick else "runs/ablation"),
             keep_weights=keep_weights,
             threads=threads if threads is not None or not quick else 1,
+            jobs=jobs,
         )
     except ValueError as error:  # pydantic's ValidationError is a ValueError
         raise K2LabError(f"invalid ablation setting: {error}") from error
@@ -248,7 +253,7 @@ def train_config(
 
 
 # ---- running ---------------------------------------------------------------------------------------------
-def train_or_reuse(config: TrainConfig, keep_weights: bool, console: Console) -> tuple[dict, bool]:
+def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]:
     """Run ``config`` (``run_training``) unless its directory holds a finished run of the same recipe.
 
     Returns the run's summary (with ``seconds``, the wall time of the training call) and whether it was
@@ -313,63 +318,96 @@ def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str,
     }
 
 
-def run_ablation(ablation: AblationConfig, console: Console | None = None) -> dict[str, Any]:
-    """Train every run (or reuse it), analyse, write DIR/ablation.{json,md,png}; returns the results."""
-    console = console or Console()
+def run_plan(ablation: AblationConfig) -> list[tuple[str, TrainConfig]]:
+    """The runs of the ablation in order: (``"sweep"`` or ``"stress"``, recipe)."""
     out = Path(ablation.out)
-    out.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, TrainConfig]] = []
     for optimizer in ablation.optimizers:
         for lr in ablation.lrs:
-            plan.append(
-                (
-                    "sweep",
-                    train_config(
-                        ablation, optimizer, lr, ablation.tau, out / "runs" / run_name(optimizer, lr)
-                    ),
-                )
-            )
+            run_dir = out / "runs" / run_name(optimizer, lr)
+            plan.append(("sweep", train_config(ablation, optimizer, lr, ablation.tau, run_dir)))
     if ablation.stress is not None:
         stress = ablation.stress
+        steps = stress.steps or min(ablation.base.steps, 100)
         for optimizer in ("muon", "muonclip"):
             run_dir = out / "stress" / run_name(optimizer, stress.lr, stress.tau)
-            steps = stress.steps or min(ablation.base.steps, 100)
             plan.append(("stress", train_config(ablation, optimizer, stress.lr, stress.tau, run_dir, steps)))
+    return plan
 
+
+def run_ablation(ablation: AblationConfig, console: Console | None = None) -> dict[str, Any]:
+    """Train every run (or reuse it), analyse, write DIR/ablation.{json,md,png}; returns the results.
+
+    With ``jobs == 1`` the runs train one after another in this process (live progress). With more jobs
+    they train in that many worker processes (spawned), each with ``threads`` torch threads (default:
+    this process's threads divided among the jobs) and its output in ``DIR/logs/{run}.log``.
+    """
+    console = console or Console()
+    out = Path(ablation.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = run_plan(ablation)
     threads = torch.get_num_threads()
-    if ablation.threads is not None:
-        torch.set_num_threads(ablation.threads)
-    try:
-        return _run_plan(ablation, plan, out, console)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run_plan(
-    ablation: AblationConfig, plan: list[tuple[str, TrainConfig]], out: Path, console: Console
-) -> dict[str, Any]:
+    per_run = ablation.threads or (threads if ablation.jobs == 1 else max(1, threads // ablation.jobs))
     start = time.perf_counter()
-    sweep: list[dict[str, Any]] = []
-    stressed: list[dict[str, Any]] = []
-    for index, (kind, config) in enumerate(plan, start=1):
-        label = (
-            f"[{index}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]}, lr {config.optimizer.lr:g}, "
-            f"τ {config.optimizer.qk_clip_tau:g}, {config.steps} steps → {config.out}"
-        )
-        console.rule(label)
-        summary, reused = train_or_reuse(config, ablation.keep_weights, console)
-        if reused:
-            console.print(f"reused the finished run in {config.out}")
+    outcomes: list[tuple[dict, bool] | None] = [None] * len(plan)
+
+    def report(index: int) -> None:
+        kind, config = plan[index]
+        summary, reused = outcomes[index]
         result = summarize_run(config, summary, reused)
-        (sweep if kind == "sweep" else stressed).append(result)
         console.print(
-            f"final val loss {result['final_val_loss']:.4f}, peak max logit {result['peak_max_logit']:.2f}, "
+            f"[{index + 1}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]} lr {config.optimizer.lr:g} "
+            f"τ {config.optimizer.qk_clip_tau:g}: final val loss {result['final_val_loss']:.4f}, peak max "
+            f"logit {result['peak_max_logit']:.2f}{' (reused)' if reused else ''}; "
             f"elapsed {time.perf_counter() - start:.0f}s"
         )
 
+    if ablation.jobs == 1:
+        torch.set_num_threads(per_run)
+        try:
+            for index, (kind, config) in enumerate(plan):
+                console.rule(
+                    f"[{index + 1}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]}, lr {config.optimizer.lr:g}, "
+                    f"τ {config.optimizer.qk_clip_tau:g}, {config.steps} steps → {config.out}"
+                )
+                outcomes[index] = train_or_reuse(config, ablation.keep_weights)
+                report(index)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        logs = out / "logs"
+        logs.mkdir(exist_ok=True)
+        console.print(
+            f"{len(plan)} runs on {ablation.jobs} worker processes × {per_run} torch threads; "
+            f"per-run output in {logs}/"
+        )
+        context = multiprocessing.get_context("spawn")  # no fork after OpenMP threads have started
+        with ProcessPoolExecutor(ablation.jobs, mp_context=context) as pool:
+            futures = {
+                pool.submit(
+                    _train_in_worker,
+                    config.model_dump(mode="json"),
+                    ablation.keep_weights,
+                    per_run,
+                    str(logs / f"{kind}-{Path(config.out).name}.log"),
+                ): index
+                for index, (kind, config) in enumerate(plan)
+            }
+            for future in as_completed(futures):
+                index = futures[future]
+                outcomes[index] = future.result()
+                report(index)
+
+    sweep: list[dict[str, Any]] = []
+    stressed: list[dict[str, Any]] = []
+    for (kind, config), (summary, reused) in zip(plan, outcomes, strict=True):
+        (sweep if kind == "sweep" else stressed).append(summarize_run(config, summary, reused))
     results = analyse(ablation, sweep, stressed)
     results["wall_seconds"] = time.perf_counter() - start
-    results["settings"]["threads"] = torch.get_num_threads()
+    results["settings"].update(threads=per_run, jobs=ablation.jobs)
     results["training_seconds"] = sum(
         run["seconds"] for run in [*sweep, *stressed] if math.isfinite(run["seconds"])
     )
@@ -377,6 +415,20 @@ def _run_plan(
     print_summary(results, console)
     console.print(f"wrote {out / 'ablation.md'}, {out / 'ablation.json'}, {out / 'ablation.png'}")
     return results
+
+
+def _train_in_worker(config_data: dict, keep_weights: bool, threads: int, log: str) -> tuple[dict, bool]:
+    """One run in a worker process, its console output going to ``log``."""
+    import contextlib
+
+    torch.set_num_threads(threads)
+    config = TrainConfig.model_validate(config_data)
+    with (
+        open(log, "w", encoding="utf-8") as handle,
+        contextlib.redirect_stdout(handle),
+        contextlib.redirect_stderr(handle),
+    ):
+        return train_or_reuse(config, keep_weights)
 
 
 # ---- analysis --------------------------------------------------------------------------------------------
@@ -668,6 +720,7 @@ def plot_ablation(results: dict[str, Any], target: Path) -> Path:
             [r["final_val_loss"] for r in runs],
             marker="o",
             color=COLORS[name],
+            linestyle=STYLES[name],
             label=LABELS[name],
         )
     ax.set_xscale("log")
