@@ -23,11 +23,14 @@ Outputs: ``DIR/ablation.json`` (everything, including the curves), ``DIR/ablatio
 A run directory that already holds a finished run of exactly the same recipe (``ablation_run.json``) is
 reused, so an interrupted ablation continues where it stopped. Checkpoints and final weights of the runs
 are deleted once a run finishes unless ``keep_weights`` (an ablation of 11 k2-mini runs would keep ~3 GB).
-Finished runs can therefore also be produced by several processes at once (``optimizers`` subsets, one
-with ``stress=None``) and gathered by a final full invocation that only reuses them.
+Finished runs can therefore also be produced by separate invocations (``optimizers`` subsets, one with
+``stress=None``) and gathered by a final full invocation that only reuses them.
 
-``threads`` sets ``torch.set_num_threads`` for the ablation: on a shared machine whose cores are busy with
-other work, one thread avoids OpenMP barrier stalls that can make a 2-thread step 10-30x slower.
+``jobs > 1`` trains that many runs at once in spawned worker processes (output in ``DIR/logs/``), each
+with ``threads`` torch threads (default: the threads divided among the jobs). On a shared machine whose
+cores are busy with other work, one thread per process also avoids OpenMP barrier stalls that can make a
+2-thread step 10-30x slower. Runs are deterministic: the same recipe with the same thread count gives the
+same losses in any process.
 
 On the WSD schedule the final evaluation sits after the lr decay, which lowers the loss quickly; the worst
 run reaches the default target only there, while better runs may cross it during the constant phase. The
@@ -245,7 +248,10 @@ def train_config(
     ablation: AblationConfig, optimizer: str, lr: float, tau: float, out: Path, steps: int | None = None
 ) -> TrainConfig:
     """The base recipe with this run's optimizer, lr, τ, run directory (and steps)."""
-    settings = ablation.base.optimizer.model_copy(update={"name": optimizer, "lr": lr, "qk_clip_tau": tau})
+    # adamw_lr is cleared: the swept lr is the lr of every group (one scale with match_rms_adamw).
+    settings = ablation.base.optimizer.model_copy(
+        update={"name": optimizer, "lr": lr, "qk_clip_tau": tau, "adamw_lr": None}
+    )
     update: dict[str, Any] = {"optimizer": settings, "out": str(out)}
     if steps is not None and steps != ablation.base.steps:
         update.update(steps=steps, save_every=steps, eval_every=max(1, steps // 10))
