@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from timing import alternating_medians  # benchmarks/timing.py
 
 import k2lab
 from k2lab.hf.bridge import to_transformers
@@ -58,23 +56,6 @@ class Comparison:
     preset: str
     threads: int
     extra: dict[str, object] = field(default_factory=dict)
-
-
-def median_seconds(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
-    """Median wall time of each ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
-
-    Calls are interleaved (a, b, a, b ...) so that load from other processes hits every side alike.
-    """
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, fn_times in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            fn_times.append(time.perf_counter() - start)
-    return [statistics.median(fn_times) for fn_times in times]
 
 
 def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
@@ -101,7 +82,7 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
     labels = next_token_labels(ids)
     ours.train()
     theirs.train()
-    t_ours, t_theirs = median_seconds(
+    t_ours, t_theirs = alternating_medians(
         [lambda: train_step(ours, ids, labels, hf=False), lambda: train_step(theirs, ids, labels, hf=True)],
         args.repeats,
     )
@@ -151,7 +132,7 @@ def bench_greedy_decode(
     same = run_ours() == run_theirs().tolist()
     if not same:
         warnings.warn("greedy outputs differ between k2lab and transformers", stacklevel=1)
-    t_ours, t_theirs = median_seconds([run_ours, run_theirs], args.repeats)
+    t_ours, t_theirs = alternating_medians([run_ours, run_theirs], args.repeats)
     tokens = args.decode_batch * n_new
     shape = {"batch": args.decode_batch, "prompt": prompt_len, "new_tokens": n_new}
     return _comparison(name, tokens, t_ours, t_theirs, args, shape, {"same_tokens": same})

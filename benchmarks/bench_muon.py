@@ -19,30 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import alternating_medians  # benchmarks/timing.py
 
 import k2lab
 from k2lab.optim import Muon, MuonClip, OptimizerConfig
 from k2lab.optim.grouping import parameter_groups
-
-
-def alternating_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Run the functions in turn (a, b, a, b, ...) so machine noise hits both alike; median seconds each."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def muon_matrices(model: torch.nn.Module) -> list[torch.Tensor]:

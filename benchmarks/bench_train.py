@@ -50,7 +50,6 @@ import contextlib
 import io
 import itertools
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -60,6 +59,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import alternating_medians  # benchmarks/timing.py
 
 import k2lab
 from k2lab.hf.bridge import to_transformers
@@ -90,20 +90,6 @@ class Comparison:
     preset: str
     threads: int
     extra: dict[str, object] = field(default_factory=dict)
-
-
-def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
-    """Run the functions in turn (a, b, a, b, ...) after ``warmup`` untimed calls each; median seconds each."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, fn_times in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            fn_times.append(time.perf_counter() - start)
-    return [statistics.median(fn_times) for fn_times in times]
 
 
 def model_flops_per_step(config: k2lab.ModelConfig, batch: int, seq: int) -> tuple[float, int]:
