@@ -667,7 +667,8 @@ def markdown_report(results: dict[str, Any]) -> str:
     lines += [
         "",
         f"Training time of the {runs} runs: {results.get('training_seconds', math.nan) / 60:.1f} min "
-        f"({s.get('threads', '?')} torch threads; finished runs are reused with their original time); "
+        f"(torch threads per run: {s.get('threads', '?')}, parallel jobs: {s.get('jobs', 1)}; "
+        "a reused run counts with its original time); "
         f"wall time of this invocation {results.get('wall_seconds', math.nan) / 60:.1f} min.",
         "",
     ]
