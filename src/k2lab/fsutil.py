@@ -42,3 +42,18 @@ def read_json_object(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} should hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def save_figure_atomically(figure: Any, target: Path, dpi: int = 100) -> Path:
+    """Write a matplotlib figure to ``target`` as PNG via a temporary sibling and a rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            figure.savefig(handle, format="png", dpi=dpi)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target

@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k2lab.errors import K2LabError
+from k2lab.fsutil import save_figure_atomically
 from k2lab.train.config import TrainConfig, load_train_config
 from k2lab.train.metrics import read_metrics
 
@@ -772,16 +773,7 @@ def plot_ablation(results: dict[str, Any], target: Path) -> Path:
     ax.set_ylabel("max attention logit")
     ax.grid(alpha=0.3)
 
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            figure.savefig(handle, format="png", dpi=100)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return target
+    return save_figure_atomically(figure, target)
 
 
 def _strict_json(value: Any) -> Any:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from k2lab.errors import K2LabError
+from k2lab.fsutil import save_figure_atomically
 from k2lab.train.metrics import METRICS_FILE, read_metrics
 
 DASHBOARD_FILE = "dashboard.png"
@@ -57,17 +57,7 @@ def plot_dashboard(
     _plot_load_heatmap(figure, axes[1, 1], records)
     _plot_imbalance(axes[1, 2], records)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            figure.savefig(handle, format="png", dpi=100)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return target
+    return save_figure_atomically(figure, target)
 
 
 # ---- data helpers ---------------------------------------------------------------------------------------
