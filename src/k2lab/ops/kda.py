@@ -1,0 +1,432 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with a per-channel (diagonal) forget gate.
+
+Per value head, with a state ``S`` of shape [K, V] and per-token ``q_t, k_t`` [K], ``v_t`` [V],
+log-decay ``g_t`` [K] and ``β_t`` (a scalar)::
+
+    S ← Diag(exp g_t) · S                       (decay the K rows of the state)
+    S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ             (delta-rule write)
+    o_t = Sᵀ (scale · q_t)                      (read)
+
+Shapes (the convention of flash-linear-attention's ``fla/ops/kda``): ``q, k`` [B, T, H, K];
+``v`` [B, T, HV, V]; ``g`` [B, T, HV, K]; ``beta`` [B, T, HV]; state [B, HV, K, V]. ``HV`` is a multiple of
+``H`` and value head ``h`` reads query/key head ``h // (HV // H)``. ``scale`` defaults to ``K ** -0.5``.
+``q`` and ``k`` are used as given (the layer L2-normalises them). Everything is computed in fp32; the
+output is cast to ``v``'s dtype and the final state is fp32.
+
+Three entry points:
+
+* :func:`recurrent_kda` — the recurrence token by token (decode, and the reference).
+* :func:`chunk_kda` — the chunk-parallel WY / UT-transform form: within a chunk every token's
+  contribution is solved at once with a unit-lower-triangular system; the state crosses chunk
+  boundaries with one [K, K] @ [K, V] product per chunk. Any ``T`` (padded internally).
+* :func:`kda` — dispatch: flash-linear-attention's kernels on CUDA when importable, ours otherwise;
+  a single token with a state uses the recurrent form.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+# Decays below exp(-DECAY_FLOOR) ≈ 1e-13 are held there (see _decay).
+DECAY_FLOOR = 30.0
+
+Backend = Literal["auto", "chunk", "recurrent", "fla"]
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _check_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the fla shape convention and return ``(B, T, H, K, HV, V)``."""
+    if q.ndim != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads HV={HV} must be a multiple of query/key heads H={H}")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g must be [B, T, HV, K] = {[B, T, HV, K]}, got {list(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {[B, T, HV]}, got {list(beta.shape)}")
+    if initial_state is not None and initial_state.shape != (B, HV, K, V):
+        raise ValueError(
+            f"initial_state must be [B, HV, K, V] = {[B, HV, K, V]}, got {list(initial_state.shape)}"
+        )
+    return B, T, H, K, HV, V
+
+
+def _to_value_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    """fp32 copies with q/k repeated to the ``HV`` value heads and q multiplied by ``scale``."""
+    groups = v.shape[2] // q.shape[2]
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    return q * scale, k, v, g, beta
+
+
+def _initial_state(
+    initial_state: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
+) -> torch.Tensor:
+    if initial_state is None:
+        return like.new_zeros(shape)
+    return initial_state.float()
+
+
+# -------------------------------------------------------------------------------------------- recurrent
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA by the recurrence, one token at a time (for decode and as the reference).
+
+    For each token: ``S ← Diag(exp g_t) S``; ``S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ``; ``o_t = Sᵀ (scale·q_t)``.
+
+    Args:
+        q, k: [B, T, H, K]. v: [B, T, HV, V]. g: [B, T, HV, K] log-decay. beta: [B, T, HV].
+        scale: defaults to ``K ** -0.5``.
+        initial_state: [B, HV, K, V] or ``None`` (zeros).
+        output_final_state: also return the state after the last token.
+
+    Returns:
+        ``(o, final_state)``: o [B, T, HV, V] in ``v``'s dtype; final_state [B, HV, K, V] fp32 or ``None``.
+    """
+    B, T, H, K, HV, V = _check_shapes(q, k, v, g, beta, initial_state)
+    dtype = v.dtype
+    q, k, v, g, beta = _to_value_heads(q, k, v, g, beta, K**-0.5 if scale is None else scale)
+    state = _initial_state(initial_state, (B, HV, K, V), v)
+    per_token = (
+        q.unsqueeze(-2),  # [B, T, HV, 1, K]
+        k.unsqueeze(-2),
+        v.unsqueeze(-2),  # [B, T, HV, 1, V]
+        g.exp().unsqueeze(-1),  # [B, T, HV, K, 1]
+        (beta[..., None] * k).unsqueeze(-1),
+    )
+    # unbind rather than index by t: backward then has one node per input, not T full-size zero gradients
+    steps = (x.unbind(1) for x in per_token)
+    outputs = []
+    for q_t, k_t, v_t, decay_t, write_t in zip(*steps, strict=True):
+        state = state * decay_t  # S ← Diag(exp g_t) S
+        state = state + write_t * (v_t - k_t @ state)  # S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ
+        outputs.append(q_t @ state)  # o_t = Sᵀ q_t (q already scaled)
+    o = torch.cat(outputs, dim=2).transpose(1, 2).contiguous() if outputs else v.new_zeros(B, 0, HV, V)
+    return o.to(dtype), (state if output_final_state else None)
+
+
+# ---------------------------------------------------------------------------------------------- chunked
+
+
+def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[B, T, HV, *rest] -> [B, HV, N, chunk, *rest], zero-padded at the end of T to N·chunk."""
+    x = x.transpose(1, 2)
+    pad = -x.shape[2] % chunk
+    if pad:
+        x = F.pad(x, (0, 0) * (x.ndim - 3) + (0, pad))
+    return x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:])
+
+
+def _levels(chunk: int) -> list[int]:
+    """Block sizes of the binary split of a chunk: chunk, chunk/2, ..., 2."""
+    return [chunk >> i for i in range(chunk.bit_length() - 1)]
+
+
+@functools.lru_cache(maxsize=32)
+@torch.inference_mode(False)  # cached across calls: must not be an inference tensor, which autograd refuses
+def _score_index(chunk: int, device: torch.device) -> torch.Tensor:
+    """Gather map from the concatenated level scores of :func:`_intra_chunk_scores` to ``[2, C, C]``.
+
+    Level ``b`` stores, for each of its ``C/b`` blocks, rows ``t`` of the second half (q then k per row)
+    against columns ``j`` of the first half: ``C·b/2`` values. Then ``C`` diagonal q·k values and one zero,
+    which every entry above the diagonal (and the diagonal of A_kk) points to.
+    """
+    levels = _levels(chunk)
+    sizes = [chunk * b // 2 for b in levels]
+    offset = {b: sum(sizes[:i]) for i, b in enumerate(levels)}
+    diag = sum(sizes)
+    index = torch.full((2, chunk, chunk), diag + chunk, dtype=torch.long)
+    for t in range(chunk):
+        index[0, t, t] = diag + t
+        for j in range(t):
+            b = 2 << ((t ^ j).bit_length() - 1)  # the smallest block holding both: t, j in different halves
+            h = b // 2
+            entry = offset[b] + (t // b) * 2 * h * h + (t % b - h) * 2 * h + j % b  # q_t·k_j; k_t·k_j is h on
+            index[0, t, j], index[1, t, j] = entry, entry + h
+    return index.flatten().to(device)
+
+
+def _decay(exponent: torch.Tensor, scratch: bool = False, times: torch.Tensor | None = None) -> torch.Tensor:
+    """``exp(exponent)`` (times ``times``) for exponents ≤ 0, the decay held at ``exp(-DECAY_FLOOR)`` from below.
+
+    Below the floor a decay is numerically nothing next to fp32 rounding of O(1) outputs, and keeping every
+    factor (and the product of two of them) a normal float avoids denormal arithmetic, which is tens of times
+    slower on CPUs. ``scratch=True`` lets it overwrite ``exponent`` when no gradient is recorded.
+    """
+    if scratch and not (
+        torch.is_grad_enabled() and (exponent.requires_grad or (times is not None and times.requires_grad))
+    ):
+        decay = exponent.clamp_(min=-DECAY_FLOOR).exp_()
+        return decay if times is None else decay.mul_(times)
+    decay = exponent.clamp(min=-DECAY_FLOOR).exp()
+    return decay if times is None else decay * times
+
+
+def _intra_chunk_scores(
+    q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decay-weighted scores inside each chunk.
+
+    ``A_qk[t, j] = Σ_d q_td k_jd exp(G_td − G_jd)`` for t ≥ j and ``A_kk[t, j]`` likewise with ``k_t`` for
+    t > j (zero elsewhere), where ``G`` is the within-chunk cumulative log-decay. The chunk is split in halves
+    recursively; a row t in the second half of a block meets a column j in its first half through the
+    cumulative decay ``R`` at the end of the first half: ``exp(G_t − G_j) = exp(G_t − R)·exp(R − G_j)``, two
+    factors ≤ 1 (for g ≤ 0), so strong decays never overflow and every block pair is one batched matmul.
+
+    Shapes: q, k, gcum [..., C, K] (C a power of two) -> (A_qk, A_kk) [..., C, C].
+    """
+    *lead, C, K = q.shape
+    qk = torch.stack((q, k), dim=-2)  # [..., C, 2, K]: a block's rows are q and k of each token
+    parts = []
+    for b in _levels(C):
+        h, nb = b // 2, C // b
+        g_first, g_second = gcum.view(*lead, nb, 2, h, K).unbind(-3)
+        qk_first, qk_second = qk.view(*lead, nb, 2, h, 2, K).unbind(-4)
+        ref = g_first[..., h - 1 : h, :]  # [..., nb, 1, K]
+        rows = qk_second * _decay(g_second - ref, scratch=True).unsqueeze(-2)  # [..., nb, h, 2, K]
+        cols = _decay(ref - g_first, scratch=True, times=qk_first[..., 1, :])  # [..., nb, h, K]
+        parts.append((rows.view(*lead, nb, 2 * h, K) @ cols.transpose(-1, -2)).flatten(-3))
+    parts.append((q * k).sum(-1))
+    parts.append(q.new_zeros(()).expand(*lead, 1))
+    flat = torch.cat(parts, dim=-1)
+    scores = flat.view(-1, flat.shape[-1]).index_select(1, _score_index(C, q.device))
+    a_qk, a_kk = scores.view(*lead, 2, C, C).unbind(-3)
+    return a_qk, a_kk
+
+
+def _batched(x: torch.Tensor) -> torch.Tensor:
+    """[..., M, N] -> [batch, M, N] (a view) for ``torch.baddbmm``."""
+    return x.flatten(0, -3)
+
+
+def _wy_transform(
+    a_kk: torch.Tensor, k_decayed: torch.Tensor, v: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve the intra-chunk delta rule: ``W = T (exp(G)⊙K)``, ``U = T V``, ``T = (I + Diag(β) A_kk)⁻¹ Diag(β)``.
+
+    The chunk's effective writes are then ``U − W S₀`` for the state ``S₀`` entering the chunk.
+    Shapes: a_kk [..., C, C]; k_decayed [..., C, K]; v [..., C, V]; beta [..., C] -> w [..., C, K], u [..., C, V].
+    """
+    eye = torch.eye(a_kk.shape[-1], dtype=a_kk.dtype, device=a_kk.device)
+    system = torch.addcmul(eye, beta[..., None], a_kk)
+    inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
+    transform = inverse * beta[..., None, :]
+    return transform @ k_decayed, transform @ v
+
+
+def _propagate_states(
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """States entering every chunk, serially over chunks: ``S_{n+1} = P_n S_n + R_n`` with
+
+    ``P_n = Diag(exp G_last) − K̃ᵀ W`` [K, K], ``R_n = K̃ᵀ U`` [K, V], ``K̃ = exp(G_last − G) ⊙ K``.
+    Shapes: w, k, gcum [B, HV, N, C, K]; u [B, HV, N, C, V]; state [B, HV, K, V]
+    -> (states [B, HV, N, K, V] at the start of each chunk, final state [B, HV, K, V]).
+    """
+    last = gcum[..., -1:, :]
+    k_to_end = _decay(last - gcum, scratch=True, times=k).transpose(-1, -2)  # [B, HV, N, K, C]
+    keep = torch.diag_embed(_decay(last.squeeze(-2)))
+    transition = torch.baddbmm(_batched(keep), _batched(k_to_end), _batched(w), alpha=-1).view_as(keep)
+    write = k_to_end @ u
+    states = []
+    for step, source in zip(transition.unbind(2), write.unbind(2), strict=True):  # unbind: one backward node
+        states.append(state)
+        state = torch.baddbmm(_batched(source), _batched(step), _batched(state)).view_as(state)
+    return torch.stack(states, dim=2), state
+
+
+def _chunk_outputs(
+    q_decayed: torch.Tensor, a_qk: torch.Tensor, w: torch.Tensor, u: torch.Tensor, states: torch.Tensor
+) -> torch.Tensor:
+    """``O = (exp(G)⊙Q) S₀ + A_qk (U − W S₀)`` per chunk: [B, HV, N, C, V]."""
+    writes = torch.baddbmm(_batched(u), _batched(w), _batched(states), alpha=-1)
+    o = torch.baddbmm(_batched(q_decayed) @ _batched(states), _batched(a_qk), writes)
+    return o.view_as(u)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA in chunk-parallel (WY / UT-transform) form; same results as :func:`recurrent_kda`.
+
+    Within a chunk with cumulative log-decay ``G_t = Σ_{s≤t} g_s`` and entering state ``S₀``:
+
+        (I + Diag(β) A_kk) [W | U] = Diag(β) [exp(G)⊙K | V]          (unit lower-triangular solve)
+        O = (exp(G)⊙Q) S₀ + A_qk (U − W S₀)
+        S_C = Diag(exp G_C) S₀ + (exp(G_C − G)⊙K)ᵀ (U − W S₀)
+
+    with ``A_kk[t, j] = Σ_d k_td k_jd exp(G_td − G_jd)`` (t > j) and ``A_qk`` likewise with ``scale·q_t``
+    (t ≥ j). All chunks are formed at once; only the state update runs serially over chunks.
+
+    Numerics: every exponential is of a log-decay summed over the span between two tokens (≤ 0 for g ≤ 0),
+    so strong decays underflow rather than overflow; decays below ``exp(-DECAY_FLOOR)`` ≈ 1e-13 are held
+    there. Spans are differences of fp32 cumulative sums within a chunk, so a decay carries a relative error
+    of about 1e-7·|Σ_chunk g| (as in fla's chunk kernels); a smaller ``chunk_size`` tightens it.
+
+    Args:
+        q, k: [B, T, H, K]. v: [B, T, HV, V]. g: [B, T, HV, K] log-decay. beta: [B, T, HV].
+        scale: defaults to ``K ** -0.5``.
+        initial_state: [B, HV, K, V] or ``None`` (zeros).
+        output_final_state: also return the state after the last token.
+        chunk_size: tokens per chunk (any T works; the tail chunk is padded with no-op tokens).
+
+    Returns:
+        ``(o, final_state)``: o [B, T, HV, V] in ``v``'s dtype; final_state [B, HV, K, V] fp32 or ``None``.
+    """
+    B, T, H, K, HV, V = _check_shapes(q, k, v, g, beta, initial_state)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    if T == 0:
+        return recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
+    dtype = v.dtype
+    chunk = min(chunk_size, 1 << (T - 1).bit_length())  # a short sequence gets a short chunk
+    q, k, v, g, beta = _to_value_heads(q, k, v, g, beta, K**-0.5 if scale is None else scale)
+    q, k, v, g, beta = (_chunked(x, chunk) for x in (q, k, v, g, beta))
+    v = v.contiguous()  # a right-hand side of batched matmuls: copied once here rather than by each of them
+    gcum = g.cumsum(dim=-2)
+    a_qk, a_kk = _intra_chunk_scores(q, k, gcum)
+    decay = _decay(gcum)
+    w, u = _wy_transform(a_kk, k * decay, v, beta)
+    states, final = _propagate_states(w, u, k, gcum, _initial_state(initial_state, (B, HV, K, V), v))
+    o = _chunk_outputs(q * decay, a_qk, w, u, states)
+    o = o.view(B, HV, -1, V)[:, :, :T].transpose(1, 2).contiguous()
+    return o.to(dtype), (final if output_final_state else None)
+
+
+# --------------------------------------------------------------------------------------------- dispatch
+
+
+@functools.cache
+def _fla_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """flash-linear-attention's ``(chunk_kda, fused_recurrent_kda)`` kernels, or ``None`` where they don't import.
+
+    Importing ``fla.ops.kda`` needs triton and a GPU runtime; anything it raises means "not available".
+    """
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+    except Exception:  # noqa: BLE001 - ImportError, or triton/driver errors raised while importing
+        return None
+    return fla_chunk_kda, fla_fused_recurrent_kda
+
+
+def _fla_usable(q: torch.Tensor) -> bool:
+    """fla's kernels run on CUDA tensors with key width ≤ 256, when they import."""
+    return q.is_cuda and q.shape[-1] <= 256 and _fla_kernels() is not None
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fla_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's kernels with our conventions: q, k used as given (no in-kernel L2 norm), g already the
+    log-decay, beta already a probability, fp32 state, output in ``v``'s dtype. The fused recurrent kernel
+    has no backward, so it serves only single-token steps that need no gradient."""
+    chunk, fused_recurrent = _fla_kernels()
+    state = None if initial_state is None else initial_state.float()
+    kwargs = dict(scale=scale, initial_state=state, output_final_state=output_final_state)
+    if q.shape[1] == 1 and not _needs_grad(q, k, v, g, beta, initial_state):
+        o, final = fused_recurrent(q=q, k=k, v=v, g=g, beta=beta, use_qk_l2norm_in_kernel=False, **kwargs)
+    else:
+        o, final = chunk(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False,
+            use_beta_sigmoid_in_kernel=False,
+            chunk_size=chunk_size if chunk_size in (32, 64) else 64,
+            **kwargs,
+        )
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA with the best available implementation; arguments and results as :func:`chunk_kda`.
+
+    ``backend="auto"``: flash-linear-attention's kernels for CUDA tensors when ``fla.ops.kda`` imports
+    (``fused_recurrent_kda`` for a single token without gradients, ``chunk_kda`` otherwise); elsewhere
+    :func:`recurrent_kda` for a single token (decode) and :func:`chunk_kda` for longer inputs.
+    ``"chunk"``, ``"recurrent"`` and ``"fla"`` force one; ``"fla"`` raises where fla's kernels are unusable.
+    """
+    if backend == "auto":
+        backend = "fla" if _fla_usable(q) else ("recurrent" if q.shape[1] == 1 else "chunk")
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state)
+    if backend == "fla":
+        if not _fla_usable(q):
+            raise RuntimeError("backend='fla' needs CUDA tensors, K <= 256 and an importable fla.ops.kda")
+        _check_shapes(q, k, v, g, beta, initial_state)
+        return _fla_kda(*args, chunk_size)
+    if backend == "recurrent":
+        return recurrent_kda(*args)
+    if backend == "chunk":
+        return chunk_kda(*args, chunk_size=chunk_size)
+    raise ValueError(f"backend must be one of auto, chunk, recurrent, fla; got {backend!r}")
