@@ -92,6 +92,29 @@ class ModelConfig(BaseModel):
     eos_token_id: int | None = None
     pad_token_id: int | None = None
 
+    # Feed-forward activation (K3: SiTU-GLU in every MLP, β1 = 4, β2 = 25, so |out| <= β1·β2)
+    mlp_activation: Literal["swiglu", "situ_glu"] = "swiglu"
+    situ_beta1: float = Field(default=4.0, gt=0)
+    situ_beta2: float = Field(default=25.0, gt=0)
+    # Stable LatentMoE (K3): routed experts work at this width between a down- and an up-projection
+    moe_latent_size: int | None = Field(default=None, gt=0, description="None: experts on full width.")
+
+    # Hybrid sequence mixing (Kimi Linear, K3): 1-based indices of the MLA layers, every other one is KDA
+    mla_layers: tuple[int, ...] | None = Field(default=None, description="None: every layer is MLA.")
+    mla_rope: bool = Field(default=True, description="False: NoPE MLA (k_R kept, never rotated).")
+    mla_output_gate: bool = Field(default=False, description="Gated MLA: o ⊙ sigmoid(W_g x) before W_O.")
+    linear_num_heads: int = Field(default=32, gt=0, description="KDA heads.")
+    linear_head_dim: int = Field(default=128, gt=0, description="KDA key/value width per head.")
+    linear_conv_kernel_dim: int = Field(default=4, gt=0, description="KDA causal short-conv kernel.")
+    kda_gate: Literal["softplus", "lower_bound"] = Field(
+        default="softplus", description="Kimi Linear −exp(A)·softplus(·) or K3 g_min·sigmoid(exp(A)·(·))."
+    )
+    kda_gate_lower_bound: float = Field(default=-5.0, lt=0, description="g_min of the K3 gate.")
+    kda_output_gate: Literal["low_rank", "full_rank"] = "low_rank"
+
+    # Block AttnRes (K3): depth-wise attention over block summaries; block size in decoder layers
+    attnres_block_size: int | None = Field(default=None, gt=0, description="None: plain residuals.")
+
     @model_validator(mode="after")
     def _check_consistency(self) -> ModelConfig:
         def fail(field: str, reason: str) -> None:
@@ -128,6 +151,14 @@ class ModelConfig(BaseModel):
             )
         if self.qk_rope_head_dim % 2:
             fail("qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even (rotary pairs)")
+        if self.mla_layers is not None:
+            layers = self.mla_layers
+            if any(not 1 <= index <= self.num_hidden_layers for index in layers):
+                fail("mla_layers", f"{list(layers)} must be 1-based indices in [1, {self.num_hidden_layers}]")
+            if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+                fail("mla_layers", f"{list(layers)} must be strictly increasing")
+        if self.moe_latent_size is not None and self.first_k_dense_replace >= self.num_hidden_layers:
+            fail("moe_latent_size", "set, but the model has no MoE layer")
         for token_field in ("bos_token_id", "eos_token_id", "pad_token_id"):
             token = getattr(self, token_field)
             if token is not None and not 0 <= token < self.vocab_size:
@@ -152,6 +183,23 @@ class ModelConfig(BaseModel):
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Sequence mixer per layer (0-based): ``"mla"`` or ``"kda"``."""
+        if self.mla_layers is None:
+            return ("mla",) * self.num_hidden_layers
+        mla = {index - 1 for index in self.mla_layers}
+        return tuple("mla" if i in mla else "kda" for i in range(self.num_hidden_layers))
+
+    @property
+    def has_kda(self) -> bool:
+        return "kda" in self.layer_types
+
+    @property
+    def uses_rope(self) -> bool:
+        """Whether any layer rotates positions (MLA with RoPE); a NoPE-only hybrid needs no rotary tables."""
+        return self.mla_rope and "mla" in self.layer_types
 
     def replace(self, **changes: object) -> ModelConfig:
         """A validated copy with some fields changed."""

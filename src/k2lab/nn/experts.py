@@ -1,29 +1,41 @@
-"""Routed experts: E SwiGLU experts stored as 3-D weights, run once each on their sorted tokens.
+"""Routed experts: E gated experts stored as 3-D weights, run once each on their sorted tokens.
 
-Suffixes: N tokens, K picks per token, E experts, D model width, F expert width.
+Suffixes: N tokens, K picks per token, E experts, D expert input/output width (the model width, or the latent
+width in Stable LatentMoE), F expert width.
 Dispatch: flatten the (token, pick) pairs, stable-sort them by expert, gather x in that order, run one grouped
-matmul per weight (``ops.grouped_mm``), scale each row by its routing weight and scatter-add back:
+matmul per weight (``ops.grouped_mm``), scale each row by its routing weight (fp32) and scatter-add back:
 
-    y_n = Σ_{k} w_{n,k} · W_down[e_{n,k}] (silu(W_gate[e_{n,k}] x_n) ⊙ W_up[e_{n,k}] x_n)
+    y_n = Σ_{k} w_{n,k} · W_down[e_{n,k}] act(W_gate[e_{n,k}] x_n, W_up[e_{n,k}] x_n)
 
+``act`` is SwiGLU ``silu(g) ⊙ u`` by default, or SiTU-GLU (``k2lab.nn.activations``). The sum runs in
+``out_dtype`` (default: x's dtype, as K2; fp32 for the latent branch, which normalises the sum next).
 No loop over tokens and no compute for unselected experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from k2lab.nn.activations import swiglu
 from k2lab.ops.grouped_mm import grouped_matmul
 
 
 class RoutedExperts(nn.Module):
     """Weights: gate_EFD, up_EFD [E, F, D] and down_EDF [E, D, F] (``[E, out, in]`` per expert)."""
 
-    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        n_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+    ) -> None:
         super().__init__()
         self.n_experts = n_experts
+        self.activation = activation
         self.gate_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
@@ -34,8 +46,12 @@ class RoutedExperts(nn.Module):
         indices_NK: torch.Tensor,
         weights_NK: torch.Tensor,
         counts_E: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """x [N, D], indices/weights [N, K] (``Routing``), optional per-expert counts [E] -> [N, D]."""
+        """x [N, D], indices/weights [N, K] (``Routing``), optional per-expert counts [E] -> [N, D].
+
+        The weighted rows are summed in ``out_dtype`` (default ``x.dtype``), which is also the result's dtype.
+        """
         top_k = indices_NK.shape[1]
         flat_expert = indices_NK.reshape(-1)
         order = flat_expert.argsort(stable=True)
@@ -46,10 +62,16 @@ class RoutedExperts(nn.Module):
         # index_select/index_add_ rather than x[rows]: the backward of advanced indexing
         # (index_put_ with accumulate) is several times slower on CPU.
         x_sorted = x_ND.index_select(0, token_of_row)
-        hidden = F.silu(grouped_matmul(x_sorted, self.gate_proj, counts_E)) * grouped_matmul(
-            x_sorted, self.up_proj, counts_E
+        hidden = self.activation(
+            grouped_matmul(x_sorted, self.gate_proj, counts_E),
+            grouped_matmul(x_sorted, self.up_proj, counts_E),
         )
         y_sorted = grouped_matmul(hidden, self.down_proj, counts_E)
         row_weight = weights_NK.reshape(-1).index_select(0, order).unsqueeze(1)
-        y_sorted = (y_sorted.float() * row_weight).to(x_ND.dtype)
-        return torch.zeros_like(x_ND).index_add_(0, token_of_row, y_sorted)
+        out_dtype = x_ND.dtype if out_dtype is None else out_dtype
+        y_sorted = (y_sorted.float() * row_weight).to(out_dtype)
+        return torch.zeros_like(x_ND, dtype=out_dtype).index_add_(0, token_of_row, y_sorted)
+
+    def extra_repr(self) -> str:
+        E, F, D = self.gate_proj.shape
+        return f"{E} experts, {D} -> {F} -> {D}, activation={getattr(self.activation, '__name__', self.activation)}"

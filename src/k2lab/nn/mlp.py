@@ -1,20 +1,39 @@
-"""SwiGLU feed-forward: ``y = W_down (silu(W_gate x) ⊙ W_up x)``. x: [..., D] -> [..., D]."""
+"""Gated feed-forward: ``y = W_down act(W_gate x, W_up x)``. x: [..., D] -> [..., D].
+
+``act`` is SwiGLU ``silu(g) ⊙ u`` by default (K2) or SiTU-GLU (K3), see ``k2lab.nn.activations``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from k2lab.nn.activations import swiglu
 
-class SwiGLU(nn.Module):
-    """Dense gated MLP (the first ``first_k_dense_replace`` layers and the shared experts)."""
+GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+class GatedMLP(nn.Module):
+    """Dense gated MLP (the first ``first_k_dense_replace`` layers and the shared experts).
+
+    ``activation``: ``(gate [..., F], up [..., F]) -> [..., F]``; build it from a config with
+    ``k2lab.nn.activations.mlp_activation(config)``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: GLU = swiglu) -> None:
         super().__init__()
+        self.activation = activation
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"activation={getattr(self.activation, '__name__', self.activation)}"
+
+
+SwiGLU = GatedMLP  # the K2 name: ``SwiGLU(hidden, inter)`` is the default-activation GatedMLP

@@ -1,4 +1,15 @@
-"""DeepSeek-style MoE block: ``y = Σ_k w_k E_k(x) + Σ_shared E_s(x)`` (K2: 384 routed top-8 + 1 shared)."""
+"""DeepSeek-style MoE block, optionally with K3's Stable LatentMoE routed branch.
+
+K2 (``moe_latent_size`` None), x [N, D]:
+    y = Σ_{i∈TopK(x)} p_i E_i(x) + E_shared(x)                                (K2: 384 routed top-8 + 1 shared)
+
+Stable LatentMoE (``moe_latent_size`` = L), the router still reads the full x:
+    u = Σ_{i∈TopK(x)} p_i E_i(W_down x)          W_down [L, D], E_i: L -> F -> L, sum in fp32     u [N, L]
+    y = E_shared(x) + W_up RMSNorm(u)            W_up [D, L]                                     y [N, D]
+
+Shared experts: one gated MLP of width ``moe_intermediate_size · n_shared_experts`` on the full x. Routed and
+shared experts use the configured activation (SwiGLU, or SiTU-GLU for K3).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +17,11 @@ import torch
 from torch import nn
 
 from k2lab.config import ModelConfig
+from k2lab.nn.activations import mlp_activation
 from k2lab.nn.balancing import sequence_balance_loss
 from k2lab.nn.experts import RoutedExperts
-from k2lab.nn.mlp import SwiGLU
+from k2lab.nn.mlp import GatedMLP
+from k2lab.nn.norm import RMSNorm
 from k2lab.nn.router import SigmoidRouter
 
 
@@ -17,33 +30,51 @@ class MoE(nn.Module):
 
     After each forward: ``last_expert_counts`` [E] holds the per-expert load, and ``aux_loss`` the
     sequence-wise balance loss when ``balance_alpha > 0`` in training (``k2lab.nn.balancing``).
+    With ``record_scores`` set, each training forward appends its unbiased router scores [N, E] (fp32,
+    detached) to ``recorded_scores`` for Quantile Balancing (``k2lab.nn.balancing.quantile_balance``).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        activation = mlp_activation(config)
+        latent = config.moe_latent_size
+        expert_width = config.hidden_size if latent is None else latent
         self.router = SigmoidRouter(config)
+        self.latent_down = None if latent is None else nn.Linear(config.hidden_size, latent, bias=False)
         self.experts = RoutedExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+            config.n_routed_experts, expert_width, config.moe_intermediate_size, activation
         )
+        self.latent_norm = None if latent is None else RMSNorm(latent, config.rms_norm_eps)
+        self.latent_up = None if latent is None else nn.Linear(latent, config.hidden_size, bias=False)
         self.shared_experts = (
-            SwiGLU(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, activation)
             if config.n_shared_experts
             else None
         )
         self.last_expert_counts: torch.Tensor | None = None
         self.balance_alpha = 0.0
         self.aux_loss: torch.Tensor | None = None
+        self.record_scores = False
+        self.recorded_scores: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_ND = x.reshape(-1, x.shape[-1])
         routing = self.router(x_ND)
         counts_E = torch.bincount(routing.indices.reshape(-1), minlength=self.experts.n_experts)
         self.last_expert_counts = counts_E
+        if self.training and self.record_scores:
+            self.recorded_scores.append(routing.scores.detach())
         if self.training and self.balance_alpha > 0:
             self.aux_loss = sequence_balance_loss(
                 routing.scores, routing.indices, x.shape[0], self.balance_alpha
             )
-        y = self.experts(x_ND, routing.indices, routing.weights, counts_E).view_as(x)
+        if self.latent_down is None:
+            y = self.experts(x_ND, routing.indices, routing.weights, counts_E).view_as(x)
+        else:
+            u_NL = self.experts(
+                self.latent_down(x_ND), routing.indices, routing.weights, counts_E, out_dtype=torch.float32
+            )
+            y = self.latent_up(self.latent_norm(u_NL).to(x.dtype)).view_as(x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -1,0 +1,58 @@
+"""Gated-linear-unit activations ``(gate, up) -> hidden`` shared by the dense MLP and the routed experts.
+
+    SwiGLU    h = silu(g) ⊙ u                                          (K2)
+    SiTU-GLU  h = [β1·tanh(g/β1) ⊙ σ(g)] ⊙ [β2·tanh(u/β2)],  β1 = 4, β2 = 25   (K3, every MLP)
+
+g = W_gate x and u = W_up x, both [..., F]. SiTU-GLU caps the gate branch in (−β1, β1)·σ(g) and the up branch in
+(−β2, β2), so |h| ≤ β1·β2 (= 100) for any input; it is computed in fp32 and cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from k2lab.config import ModelConfig
+
+__all__ = ["GLUActivation", "mlp_activation", "situ_glu", "swiglu"]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) ⊙ up in the input dtype (the K2 numerics, unchanged)."""
+    return F.silu(gate) * up
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """β1·tanh(g/β1)·σ(g) ⊙ β2·tanh(u/β2), in fp32, cast back to ``gate.dtype``; |out| ≤ β1·β2.
+
+    Each factor is bounded by its cap in floating point too (tanh ≤ 1, σ ≤ 1 and rounding is monotone), so the
+    bound holds exactly, for inputs up to ±inf in the gate and any finite up value.
+    """
+    g, u = gate.float(), up.float()
+    out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
+    return out.to(gate.dtype)
+
+
+@dataclass(frozen=True)
+class GLUActivation:
+    """A picklable ``(gate, up) -> hidden`` callable: ``kind`` names the rule, ``beta1/beta2`` SiTU's caps."""
+
+    kind: Literal["swiglu", "situ_glu"] = "swiglu"
+    beta1: float = 4.0
+    beta2: float = 25.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return swiglu(gate, up)
+        return situ_glu(gate, up, self.beta1, self.beta2)
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "swiglu" else f"situ_glu(β1={self.beta1:g}, β2={self.beta2:g})"
+
+
+def mlp_activation(config: ModelConfig) -> GLUActivation:
+    """The activation every MLP of ``config`` uses (``mlp_activation``, ``situ_beta1``, ``situ_beta2``)."""
+    return GLUActivation(config.mlp_activation, config.situ_beta1, config.situ_beta2)

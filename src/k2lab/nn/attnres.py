@@ -1,0 +1,113 @@
+"""Block Attention Residuals (K3): each sub-layer reads a learned softmax mixture of depth-wise sources.
+
+For sources v_0 … v_{S−1} (each [..., D]) and the sub-layer's pseudo-query w [D] (arXiv 2603.15031):
+
+    k_i = RMSNorm(v_i) ⊙ g                       key norm with weight g [D]
+    a_i = exp(w·k_i) / Σ_j exp(w·k_j)            softmax over the S sources, per token       a [S, ...]
+    h   = Σ_i a_i v_i                            values raw (not normalised)                 h [..., D]
+
+all in fp32, cast back to the first source's (the embedding's) dtype. w starts at zero, so h starts as the plain mean of the sources.
+
+Block AttnRes (the sources a decoder keeps, ``BlockAttnResState``, block size B in decoder layers):
+    sources = [embedding, completed block sums …, current partial block sum (left out while empty)]
+The partial sum adds up the attention and MLP outputs of every layer in the current block (the embedding is
+its own source, never part of a partial sum). At the start of layer l with l % B == 0 and l > 0 the partial
+sum becomes a completed block and a new, empty one starts. Every layer applies one AttnRes before attention
+and one before the MLP (own query and key norm each), both followed by the usual pre-norm RMSNorm; the decoder
+applies a last one before the final norm. So layer 0's attention sees only the embedding (h = embedding), and
+the storage is O(blocks · D) per token instead of O(layers · D). This is flash-linear-attention's RetNet
+``attnres_block_size`` with its sub-layer count = 2·B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2lab.nn.norm import RMSNorm
+
+__all__ = ["AttnRes", "BlockAttnResState", "attnres"]
+
+
+def attnres(
+    query: torch.Tensor, sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """h = Σ_i softmax_i(query · RMSNorm(v_i) ⊙ key_norm_weight) v_i.
+
+    query [D], sources S ≥ 1 tensors [..., D] of one shape, key_norm_weight [D] -> [..., D] in the first
+    source's dtype; computed in fp32.
+    """
+    if not sources:
+        raise ValueError("attnres needs at least one source")
+    dim = sources[0].shape[-1]
+    values = torch.stack([source.float() for source in sources])  # [S, ..., D]
+    keys = F.rms_norm(values, (dim,), key_norm_weight.float(), eps)  # [S, ..., D]
+    logits = keys @ query.float()  # [S, ...]
+    weights = logits.softmax(dim=0).unsqueeze(-1)  # [S, ..., 1]
+    return (weights * values).sum(0).to(sources[0].dtype)
+
+
+class AttnRes(nn.Module):
+    """One AttnRes: ``query`` [D] (pseudo-query, zero at init) and ``key_norm`` (RMSNorm weight [D], ones).
+
+    sources: a sequence of S tensors [..., D] (e.g. ``BlockAttnResState.sources()``) -> [..., D].
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm = RMSNorm(hidden_size, eps)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """query ← 0 (uniform mixture at init), key norm weight ← 1."""
+        self.query.zero_()
+        self.key_norm.weight.fill_(1.0)
+
+    def forward(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+        return attnres(self.query, sources, self.key_norm.weight, self.key_norm.eps)
+
+
+class BlockAttnResState:
+    """The depth-wise sources of Block AttnRes during one forward pass (no parameters).
+
+    Decoder use (``block_size`` = B decoder layers; ``attn_res`` / ``mlp_res`` / ``final_res`` are AttnRes)::
+
+        state = BlockAttnResState(embed(ids), block_size)
+        for l, layer in enumerate(layers):
+            state.start_layer(l)                              # closes the block when l % B == 0, l > 0
+            a = layer.attn(layer.attn_norm(layer.attn_res(state.sources())))
+            state.add(a)
+            f = layer.mlp(layer.mlp_norm(layer.mlp_res(state.sources())))
+            state.add(f)
+        logits = lm_head(norm(final_res(state.sources())))
+    """
+
+    def __init__(self, embedding: torch.Tensor, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.blocks: list[torch.Tensor] = [embedding]  # embedding, then completed block sums
+        self.partial: torch.Tensor | None = None
+
+    def start_layer(self, layer_idx: int) -> None:
+        """Call before layer ``layer_idx``'s attention: at a block boundary the partial sum becomes a block."""
+        if layer_idx > 0 and layer_idx % self.block_size == 0 and self.partial is not None:
+            self.blocks.append(self.partial)
+            self.partial = None
+
+    def add(self, output: torch.Tensor) -> None:
+        """Add a sub-layer's output (attention or MLP, [..., D]) to the current partial block sum.
+
+        The sum is kept in the embedding's dtype (the residual-stream dtype: fp32 under bf16 autocast), as
+        ``h + f(h)`` would be in a plain residual stream.
+        """
+        output = output.to(self.blocks[0].dtype)
+        self.partial = output if self.partial is None else self.partial + output
+
+    def sources(self) -> list[torch.Tensor]:
+        """[embedding, completed blocks …, partial (if not empty)], each [..., D]."""
+        return [*self.blocks] if self.partial is None else [*self.blocks, self.partial]
