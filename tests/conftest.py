@@ -30,6 +30,18 @@ def nano() -> CausalLM:
     return randomize(build_model(load_preset("k2-nano")))
 
 
+# k3-nano overrides that leave exactly what transformers' Kimi Linear has (KDA with the softplus gate and
+# low-rank output gate, NoPE MLA, SwiGLU DeepSeek MoE, plain residuals).
+KIMI_LINEAR_STYLE = dict(
+    kda_gate="softplus",
+    kda_output_gate="low_rank",
+    mla_output_gate=False,
+    mlp_activation="swiglu",
+    moe_latent_size=None,
+    attnres_block_size=None,
+)
+
+
 def nano_variant(**overrides: object) -> CausalLM:
     return randomize(build_model(load_preset("k2-nano", **overrides)))
 

@@ -35,3 +35,36 @@ def test_params_cli_json():
     data = json.loads(out)
     assert data["total"] == 1_026_408_232_448
     assert round(data["active"] / 1e9, 2) == 32.86
+
+
+def kda_layer_params(D: int, H: int, K: int, kernel: int, full_rank_gate: bool) -> int:
+    """Hand count of one KDA layer (projections, conv, forget gate, beta, output gate, norm)."""
+    width = H * K
+    qkv = 3 * D * width + 3 * width * kernel
+    forget = D * K + K * width + H + width  # f_a, f_b, A_log, dt_bias
+    gate = D * width if full_rank_gate else D * K + K * width
+    return qkv + forget + D * H + gate + K + width * D  # + b_proj, gate, o_norm, o_proj
+
+
+def test_k3_exact_and_beside_the_report():
+    report = count_parameters(load_preset("k3"))
+    assert report.total == 2_779_484_476_000
+    assert round(report.total / 1e12, 2) == 2.78
+    assert report.active_excl_embeddings < 104.2e9 < report.active  # the report's figure lies between
+    assert report.per_expert == 3 * 3584 * 3072
+    D = 7168
+    kda = kda_layer_params(D, 96, 128, 4, full_rank_gate=True)
+    mla = (D * 1536 + 1536 + 1536 * 96 * 192) + (D * 576 + 512 + 512 * 96 * 256) + 96 * 128 * D * 2
+    assert report.components["attention"] == 69 * kda + 24 * mla
+    assert report.components["latent_projection"] == 92 * (2 * D * 3584 + 3584)
+    assert report.components["shared_experts"] == 92 * 3 * D * 6144
+    assert report.components["attnres"] == (2 * 93 + 1) * 2 * D
+
+
+def test_kimi_linear_exact():
+    report = count_parameters(load_preset("kimi-linear-48b-a3b"))
+    assert report.total == 49_122_681_728
+    D = 2304
+    kda = kda_layer_params(D, 32, 128, 4, full_rank_gate=False)
+    mla = D * 32 * 192 + D * 576 + 512 + 512 * 32 * 256 + 32 * 128 * D
+    assert report.components["attention"] == 20 * kda + 7 * mla

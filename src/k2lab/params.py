@@ -16,6 +16,19 @@ from k2lab.models import build_model
 # What the papers / model cards report, shown beside our exact counts (source in the note).
 PUBLISHED: dict[str, dict[str, object]] = {
     "k2": {"total": 1.04e12, "active": 32.6e9, "note": "Kimi K2 report: 1.04T total / 32.6B activated"},
+    "k3": {
+        "total": 2.78e12,
+        "active": 104.2e9,
+        "note": "Kimi K3 report: 2.78T total / 104.2B activated. Gap: the report does not publish K3's "
+        "KDA heads, MLA kv_lora / v width or vocabulary; we assume K2's (96×128, 512, 128, 163,840). "
+        "Our active 105.36B counts the whole 1.17B embedding table, 103.02B without it",
+    },
+    "kimi-linear-48b-a3b": {
+        "total": 48e9,
+        "active": 3e9,
+        "note": "Kimi Linear model card: 48B total / 3B activated (names rounded; the checkpoint "
+        "holds 49.1B)",
+    },
     "deepseek-v3": {"total": 671e9, "active": 37e9, "note": "DeepSeek-V3 report: 671B total / 37B activated"},
     "moonlight-16b-a3b": {
         "total_excl_embeddings": 15.29e9,
@@ -28,10 +41,12 @@ COMPONENTS = (
     "embedding",
     "lm_head",
     "attention",
+    "attnres",
     "dense_mlp",
     "router",
     "routed_experts",
     "shared_experts",
+    "latent_projection",
     "norms",
 )
 
@@ -75,8 +90,12 @@ def _component_of(name: str) -> str:
         return "embedding"
     if name.startswith("lm_head."):
         return "lm_head"
-    if ".attn." in name:  # includes the latent norms, as the per-layer 101,124,096 does
+    if ".attn." in name:  # MLA or KDA; includes the latent norms, as the per-layer 101,124,096 does
         return "attention"
+    if "_res." in name:  # Block AttnRes pseudo-queries and key norms
+        return "attnres"
+    if ".mlp.latent_" in name:  # Stable LatentMoE down/up projections and latent norm
+        return "latent_projection"
     if ".mlp.router." in name:
         return "router"
     if ".mlp.experts." in name:

@@ -1,13 +1,19 @@
-"""MLA latent cache: per layer and token only c_KV [kv_lora_rank] and the rotated shared k_R [qk_rope_head_dim].
+"""Decode cache: the MLA latent rows of every MLA layer and the recurrent state of every KDA layer.
 
-Bytes per token = (kv_lora_rank + qk_rope_head_dim) × layers × element size
+MLA layers keep per token only c_KV [kv_lora_rank] and the (rotated) shared k_R [qk_rope_head_dim]:
+bytes per token = (kv_lora_rank + qk_rope_head_dim) × MLA layers × element size
 (K2: 576 × 61 × 2 B = 70,272 B in bf16, versus 2 × 64 heads × 192 × 61 × 2 B ≈ 3 MB for a full KV cache).
-Storage is preallocated for ``max_length`` tokens as one ``rows`` tensor [L, B, S, C + r] (c_KV then k_R per
-token), which is exactly the key of absorbed decode; ``latent`` and ``k_rope`` are views of it.
+Storage is preallocated for ``max_length`` tokens as one ``rows`` tensor [L_mla, B, S, C + r] (c_KV then k_R
+per token), which is exactly the key of absorbed decode; ``latent`` and ``k_rope`` are views of it.
 ``key_valid`` marks padding so prompts of different lengths can share a batch (left padding).
+
+KDA layers (Kimi Linear, K3) keep a fixed-size state per sequence, whatever the context length: the
+recurrent S [H, K, K] in fp32 and the short-convolution history [3·H·K, kernel − 1].
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,24 +21,39 @@ from k2lab.config import ModelConfig
 
 
 class _LayerLatents:
-    def __init__(self, cache: LatentCache, layer: int) -> None:
+    def __init__(self, cache: LatentCache, slot: int) -> None:
         self.cache = cache
-        self.layer = layer
+        self.slot = slot
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r]."""
         start, end = self.cache.length, self.cache.length + latent.shape[1]
         if end > self.cache.max_length:
             raise ValueError(f"cache is full: {end} tokens > max_length={self.cache.max_length}")
-        rows = self.cache.rows[self.layer, :, :end]
+        rows = self.cache.rows[self.slot, :, :end]
         rows[:, start:, : latent.shape[-1]] = latent
         rows[:, start:, latent.shape[-1] :] = k_rope
         return rows
 
 
+@dataclass
+class KDAState:
+    """One KDA layer's decode state: conv [B, 3·H·K, kernel − 1], recurrent [B, H, K, K] fp32."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv.copy_(conv)
+        self.recurrent.copy_(recurrent)
+
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+
 class LatentCache:
-    """Latent KV cache for a batch: ``rows`` [L, B, S, C + r] with views ``latent`` [L, B, S, C] and
-    ``k_rope`` [L, B, S, r]; ``key_valid`` [B, S]."""
+    """Decode cache for a batch: ``rows`` [L_mla, B, S, C + r] with views ``latent`` [L_mla, B, S, C] and
+    ``k_rope`` [L_mla, B, S, r]; ``key_valid`` [B, S]; ``kda_states`` {layer index: KDAState}."""
 
     def __init__(
         self,
@@ -42,21 +63,38 @@ class LatentCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        L = config.num_hidden_layers
+        kinds = config.layer_types
+        mla_layers = [i for i, kind in enumerate(kinds) if kind == "mla"]
+        self.slot_of = {layer: slot for slot, layer in enumerate(mla_layers)}
         self.max_length = max_length
         self.length = 0
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        self.rows = torch.zeros(L, batch_size, max_length, width, dtype=dtype, device=device)
+        self.rows = torch.zeros(len(mla_layers), batch_size, max_length, width, dtype=dtype, device=device)
         self.latent, self.k_rope = self.rows.split([config.kv_lora_rank, config.qk_rope_head_dim], dim=-1)
         self.key_valid = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        H, K = config.linear_num_heads, config.linear_head_dim
+        conv_shape = (batch_size, 3 * H * K, config.linear_conv_kernel_dim - 1)
+        self.kda_states = {
+            i: KDAState(
+                torch.zeros(conv_shape, dtype=dtype, device=device),
+                torch.zeros(batch_size, H, K, K, dtype=torch.float32, device=device),
+            )
+            for i, kind in enumerate(kinds)
+            if kind == "kda"
+        }
 
-    def layer(self, index: int) -> _LayerLatents:
-        return _LayerLatents(self, index)
+    def layer(self, index: int) -> _LayerLatents | KDAState:
+        """The view layer ``index`` reads and writes: latent rows (MLA) or its recurrent state (KDA)."""
+        if index in self.kda_states:
+            return self.kda_states[index]
+        return _LayerLatents(self, self.slot_of[index])
 
     def begin(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Register T new tokens (valid [B, T] bool); return their positions [B, T] and all key_valid [B, S']."""
         start, end = self.length, self.length + valid.shape[1]
+        if end > self.max_length:
+            raise ValueError(f"cache is full: {end} tokens > max_length={self.max_length}")
         self.key_valid[:, start:end] = valid
         positions = self.next_position[:, None] + (valid.long().cumsum(1) - 1).clamp(min=0)
         return positions, self.key_valid[:, :end]
@@ -68,12 +106,18 @@ class LatentCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Cache bytes one token occupies across all layers (per sequence)."""
-        per_layer = (
-            self.latent.shape[-1] * self.latent.element_size()
-            + self.k_rope.shape[-1] * self.k_rope.element_size()
-        )
-        return per_layer * self.latent.shape[0]
+        """Cache bytes one token adds across all MLA layers (per sequence)."""
+        return self.rows.shape[0] * self.rows.shape[-1] * self.rows.element_size()
+
+    @property
+    def state_bytes(self) -> int:
+        """Fixed bytes per sequence held by the KDA layers, independent of context length."""
+        batch = self.rows.shape[1]
+        return sum(state.nbytes() for state in self.kda_states.values()) // max(batch, 1)
+
+    def bytes_per_sequence(self, context: int) -> int:
+        """Cache bytes one sequence of ``context`` tokens needs: latent rows plus the KDA states."""
+        return context * self.bytes_per_token + self.state_bytes
 
     def nbytes(self) -> int:
-        return self.rows.nbytes
+        return self.rows.nbytes + sum(state.nbytes() for state in self.kda_states.values())

@@ -1,8 +1,14 @@
-"""The K2-family decoder: embeddings, pre-norm blocks of MLA + (dense SwiGLU | MoE), final norm, LM head.
+"""The K2-family decoder: embeddings, pre-norm blocks of (MLA | KDA) + (dense MLP | MoE), final norm, LM head.
 
-    h ← h + Attn(RMSNorm(h));  h ← h + FFN(RMSNorm(h));  logits = W_head RMSNorm(h)
+    h ← h + Mix(RMSNorm(h));  h ← h + FFN(RMSNorm(h));  logits = W_head RMSNorm(h)
 
-Layer ``i`` uses the dense MLP when ``i < first_k_dense_replace`` and the MoE otherwise.
+Layer ``i`` mixes tokens with MLA or KDA as ``config.layer_types[i]`` says (K2: all MLA; Kimi Linear and K3:
+KDA with an MLA layer every fourth and at the end) and uses the dense MLP when ``i < first_k_dense_replace``,
+the MoE otherwise.
+
+With Block AttnRes (K3, ``attnres_block_size``) the residual stream is replaced by depth-wise attention:
+before each attention, each MLP and the final norm, ``AttnRes`` mixes the embedding, the completed block
+sums and the current partial block sum (``k2lab.nn.attnres``); sub-layer outputs accumulate into the partial sum.
 """
 
 from __future__ import annotations
@@ -14,8 +20,11 @@ from torch import nn
 
 from k2lab.config import ModelConfig, YarnScaling
 from k2lab.infer.cache import LatentCache
+from k2lab.nn.activations import mlp_activation
+from k2lab.nn.attnres import AttnRes, BlockAttnResState
+from k2lab.nn.kda import KimiDeltaAttention, RecurrentState
 from k2lab.nn.mla import AttentionMask, LatentKV, MultiHeadLatentAttention
-from k2lab.nn.mlp import SwiGLU
+from k2lab.nn.mlp import GatedMLP
 from k2lab.nn.moe import MoE
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import RotaryEmbedding
@@ -26,29 +35,79 @@ class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V]
 
 
+@dataclass
+class LayerInputs:
+    """What every layer of one forward shares: rotary tables (None without RoPE), the MLA mask and which
+    tokens are real (``valid`` [B, T] bool, None when all are)."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    mask: AttentionMask
+    valid: torch.Tensor | None
+    document_starts: torch.Tensor | None = None  # [B, T] bool: a packed document begins here
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.kind = config.layer_types[layer_idx]
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = MultiHeadLatentAttention(config)
+        self.attn: nn.Module = (
+            MultiHeadLatentAttention(config) if self.kind == "mla" else KimiDeltaAttention(config)
+        )
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = (
             MoE(config)
             if config.is_moe_layer(layer_idx)
-            else SwiGLU(config.hidden_size, config.intermediate_size)
+            else GatedMLP(config.hidden_size, config.intermediate_size, mlp_activation(config))
         )
+        if config.attnres_block_size is not None:
+            self.attn_res = AttnRes(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res = AttnRes(config.hidden_size, config.rms_norm_eps)
+
+    def mix(
+        self, x: torch.Tensor, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
+    ) -> torch.Tensor:
+        """Token mixing of normed x [B, T, D] -> [B, T, D] by this layer's MLA or KDA."""
+        if self.kind == "kda":
+            return self.attn(x, inputs.valid, cache, inputs.document_starts)
+        return self.attn(x, inputs.cos, inputs.sin, inputs.mask, cache)
 
     def forward(
-        self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: AttentionMask,
-        cache: LatentKV | None = None,
+        self, h: torch.Tensor, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
     ) -> torch.Tensor:
-        """h [B, T, D], cos/sin [B, T, r/2] -> [B, T, D]."""
-        h = h + self.attn(self.attn_norm(h), cos, sin, mask, cache)
+        """h [B, T, D] -> [B, T, D]."""
+        h = h + self.mix(self.attn_norm(h), inputs, cache)
         return h + self.mlp(self.mlp_norm(h))
+
+    def forward_attnres(
+        self, state: BlockAttnResState, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
+    ) -> None:
+        """Block AttnRes form: read the depth sources before each sub-layer, add its output to the partial sum."""
+        state.add(self.mix(self.attn_norm(self.attn_res(state.sources())), inputs, cache))
+        state.add(self.mlp(self.mlp_norm(self.mlp_res(state.sources()))))
+
+
+def document_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """segment_ids [B, T] (non-decreasing per row) -> [B, T] bool, True where a new document begins."""
+    starts = torch.zeros_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return starts
+
+
+def document_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its own document: starts [B, T] bool -> [B, T] int64."""
+    index = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
+
+
+def document_mask(segment_ids: torch.Tensor) -> AttentionMask:
+    """Causal attention confined to each packed document: allowed [B, 1, T, T]."""
+    T = segment_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return AttentionMask((same & causal).unsqueeze(1))
 
 
 def attention_mask_for(query_start: int, key_valid: torch.Tensor | None, num_queries: int) -> AttentionMask:
@@ -72,6 +131,9 @@ class CausalLM(nn.Module):
     ``attention_mask`` [B, T] (1 = real token) supports padded batches; positions then count real tokens
     only, so left-padded prompts get the positions they would have alone. ``cache`` (``LatentCache``) makes
     the call incremental: the new tokens attend to everything cached and are appended to it.
+    ``segment_ids`` [B, T] (packed training windows) confines every token to its own document: MLA masks
+    other documents and restarts positions, KDA restarts its state and short convolution, so each
+    document's logits equal those of running it alone.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -80,10 +142,12 @@ class CausalLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attnres_block_size is not None:
+            self.final_res = AttnRes(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config) if config.uses_rope else None
 
     def forward(
         self,
@@ -91,8 +155,13 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LatentCache | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         B, T = input_ids.shape
+        if segment_ids is not None and (cache is not None or attention_mask is not None):
+            raise ValueError(
+                "segment_ids describe packed training windows: use them without cache or padding"
+            )
         valid = None if attention_mask is None else attention_mask.bool()
         if cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if valid is None else valid
@@ -105,21 +174,45 @@ class CausalLM(nn.Module):
             positions = position_ids.expand(B, T)
 
         mask = attention_mask_for(query_start, key_valid, T)
-        cos, sin = self.rotary(positions)
+        starts = None
+        if segment_ids is not None:
+            starts = document_starts(segment_ids)
+            positions, mask = document_positions(starts), document_mask(segment_ids)
+        cos, sin = self.rotary(positions) if self.rotary is not None else (None, None)
+        inputs = LayerInputs(cos, sin, mask, valid, starts)
         h = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, None if cache is None else cache.layer(i))
+        h = (
+            self._layers_attnres(h, inputs, cache)
+            if hasattr(self, "final_res")
+            else self._layers(h, inputs, cache)
+        )
         if cache is not None:
             cache.commit(valid)
         return CausalLMOutput(logits=self.lm_head(self.norm(h)))
 
+    def _layers(self, h: torch.Tensor, inputs: LayerInputs, cache: LatentCache | None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            h = layer(h, inputs, None if cache is None else cache.layer(i))
+        return h
+
+    def _layers_attnres(
+        self, h: torch.Tensor, inputs: LayerInputs, cache: LatentCache | None
+    ) -> torch.Tensor:
+        state = BlockAttnResState(h, self.config.attnres_block_size)
+        for i, layer in enumerate(self.layers):
+            state.start_layer(i)
+            layer.forward_attnres(state, inputs, None if cache is None else cache.layer(i))
+        return self.final_res(state.sources())
+
     def set_rope_scaling(self, rope_scaling: YarnScaling | None) -> None:
         """Switch YaRN (context extension): new rotary frequencies and softmax temperature, same weights."""
         self.config = self.config.replace(rope_scaling=rope_scaling)
-        self.rotary.config = self.config
-        self.rotary.reset_buffers()
+        if self.rotary is not None:
+            self.rotary.config = self.config
+            self.rotary.reset_buffers()
         for layer in self.layers:
-            layer.attn.softmax_scale = self.config.softmax_scale
+            if layer.kind == "mla":
+                layer.attn.softmax_scale = self.config.softmax_scale
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]

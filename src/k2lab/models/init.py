@@ -1,12 +1,15 @@
 """Weight initialisation, in one place: N(0, initializer_range) for every matrix (dense, expert, router,
-embedding), ones for norms, zeros for the router's correction bias (as in the DeepSeek-V3 reference)."""
+embedding), U(±1/√kernel) for the KDA short convolution, ones for norms, zeros for the router's correction bias (as in the
+DeepSeek-V3 reference), the KDA decay parameters as in Kimi Linear (``ForgetGate.reset_decay``) and zero AttnRes pseudo-queries."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from k2lab.nn.attnres import AttnRes
 from k2lab.nn.experts import RoutedExperts
+from k2lab.nn.kda_gate import ForgetGate
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import RotaryEmbedding
 from k2lab.nn.router import SigmoidRouter
@@ -26,6 +29,13 @@ def init_weights(model: nn.Module, seed: int | None = 0) -> None:
     for module in model.modules():
         if isinstance(module, nn.Linear | nn.Embedding):
             normal_(module.weight)
+        elif isinstance(module, nn.Conv1d):  # torch's default bound 1/sqrt(fan_in) for a depthwise kernel
+            bound = module.weight[0].numel() ** -0.5
+            module.weight.copy_(torch.empty(module.weight.shape).uniform_(-bound, bound, generator=generator))
+        elif isinstance(module, ForgetGate):
+            module.reset_decay(generator)
+        elif isinstance(module, AttnRes):  # zero pseudo-query: a uniform average over sources at init
+            module.reset_parameters()
         elif isinstance(module, RoutedExperts):
             for weight in (module.gate_proj, module.up_proj, module.down_proj):
                 normal_(weight)

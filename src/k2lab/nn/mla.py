@@ -14,6 +14,10 @@ absorbed form: ``q̃^h = (W_UK^h)ᵀ q_C^h`` scores directly against the cached 
 re-expanded. Both paths run ``F.scaled_dot_product_attention``; on CPU the values are zero-padded to the
 query width, which selects the fused (flash) kernel instead of the unfused math fallback.
 
+Variants (Kimi Linear, K3): ``mla_rope=False`` is NoPE MLA: the same projections, k_R still shared, but
+nothing is rotated (position comes from the KDA layers), scale stays qk_head_dim^-0.5 = 192^-0.5.
+``mla_output_gate=True`` is gated MLA (K3): ``y = W_O (o ⊙ sigmoid(W_G x))`` elementwise over H·v, no bias.
+
 Weight layout (matches the public checkpoints): ``q_up`` rows per head are n nope then r rope;
 ``kv_up`` rows per head are n key then v value; ``kv_down`` rows are C latent then r rope.
 """
@@ -76,25 +80,31 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.latent_dim)
         self.kv_up = nn.Linear(self.latent_dim, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.out_proj = nn.Linear(self.n_heads * self.v_dim, D, bias=False)
+        self.rotate = config.mla_rope
+        if config.mla_output_gate:
+            self.gate_proj = nn.Linear(D, self.n_heads * self.v_dim, bias=False)
         # QK-Clip reads S_max^h here after each recorded forward (``k2lab.optim.qk_clip``).
         self.record_max_logits = False
         self.max_logits: torch.Tensor | None = None
 
     # ---- projections -----------------------------------------------------------------------------
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """q_nope [B, T, H, n], rotated q_rope [B, T, H, r], normalised c_KV [B, T, C], rotated k_R [B, T, r].
 
-        The H query rope parts and the shared key rope part are rotated together, as H + 1 heads.
+        The H query rope parts and the shared key rope part are rotated together, as H + 1 heads
+        (NoPE: left as projected; cos/sin may then be None).
         """
         B, T, _ = x.shape
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_up(self.q_norm(self.q_down(x)))
         q_nope, q_rope = q.view(B, T, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_down(x).split([self.latent_dim, self.rope_dim], dim=-1)
-        rotated = apply_rotary(torch.cat((q_rope, k_rope.unsqueeze(2)), dim=2), cos, sin)  # [B, T, H + 1, r]
-        q_rope, k_rope = rotated.split([self.n_heads, 1], dim=2)
-        return q_nope, q_rope, self.kv_norm(latent), k_rope.squeeze(2)
+        if self.rotate:
+            rotated = apply_rotary(torch.cat((q_rope, k_rope.unsqueeze(2)), dim=2), cos, sin)  # [B,T,H+1,r]
+            q_rope, k_rope = rotated.split([self.n_heads, 1], dim=2)
+            k_rope = k_rope.squeeze(2)
+        return q_nope, q_rope, self.kv_norm(latent), k_rope
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, n, C] and W_UV [H, v, C] views of ``kv_up``."""
@@ -105,12 +115,12 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         mask: AttentionMask,
         cache: LatentKV | None = None,
     ) -> torch.Tensor:
-        """x [B, T, D], cos/sin [B, T, r/2] -> [B, T, D]."""
+        """x [B, T, D], cos/sin [B, T, r/2] (None for NoPE) -> [B, T, D]."""
         B, T, _ = x.shape
         q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
         if cache is None:
@@ -122,7 +132,10 @@ class MultiHeadLatentAttention(nn.Module):
             else:
                 latent, k_rope = keys.split([self.latent_dim, self.rope_dim], dim=-1)
                 out = self._expanded_attention(q_nope, q_rope, latent, k_rope, mask)
-        return self.out_proj(out.reshape(B, T, self.n_heads * self.v_dim))
+        out = out.reshape(B, T, self.n_heads * self.v_dim)
+        if hasattr(self, "gate_proj"):
+            out = out * torch.sigmoid(self.gate_proj(x))
+        return self.out_proj(out)
 
     def expanded_qkv(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
@@ -189,7 +202,9 @@ class MultiHeadLatentAttention(nn.Module):
             best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
         return best
 
-    def attention_logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention_logits(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> torch.Tensor:
         """All pre-softmax logits scale·q_i·k_j [B, H, T, T] of a forward without cache (for inspection)."""
         q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
         query, key, _ = self.expanded_qkv(q_nope, q_rope, latent, k_rope)

@@ -22,3 +22,12 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedRMSNorm(RMSNorm):
+    """Output norm of KDA: ``y = w · RMSNorm(o) · sigmoid(gate)`` in fp32, cast back. o, gate: [..., D]."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32 * torch.sigmoid(gate.float())).to(x.dtype)

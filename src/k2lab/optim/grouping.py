@@ -2,11 +2,12 @@
 
     muon   hidden matrices: attention projections, dense and expert MLP weights ([E, out, in] batched),
            router weight
-    adamw  embeddings, lm_head, norms and biases (AdamW β = (0.9, 0.95))
+    adamw  embeddings, lm_head, norms, biases and every other vector (AttnRes pseudo-queries, KDA A_log and
+           dt_bias), and the KDA short-convolution kernels [C, 1, 4] (not matrices) (AdamW β = (0.9, 0.95))
     none   the router's ``e_score_correction_bias`` is a buffer: no gradient, moved by the load balancer
 
-With ``per_head_muon`` (K3), the query projection is orthogonalised per head block [q_nope_h; q_rope_h]
-and the key/value up-projection per head and per part ([k_nope_h], [v_h]).
+With ``per_head_muon`` (K3), the query projection is orthogonalised per head block [q_nope_h; q_rope_h],
+the key/value up-projection per head and per part ([k_nope_h], [v_h]), and KDA's q/k/v projections per head.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
+from k2lab.nn.kda import KimiDeltaAttention
 from k2lab.nn.mla import MultiHeadLatentAttention
 from k2lab.optim.muon import NS_COEFFICIENTS, Muon
 
@@ -46,13 +48,20 @@ class OptimizerConfig(BaseModel):
 
 
 def _is_adamw_parameter(name: str, parameter: torch.Tensor) -> bool:
-    return parameter.ndim < 2 or name.startswith(("embed.", "lm_head.")) or name.endswith("norm.weight")
+    return (
+        parameter.ndim < 2
+        or name.startswith(("embed.", "lm_head."))
+        or name.endswith(("norm.weight", "conv1d.weight"))
+    )
 
 
 def _head_row_blocks(model: torch.nn.Module) -> dict[int, list[int]]:
     """Per-head row blocks for each attention q / kv up-projection weight, keyed by ``id(weight)``."""
     blocks: dict[int, list[int]] = {}
     for attn in model.modules():
+        if isinstance(attn, KimiDeltaAttention):
+            for projection in (attn.q_proj, attn.k_proj, attn.v_proj):
+                blocks[id(projection.weight)] = [attn.head_dim] * attn.n_heads
         if not isinstance(attn, MultiHeadLatentAttention):
             continue
         query = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.q_up.weight

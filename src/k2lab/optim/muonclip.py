@@ -59,16 +59,18 @@ class MuonClip:
             clipped = self.qk_clip.apply(maxima).clipped_heads
         self._steps += 1
         stats: dict[str, float] = {
-            "max_logit": max(float(m.max()) for m in maxima),
+            "max_logit": max((float(m.max()) for m in maxima), default=0.0),  # 0 without MLA layers
             "max_logit_clipped": max(
-                float(m.clamp(max=self.qk_clip.tau).max() if self.clipping else m.max()) for m in maxima
+                (float(m.clamp(max=self.qk_clip.tau).max() if self.clipping else m.max()) for m in maxima),
+                default=0.0,
             ),
             "qk_clipped_heads": float(clipped),
             "qk_clip_ever_frac": self.qk_clip.ever_clipped_fraction,
             "muon_update_rms": self.optimizer.last_update_rms,
             "ns_orthogonality_error": self._orthogonality_error(),
         }
-        stats.update({f"max_logit/layer{i}": float(m.max()) for i, m in enumerate(maxima)})
+        layers = self.qk_clip.layer_indices
+        stats.update({f"max_logit/layer{i}": float(m.max()) for i, m in zip(layers, maxima, strict=True)})
         return stats
 
     @torch.no_grad()

@@ -84,6 +84,12 @@ class QKClip:
         self.tau = tau
         self.alpha = alpha
         self.layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+        # Decoder layer index of each MLA (hybrids interleave KDA layers, which have no logits to clip).
+        decoder_layers = getattr(model, "layers", None)
+        if decoder_layers is not None:
+            self.layer_indices = [i for i, layer in enumerate(decoder_layers) if layer.attn in self.layers]
+        else:
+            self.layer_indices = list(range(len(self.layers)))
         self.ever_clipped = [torch.zeros(a.n_heads, dtype=torch.bool) for a in self.layers]
 
     def record(self, enabled: bool = True) -> None:

@@ -1,0 +1,145 @@
+"""Kimi Delta Attention layer (Kimi Linear, K3): a gated delta rule with per-channel decay.
+
+Per token x [D], head h (H heads of width K):
+
+    [q; k; v] = SiLU(CausalDepthwiseConv_4([W_q x; W_k x; W_v x]))        short convolution, kernel 4
+    q, k ← q / sqrt(Σq² + 1e-6), k / sqrt(Σk² + 1e-6)                     L2 norm per head
+    g = ForgetGate(x) [H, K] (``kda_gate``),  β = sigmoid(W_β x) [H]
+    S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = (K^-0.5 q_t)ᵀ S_t   (``ops.kda``)
+    y = W_O [RMSNorm(o^h) · w · sigmoid(G^h x)]_h                          gated output norm
+        G low rank (D -> K -> H·K) in Kimi Linear, full rank (D -> H·K) in K3
+
+Decoding keeps per sequence only the recurrent state S [H, K, K] (fp32) and the last ``kernel − 1``
+projected inputs of the convolution [3·H·K, kernel − 1]: memory is constant in the context length.
+Padding tokens (``valid`` False) are zeroed before the projections; with left padding the state is still
+zero when the first real token arrives, so padded and unpadded prompts give the same outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2lab.config import ModelConfig
+from k2lab.nn.kda_gate import ForgetGate
+from k2lab.nn.norm import GatedRMSNorm
+from k2lab.ops.kda import kda
+
+
+class RecurrentState(Protocol):
+    """The per-layer view of a decode cache for a KDA layer."""
+
+    conv: torch.Tensor  # [B, 3·H·K, kernel − 1]
+    recurrent: torch.Tensor  # [B, H, K, K] fp32
+
+    def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None: ...
+
+
+# Log-decay that empties the state at a packed document's first token: the old state keeps a weight of at
+# most exp(−30) ≈ 1e-13 (``ops.kda`` floors decays there to avoid denormals), below fp32 resolution of what
+# it is added to. A larger magnitude (or −inf) would only cost the chunked kernel precision in its
+# cumulative sums of log-decays.
+RESET_LOG_DECAY = -60.0
+
+
+def causal_short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor | None = None,
+    document_starts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution. x [B, T, C], weight [C, 1, W], state [B, C, W−1] (earlier inputs; zeros
+    when None) -> (y [B, T, C], new state [B, C, W−1] = the last W−1 inputs).
+
+    With ``document_starts`` [B, T] bool, y_t = Σ_w W[w] x_{t−w} only over lags that stay in t's document.
+    """
+    if document_starts is not None:
+        return _document_conv(x, weight, document_starts), x.new_zeros(0)
+    B, T, C = x.shape
+    width = weight.shape[-1]
+    x_bct = x.transpose(1, 2)
+    history = x_bct.new_zeros(B, C, width - 1) if state is None else state.to(x.dtype)
+    padded = torch.cat((history, x_bct), dim=-1)  # [B, C, W−1+T]
+    y = F.conv1d(padded, weight.to(x.dtype), groups=C)
+    return y.transpose(1, 2), padded[:, :, -(width - 1) :]
+
+
+def _document_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    taps = weight.to(x.dtype).squeeze(1)  # [C, W]; the last tap multiplies the current token
+    document = starts.long().cumsum(1)  # [B, T]
+    y = x * taps[:, -1]
+    for lag in range(1, taps.shape[-1]):
+        shifted = F.pad(x, (0, 0, lag, 0))[:, : x.shape[1]]  # x_{t−lag}, zeros before the window
+        same = F.pad(document, (lag, 0), value=-1)[:, : x.shape[1]] == document
+        y = y + shifted * taps[:, -1 - lag] * same.unsqueeze(-1).to(x.dtype)
+    return y
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps) over the last dimension (the flash-linear-attention convention)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    """x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        D = config.hidden_size
+        self.n_heads = H = config.linear_num_heads
+        self.head_dim = K = config.linear_head_dim
+        width = H * K
+        self.q_proj = nn.Linear(D, width, bias=False)
+        self.k_proj = nn.Linear(D, width, bias=False)
+        self.v_proj = nn.Linear(D, width, bias=False)
+        kernel = config.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, kernel, groups=3 * width, bias=False)
+        self.forget_gate = ForgetGate(config)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if config.kda_output_gate == "full_rank":
+            self.g_proj = nn.Linear(D, width, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, width, bias=False)
+        self.o_norm = GatedRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(width, D, bias=False)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> gate logits [B, T, H·K]."""
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        state: RecurrentState | None = None,
+        document_starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, D], valid [B, T] bool (None: all real), state: decode cache view, document_starts [B, T]
+        bool (packed training windows: the state restarts at each document) -> [B, T, D]."""
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        if valid is not None:
+            x = x * valid.unsqueeze(-1).to(x.dtype)
+        mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        mixed, conv_state = causal_short_conv(
+            mixed, self.conv1d.weight, None if state is None else state.conv, document_starts
+        )
+        q, k, v = F.silu(mixed).view(B, T, 3, H, K).unbind(2)
+        q, k = l2_normalize(q), l2_normalize(k)
+        g = self.forget_gate(x)
+        if document_starts is not None:
+            g = g.masked_fill(document_starts[:, :, None, None], RESET_LOG_DECAY)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        initial = None if state is None else state.recurrent
+        # recurrent for one decode token, chunked otherwise; fla's kernels on CUDA when they import
+        out, final = kda(q, k, v, g, beta, initial_state=initial, output_final_state=state is not None)
+        if state is not None:
+            state.update(conv_state, final)
+        gate = self.output_gate(x).view(B, T, H, K)
+        return self.o_proj(self.o_norm(out, gate).reshape(B, T, H * K))
