@@ -33,11 +33,12 @@ from k2lab.train.schedule import ScheduleConfig
 
 
 class BalanceConfig(BaseModel):
-    """Router load balancing: the DeepSeek-V3 bias rule (γ) and an optional sequence-wise loss (α)."""
+    """Router load balancing: the bias rule (DeepSeek-V3 sign steps of γ, K3 Quantile Balancing, or none)
+    and an optional sequence-wise loss (α)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    bias_rule: Literal["deepseek", "none"] = "deepseek"
+    bias_rule: Literal["deepseek", "quantile", "none"] = "deepseek"
     gamma: float = Field(default=1e-3, ge=0)
     sequence_loss_alpha: float = Field(default=0.0, ge=0)
 
@@ -56,6 +57,9 @@ class TrainConfig(BaseModel):
     steps: int = Field(default=300, gt=0)
     batch_size: int = Field(default=8, gt=0)
     seq_len: int = Field(default=256, gt=1)
+    document_masking: bool = Field(
+        default=False, description="Confine attention (and KDA state) to each packed document."
+    )
     grad_accum: int = Field(default=1, gt=0)
     grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping.")
     precision: Literal["auto", "fp32", "bf16"] = "auto"

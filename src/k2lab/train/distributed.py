@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k2lab.data.packing import Batch
 from k2lab.errors import K2LabError
 
 _STATE: dict[str, Any] = {"owned": False, "used": False, "device": torch.device("cpu")}
@@ -208,17 +209,25 @@ def local_rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device())
 
 
-def local_batches(
-    pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(inputs, labels)`` pairs of the global batch -> this rank's rows of each (identity alone)."""
+def local_batch(batch: Batch) -> Batch:
+    """This rank's rows of every tensor of a global ``Batch`` (identity alone)."""
+    segments = batch.segment_ids
+    return Batch(
+        local_rows(batch.input_ids),
+        local_rows(batch.labels),
+        None if segments is None else local_rows(segments),
+    )
+
+
+def local_batches(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """Global training batches -> this rank's rows of each (identity alone)."""
     if not is_distributed():
-        yield from pairs
+        yield from batches
         return
-    for inputs, labels in pairs:
-        if inputs.shape[0] % world_size():
-            check_batch_size(inputs.shape[0])
-        yield local_rows(inputs), local_rows(labels)
+    for batch in batches:
+        if batch.input_ids.shape[0] % world_size():
+            check_batch_size(batch.input_ids.shape[0])
+        yield local_batch(batch)
 
 
 def all_reduce_mean(values: float | Sequence[float]) -> Any:

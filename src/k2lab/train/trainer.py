@@ -14,8 +14,10 @@ run killed at any moment and resumed continues with exactly the losses it would 
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +27,9 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from k2lab.config import load_preset
+from k2lab.data.packing import Batch
 from k2lab.models import CausalLM, build_model
-from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update
+from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
@@ -69,6 +72,7 @@ class Trainer:
         self.bf16 = use_bf16(config.precision)
         for moe in model.moe_layers():
             moe.balance_alpha = config.balance.sequence_loss_alpha
+            moe.record_scores = config.balance.bias_rule == "quantile"
         self.step = 0
 
     # ---- one step -------------------------------------------------------------------------------------
@@ -76,9 +80,11 @@ class Trainer:
         device = next(self.model.parameters()).device.type
         return torch.autocast(device, dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
-    def loss_of(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_of(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean next-token cross-entropy of ``batch`` and the summed MoE balance loss."""
+        labels = batch.labels
         with self.autocast():
-            logits = self.model(inputs).logits
+            logits = self.model(batch.input_ids, segment_ids=batch.segment_ids).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         aux = sum(
             (moe.aux_loss for moe in self.model.moe_layers() if moe.aux_loss is not None), torch.zeros(())
@@ -91,8 +97,9 @@ class Trainer:
         loads = [torch.zeros(moe.experts.n_experts) for moe in self.model.moe_layers()]
         total_loss, total_aux, tokens = 0.0, 0.0, 0
         for _ in range(config.grad_accum):
-            inputs, labels = next(self.batches)
-            loss, aux = self.loss_of(inputs, labels)
+            batch = next(self.batches)
+            labels = batch.labels
+            loss, aux = self.loss_of(batch)
             ((loss + aux) / config.grad_accum).backward()
             total_loss += loss.item() / config.grad_accum
             total_aux += float(aux) / config.grad_accum
@@ -113,9 +120,12 @@ class Trainer:
     def update(self, loads: list[torch.Tensor]) -> dict[str, float]:
         stats = self.muonclip.step()
         self.muonclip.zero_grad()
-        if self.config.balance.bias_rule == "deepseek":
-            for moe, load in zip(self.model.moe_layers(), loads, strict=True):
+        rule = self.config.balance.bias_rule
+        for moe, load in zip(self.model.moe_layers(), loads, strict=True):
+            if rule == "deepseek":
                 deepseek_bias_update(moe.router, load, self.config.balance.gamma)
+            elif rule == "quantile":  # the scores of this step's batch set the bias for the next
+                quantile_balance(moe)
         return stats
 
     # ---- evaluation -----------------------------------------------------------------------------------
@@ -123,7 +133,7 @@ class Trainer:
     def validation_loss(self) -> float:
         self.model.eval()
         self.muonclip.qk_clip.record(False)
-        losses = [self.loss_of(inputs, labels)[0].item() for inputs, labels in self.val_batches]
+        losses = [self.loss_of(batch)[0].item() for batch in self.val_batches]
         self.muonclip.qk_clip.record(True)
         return distributed.all_reduce_mean(sum(losses) / max(len(losses), 1))
 
@@ -190,9 +200,12 @@ def restore_training_state(trainer: Trainer, data: StageData, state: dict) -> No
 
 
 def sample_text(model: CausalLM, tokenizer, prompt: str, tokens: int, seed: int) -> str:
-    """A short greedy-ish continuation (temperature 0.8, top-p 0.95) of ``prompt``."""
+    """A short greedy-ish continuation (temperature 0.8, top-p 0.95) of ``prompt`` (``prompt`` alone when
+    ``tokens`` is 0)."""
     from k2lab.infer import GenerationConfig, generate
 
+    if tokens == 0:
+        return prompt
     ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
     settings = GenerationConfig(
         max_new_tokens=tokens, temperature=0.8, top_p=0.95, seed=seed, eos_token_id=tokenizer.eos_id
@@ -248,7 +261,7 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     model = distributed.shard_model(build_trainer_model(config, tokenizer.vocab_size))
     data = StageData(config, corpus, tokenizer, model)
     data.enter(0)
-    trainer = Trainer(config, model, data.train_pairs(), data.val_pairs, run_dir)
+    trainer = Trainer(config, model, data.train_batches(), data.val_batches, run_dir)
 
     if resume:
         loaded = load_latest_checkpoint(
@@ -256,7 +269,7 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
         )
         if loaded is not None:
             restore_training_state(trainer, data, loaded[1])
-            trainer.batches, trainer.val_batches = data.train_pairs(), data.val_pairs
+            trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches
             console.print(f"resumed {run_dir} at step {trainer.step}")
     baseline = unigram_baseline(corpus, tokenizer)
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
@@ -282,7 +295,7 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
             stage = stage_index(data.stages, trainer.step)
             if stage != data.index:
                 data.enter(stage)
-                trainer.batches, trainer.val_batches = data.train_pairs(), data.val_pairs
+                trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches
                 console.print(f"step {trainer.step}: curriculum stage {stage} {data.describe()}")
             start = time.perf_counter()
             result, loads = trainer.train_step()
@@ -318,7 +331,7 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     sample = sample_text(model, tokenizer, config.sample_prompt, config.sample_tokens, config.seed)
     (run_dir / "sample.txt").write_text(sample + "\n")
     dashboard = plot_dashboard(run_dir, tau=tau)
-    (run_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"[bold]sample:[/]\n{sample}")
     verdict = "below" if val_loss < baseline else "[red]NOT below[/]"
     console.print(
@@ -345,15 +358,24 @@ class StageData:
 
         config, stage = self.config, self.stages[index]
         self.index = index
+        masking = config.document_masking
         self.batches = PackedBatches(
-            self.corpus.train, self.tokenizer, config.batch_size, stage.seq_len, seed=config.seed + index
+            self.corpus.train,
+            self.tokenizer,
+            config.batch_size,
+            stage.seq_len,
+            seed=config.seed + index,
+            return_segments=masking,
         )
         val = validation_batches(
-            self.corpus.val, self.tokenizer, config.batch_size, stage.seq_len, max_batches=config.eval_batches
+            self.corpus.val,
+            self.tokenizer,
+            config.batch_size,
+            stage.seq_len,
+            max_batches=config.eval_batches,
+            return_segments=masking,
         )
-        self.val_pairs = [
-            (distributed.local_rows(b.input_ids), distributed.local_rows(b.labels)) for b in val
-        ]
+        self.val_batches = [distributed.local_batch(batch) for batch in val]
         if self.config.curriculum:  # without a curriculum the preset's own rope scaling stays
             self.model.set_rope_scaling(rope_scaling_for(self.stages, index))
 
@@ -368,8 +390,8 @@ class StageData:
         yarn = f", YaRN ×{scaling.factor:g}" if scaling else ""
         return f"(seq_len {self.stages[self.index].seq_len}{yarn})"
 
-    def train_pairs(self):
-        return distributed.local_batches(_pairs(self.batches))
+    def train_batches(self) -> Iterator[Batch]:
+        return distributed.local_batches(self.batches)
 
     def state_dict(self) -> dict:
         return {"stage": self.index, "batches": self.batches.state_dict()}
@@ -377,8 +399,3 @@ class StageData:
     def load_state_dict(self, state: dict) -> None:
         self.enter(int(state["stage"]))
         self.batches.load_state_dict(state["batches"])
-
-
-def _pairs(batches):
-    for batch in batches:
-        yield batch.input_ids, batch.labels
