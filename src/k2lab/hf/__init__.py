@@ -1,4 +1,4 @@
-"""Conversion to and from Hugging Face checkpoint formats (DeepseekV3 / Kimi-K2)."""
+"""Conversion to and from Hugging Face checkpoint formats (DeepseekV3 / Kimi-K2, Kimi Linear)."""
 
 from k2lab.hf.io import dequantize_fp8, from_hf, read_hf_config, to_hf
 

@@ -1,47 +1,56 @@
-"""In-memory bridge to transformers' ``DeepseekV3ForCausalLM`` (parity tests and side-by-side benchmarks).
+"""In-memory bridge to transformers' ``DeepseekV3ForCausalLM`` / ``KimiLinearForCausalLM`` (parity tests and
+side-by-side benchmarks).
 
 transformers 5 keeps experts fused in memory: ``gate_up_proj`` [E, 2F, D] (gate rows then up rows) and
-``down_proj`` [E, D, F]; on disk they are one tensor per expert (``k2lab.hf.mapping``).
+``down_proj`` [E, D, F]; on disk they are one tensor per expert (``k2lab.hf.mapping``). Kimi Linear also
+differs in memory: ``self_attn.conv1d`` (q | k | v), ``self_attn.forget_gate.*`` and ``mlp.*`` for the MoE
+(``k2lab.hf.kimi_linear``). The model class follows ``hf_model_type``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k2lab.hf.mapping import config_to_hf, to_hf_names
+from k2lab.hf import kimi_linear
+from k2lab.hf.layout import TRANSFORMERS
+from k2lab.hf.mapping import config_to_hf, hf_model_type, hf_tensors
 from k2lab.models import CausalLM
 
 
-def transformers_config(model: CausalLM):
-    """The ``DeepseekV3Config`` equivalent to ``model.config``."""
-    from transformers import DeepseekV3Config
+def _classes(model: CausalLM):
+    import transformers
 
+    if hf_model_type(model.config) == kimi_linear.MODEL_TYPE:
+        return transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM
+    return transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+
+
+def transformers_config(model: CausalLM):
+    """The ``DeepseekV3Config`` / ``KimiLinearConfig`` equivalent to ``model.config``."""
+    config_class, _ = _classes(model)
     data = {key: value for key, value in config_to_hf(model.config).items() if key != "architectures"}
-    return DeepseekV3Config(**data)
+    return config_class(**data)
 
 
 def transformers_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     """Our weights under transformers' in-memory names (experts fused)."""
-    state = dict(to_hf_names(model.state_dict()))
-    config = model.config
-    for layer in range(config.first_k_dense_replace, config.num_hidden_layers):
-        prefix = f"model.layers.{layer}.mlp.experts."
-
-        def stack(projection: str, prefix: str = prefix) -> torch.Tensor:
-            keys = [f"{prefix}{e}.{projection}.weight" for e in range(config.n_routed_experts)]
-            return torch.stack([state.pop(key) for key in keys])
-
-        gate, up, down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
-        state[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1)
-        state[prefix + "down_proj"] = down
-    return state
+    return dict(hf_tensors(model.config, model.state_dict(), TRANSFORMERS))
 
 
 def to_transformers(model: CausalLM):
-    """A transformers ``DeepseekV3ForCausalLM`` with exactly our weights (same dtype, eval mode)."""
-    from transformers import DeepseekV3ForCausalLM
+    """A transformers model with exactly our weights (same dtype, eval mode).
 
+    transformers always builds shared experts; without any (``n_shared_experts`` 0) they are empty tensors,
+    the only ones left out of the state we load.
+    """
+    _, model_class = _classes(model)
     dtype = next(model.parameters()).dtype
-    reference = DeepseekV3ForCausalLM(transformers_config(model)).to(dtype)
-    reference.load_state_dict(transformers_state_dict(model), strict=True)
+    reference = model_class(transformers_config(model)).to(dtype)
+    result = reference.load_state_dict(transformers_state_dict(model), strict=False)
+    parameters = reference.state_dict()
+    missing = [key for key in result.missing_keys if parameters[key].numel()]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"transformers model mismatch: missing {missing}, unexpected {result.unexpected_keys}"
+        )
     return reference.eval()

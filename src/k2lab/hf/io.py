@@ -1,10 +1,12 @@
-"""Read and write DeepseekV3 / Kimi-K2 Hugging Face checkpoint directories.
+"""Read and write DeepseekV3 / Kimi-K2 and Kimi Linear Hugging Face checkpoint directories.
 
 A directory holds ``config.json`` and safetensors weights: one ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json`` (``weight_map``: key -> file). On disk routed experts are one tensor per
 expert and projection (``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``); we stack them into
 our ``[E, out, in]`` parameters. transformers-5 fused keys (``mlp.experts.gate_up_proj`` [E, 2F, D], gate
-rows then up rows, and ``mlp.experts.down_proj`` [E, D, F]) are read too.
+rows then up rows, and ``mlp.experts.down_proj`` [E, D, F]) are read too. Which tensors a format has, and the
+alternative layouts accepted for each, come from ``k2lab.hf.mapping.weight_groups`` (Kimi Linear:
+``k2lab.hf.kimi_linear``).
 
 FP8 (the public DeepSeek-V3 / Kimi-K2 release format): a quantised weight is ``float8_e4m3fn`` with a sibling
 ``<name>_scale_inv`` (fp32, ``[ceil(out/128), ceil(in/128)]``), and the dequantised weight is
@@ -37,7 +39,8 @@ from safetensors import SafetensorError, safe_open
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, replace_directory, staging_directory
-from k2lab.hf.mapping import K2_MODEL_TYPES, config_from_hf, config_to_hf, hf_key_plan, to_hf_names
+from k2lab.hf.layout import Slot, gather, slot_view
+from k2lab.hf.mapping import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, weight_groups
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 
@@ -53,6 +56,8 @@ DEFAULT_FP8_BLOCK = (128, 128)
 _LIST_LIMIT = 10
 _LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
 _FP8_DTYPES = {"F8_E4M3"}
+# Written in fp32 whatever ``to_hf``'s dtype: the router bias and KDA's decay parameters.
+_FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format section).
 _ST_DTYPES = {
@@ -80,7 +85,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``config.json`` of checkpoint directory ``path`` as a dict; ``CheckpointError`` if unusable.
 
     Checks that the directory and file exist, that the file is a JSON object and that ``model_type`` is a
-    K2-family decoder (``deepseek_v3`` or ``kimi_k2``).
+    supported decoder (``deepseek_v3``, ``kimi_k2`` or ``kimi_linear``).
     """
     root = Path(path)
     if not root.is_dir():
@@ -90,9 +95,10 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{root} has no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
     data = read_json_object(config_path)
     model_type = data.get("model_type")
-    if model_type not in K2_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
-            f"{config_path}: model_type {model_type!r} is not supported (expected one of {list(K2_MODEL_TYPES)})"
+            f"{config_path}: model_type {model_type!r} is not supported "
+            f"(expected one of {list(SUPPORTED_MODEL_TYPES)})"
         )
     return data
 
@@ -102,13 +108,13 @@ def from_hf(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> CausalLM:
-    """Load a DeepseekV3 / Kimi-K2 Hugging Face checkpoint directory as a ``CausalLM``.
+    """Load a DeepseekV3 / Kimi-K2 or Kimi Linear Hugging Face checkpoint directory as a ``CausalLM``.
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors plus
             ``model.safetensors.index.json``. Legacy ``rope_theta`` + ``rope_scaling`` and transformers-5
-            ``rope_parameters`` configs are both accepted; ``model_type`` must be ``deepseek_v3`` or
-            ``kimi_k2``.
+            ``rope_parameters`` configs are both accepted; ``model_type`` must be ``deepseek_v3``,
+            ``kimi_k2`` or ``kimi_linear`` (original Moonshot or transformers layout, ``k2lab.hf.kimi_linear``).
         dtype: parameter dtype. The router (``mlp.gate.weight`` and ``e_score_correction_bias``) stays fp32,
             as in transformers (``_keep_in_fp32_modules_strict``) and as ``SigmoidRouter`` builds it.
         device: where the parameters are allocated.
@@ -144,18 +150,9 @@ class _DiskTensor:
     dtype: str  # safetensors dtype name, e.g. "BF16", "F8_E4M3"
 
 
-@dataclass(frozen=True)
-class _Target:
-    """Where (part of) a disk tensor goes: our state key, optional expert index, optional dim-1 row range."""
-
-    key: str
-    expert: int | None = None
-    rows: tuple[int, int] | None = None
-
-
 @dataclass
 class _LoadPlan:
-    targets: dict[str, list[_Target]] = field(default_factory=dict)  # disk key -> destinations
+    targets: dict[str, tuple[Slot, ...]] = field(default_factory=dict)  # disk key -> destinations
     scales: dict[str, str] = field(default_factory=dict)  # disk weight key -> its scale_inv key
     block: tuple[int, int] = DEFAULT_FP8_BLOCK
 
@@ -171,41 +168,17 @@ class _LoadPlan:
     ) -> _LoadPlan:
         """Match disk keys to the model; raise ``CheckpointError`` listing every mismatch."""
         expected: dict[str, tuple[int, ...]] = {}
-        targets: dict[str, list[_Target]] = {}
-        for hf_key, (our_key, expert) in hf_key_plan(state).items():
-            shape = tuple(state[our_key].shape)
-            expected[hf_key] = shape if expert is None else shape[1:]
-            targets[hf_key] = [_Target(our_key, expert)]
+        targets: dict[str, tuple[Slot, ...]] = {}
         skipped: set[str] = set()
         if config.tie_word_embeddings:
             # The head shares the embedding; a stored copy of it is redundant.
-            expected.pop("lm_head.weight", None)
-            targets.pop("lm_head.weight", None)
+            state = {key: value for key, value in state.items() if key != "lm_head.weight"}
             skipped.add("lm_head.weight")
-
-        # transformers-5 fused experts replace the per-expert keys of their layer and projection.
-        E, F, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        for layer in range(config.first_k_dense_replace, config.num_hidden_layers):
-            ours = f"layers.{layer}.mlp.experts."
-            prefix = f"model.layers.{layer}.mlp.experts."
-            fused = {
-                "gate_up_proj": (
-                    ("gate_proj", "up_proj"),
-                    (E, 2 * F, D),
-                    [_Target(ours + "gate_proj", rows=(0, F)), _Target(ours + "up_proj", rows=(F, 2 * F))],
-                ),
-                "down_proj": (("down_proj",), (E, D, F), [_Target(ours + "down_proj")]),
-            }
-            for name, (projections, shape, fused_targets) in fused.items():
-                if prefix + name not in headers:
-                    continue
-                for projection in projections:
-                    for expert in range(E):
-                        key = f"{prefix}{expert}.{projection}.weight"
-                        expected.pop(key)
-                        targets.pop(key)
-                expected[prefix + name] = shape
-                targets[prefix + name] = fused_targets
+        # Per group of our tensors, the layout found on disk (e.g. per-expert or transformers-5 fused experts).
+        for group in weight_groups(config, state):
+            for tensor in group.choose(headers):
+                expected[tensor.name] = tensor.shape
+                targets[tensor.name] = tensor.slots
 
         first_mtp = config.num_hidden_layers
         mtp_layers = (raw_config.get(key) or 0 for key in ("num_nextn_predict_layers", "num_mtp_layers"))
@@ -215,6 +188,12 @@ class _LoadPlan:
             match = _LAYER_PREFIX.match(key)
             if match and first_mtp <= int(match.group(1)) < last_mtp:
                 return True  # multi-token-prediction layers: not part of the decoder
+            if (
+                ".shared_experts." in key
+                and config.n_shared_experts == 0
+                and not math.prod(headers[key].shape)
+            ):
+                return True  # transformers saves the empty shared expert of an MoE without shared experts
             return key.endswith("rotary_emb.inv_freq") or key in skipped
 
         missing = sorted(set(expected) - set(headers))
@@ -298,12 +277,12 @@ def _load_tensors(model: CausalLM, plan: _LoadPlan, files: Sequence[Path]) -> No
                     tensor = handle.get_tensor(key)
                     if key in plan.scales:
                         tensor = dequantize_fp8(tensor, scale_values[plan.scales[key]], plan.block)
-                    for target in destinations:
-                        destination = state[target.key]
-                        if target.expert is not None:
-                            destination = destination[target.expert]
-                        source = tensor if target.rows is None else tensor[:, target.rows[0] : target.rows[1]]
-                        destination.copy_(source)
+                    for slot in destinations:
+                        destination = slot_view(state, slot)
+                        source = tensor
+                        if slot.disk_rows is not None:
+                            source = tensor[:, slot.disk_rows[0] : slot.disk_rows[1]]
+                        destination.copy_(source.reshape(destination.shape))
 
 
 def _model_config(raw: Mapping[str, Any], root: Path) -> ModelConfig:
@@ -393,8 +372,9 @@ def to_hf(
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write ``model`` as a DeepseekV3 Hugging Face checkpoint directory; returns its path.
+    """Write ``model`` as a Hugging Face checkpoint directory; returns its path.
 
+    The format is DeepseekV3, or Kimi Linear for a model with KDA layers or NoPE MLA (``hf_model_type``).
     Writes ``config.json`` (``config_to_hf``), safetensors with one tensor per expert and projection, and
     ``generation_config.json`` when the config has token ids. The result loads with
     ``transformers.AutoModelForCausalLM.from_pretrained(path)`` (no remote code) and with ``from_hf``.
@@ -409,27 +389,36 @@ def to_hf(
             ``model.safetensors.index.json``; if everything fits in one shard a single ``model.safetensors``
             is written, as transformers does.
         dtype: cast floating-point weights to this dtype (default: keep each tensor's dtype). The router's
-            ``e_score_correction_bias`` always stays fp32, as in the public checkpoints.
+            ``e_score_correction_bias`` and KDA's ``A_log`` / ``dt_bias`` always stay fp32, as in the public
+            checkpoints.
 
     Tensors are streamed to disk one at a time (no second copy of the model in memory).
+
+    Raises:
+        ConfigError: the model has settings the format cannot express (K3's gated MLA, SiTU-GLU, LatentMoE,
+            Block AttnRes, lower-bounded or full-rank KDA gates ...); nothing is written.
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     config = model.config
+    hf_config = config_to_hf(config)  # first: refuses what the format cannot express
     state = model.state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    tensors = list(to_hf_names(state))
+    tensors = [
+        (tensor.name, gather(state, tensor))
+        for group in weight_groups(config, state)
+        for tensor in group.canonical()
+    ]
 
     def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:
-        if dtype is None or not tensor.is_floating_point() or key.endswith("e_score_correction_bias"):
+        if dtype is None or not tensor.is_floating_point() or key.endswith(_FP32_SUFFIXES):
             return tensor.dtype
         return dtype
 
     sizes = [tensor.numel() * output_dtype(key, tensor).itemsize for key, tensor in tensors]
     shards = _pack_shards(sizes, max_shard_bytes)
 
-    hf_config = config_to_hf(config)
     main_dtype = output_dtype("lm_head.weight", model.lm_head.weight)
     hf_config["torch_dtype"] = str(main_dtype).removeprefix("torch.")
 

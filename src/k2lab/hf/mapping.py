@@ -1,8 +1,13 @@
-"""Names at the edge: our module names <-> the public DeepseekV3 / Kimi-K2 checkpoint names.
+"""Names at the edge: our module names <-> the public checkpoint names.
 
-Config: ``ModelConfig`` <-> ``config.json`` (legacy ``rope_theta`` + ``rope_scaling`` as real checkpoints write
-it; transformers 5 ``rope_parameters`` is read too). Weights: our fused 3-D expert tensors [E, out, in]
-<-> one key per expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as on disk.
+Two checkpoint formats: DeepseekV3 / Kimi-K2 (this module) and Kimi Linear (``k2lab.hf.kimi_linear``).
+``config_from_hf`` reads either by ``model_type``; ``hf_model_type`` says which one a model is written as
+(Kimi Linear when it has KDA layers or NoPE MLA) and ``config_to_hf`` / ``weight_groups`` dispatch on it.
+
+DeepseekV3 config: ``ModelConfig`` <-> ``config.json`` (legacy ``rope_theta`` + ``rope_scaling`` as real
+checkpoints write it; transformers 5 ``rope_parameters`` is read too). Weights: our fused 3-D expert tensors
+[E, out, in] <-> one key per expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as on disk,
+or transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``k2lab.hf.layout``).
 """
 
 from __future__ import annotations
@@ -13,10 +18,22 @@ from typing import Any
 
 import torch
 
-from k2lab.config import ModelConfig
+from k2lab.config import ConfigError, ModelConfig
+from k2lab.hf import kimi_linear
+from k2lab.hf.layout import (
+    CHECKPOINT,
+    GLOBAL_RENAMES,
+    MLA_RENAMES,
+    NORM_RENAMES,
+    WeightGroup,
+    gather,
+    routed_expert_groups,
+    single,
+)
 
 # Architectures whose config.json we read as the K2 decoder.
 K2_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = (*K2_MODEL_TYPES, kimi_linear.MODEL_TYPE)
 
 _CONFIG_FIELDS = (
     "vocab_size",
@@ -49,25 +66,11 @@ _CONFIG_FIELDS = (
 
 # Our names (left) for the per-layer pieces whose HF names differ.
 _LAYER_RENAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.q_down.weight": "self_attn.q_a_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attn.q_up.weight": "self_attn.q_b_proj.weight",
-    "attn.kv_down.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attn.kv_up.weight": "self_attn.kv_b_proj.weight",
-    "attn.out_proj.weight": "self_attn.o_proj.weight",
+    **NORM_RENAMES,
+    **MLA_RENAMES,
     "mlp.router.weight": "mlp.gate.weight",
     "mlp.router.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
 }
-_GLOBAL_RENAMES = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -109,18 +112,27 @@ _YARN_KEYS = (
 )
 
 
-def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
-    """Build a validated ``ModelConfig`` from a DeepseekV3/Kimi-K2 ``config.json`` dict.
+def hf_model_type(config: ModelConfig) -> str:
+    """The checkpoint format a model is written as: ``kimi_linear`` with KDA layers or NoPE MLA, else
+    ``deepseek_v3``."""
+    return kimi_linear.MODEL_TYPE if config.has_kda or not config.mla_rope else "deepseek_v3"
 
-    Absent fields take transformers' ``DeepseekV3Config`` defaults. Raises ``ValueError`` (pydantic's
-    ``ValidationError`` for invalid values) for settings the K2 decoder cannot represent: another
-    ``model_type``, a scoring function other than sigmoid, an activation other than SiLU, MoE layers that are
-    not every layer after the dense prefix, attention biases, or rope scaling other than YaRN.
+
+def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
+    """Build a validated ``ModelConfig`` from a DeepseekV3/Kimi-K2 or Kimi Linear ``config.json`` dict.
+
+    Kimi Linear: see ``k2lab.hf.kimi_linear.config_from_hf``. DeepseekV3 / Kimi-K2: absent fields take
+    transformers' ``DeepseekV3Config`` defaults. Raises ``ValueError`` (pydantic's ``ValidationError`` for
+    invalid values) for settings the K2 decoder cannot represent: another ``model_type``, a scoring function
+    other than sigmoid, an activation other than SiLU, MoE layers that are not every layer after the dense
+    prefix, attention biases, or rope scaling other than YaRN.
     """
     model_type = data.get("model_type")
+    if model_type == kimi_linear.MODEL_TYPE:
+        return kimi_linear.config_from_hf(data, name)
     if model_type not in K2_MODEL_TYPES:
         raise ValueError(
-            f"model_type {model_type!r} is not a K2-family decoder (expected one of {K2_MODEL_TYPES})"
+            f"model_type {model_type!r} is not a K2-family decoder (expected one of {SUPPORTED_MODEL_TYPES})"
         )
     unsupported = {
         "scoring_func": (data.get("scoring_func", "sigmoid"), "sigmoid"),
@@ -158,7 +170,17 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """A ``config.json`` dict that transformers' ``DeepseekV3ForCausalLM`` loads without remote code."""
+    """A ``config.json`` dict that transformers loads without remote code: ``KimiLinearForCausalLM`` for a
+    hybrid / NoPE model (``k2lab.hf.kimi_linear.config_to_hf``), else ``DeepseekV3ForCausalLM``.
+
+    Raises ``ConfigError`` listing the settings the format cannot express (K3's gated MLA, SiTU-GLU, LatentMoE,
+    Block AttnRes, lower-bounded or full-rank KDA gates), rather than write a checkpoint of another model.
+    """
+    if hf_model_type(config) == kimi_linear.MODEL_TYPE:
+        return kimi_linear.config_to_hf(config)
+    problems = kimi_linear.k3_features(config)
+    if problems:
+        raise ConfigError("cannot write a deepseek_v3 checkpoint, no equivalent for: " + "; ".join(problems))
     data: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -179,11 +201,29 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     return data
 
 
-def to_hf_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our state dict -> (HF key, tensor) pairs, splitting fused experts into one tensor per expert."""
+def weight_groups(config: ModelConfig, state: Mapping[str, torch.Tensor]) -> list[WeightGroup]:
+    """Our state dict as checkpoint tensors (``k2lab.hf.layout``) of ``config``'s format, in state order."""
+    if hf_model_type(config) == kimi_linear.MODEL_TYPE:
+        return kimi_linear.weight_groups(config, state)
+    return deepseek_weight_groups(state)
+
+
+def hf_tensors(
+    config: ModelConfig, state: Mapping[str, torch.Tensor], layout: str = CHECKPOINT
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs of our state in ``layout`` (where a group has it, else the canonical
+    on-disk one); tensors are views of ours where possible."""
+    for group in weight_groups(config, state):
+        for tensor in group.prefer(layout):
+            yield tensor.name, gather(state, tensor)
+
+
+def deepseek_weight_groups(state: Mapping[str, torch.Tensor]) -> list[WeightGroup]:
+    """DeepseekV3 / Kimi-K2 names: renames, and routed experts one tensor per expert (or fused)."""
+    groups: list[WeightGroup] = []
     for key, tensor in state.items():
-        if key in _GLOBAL_RENAMES:
-            yield _GLOBAL_RENAMES[key], tensor
+        if key in GLOBAL_RENAMES:
+            groups.append(single(GLOBAL_RENAMES[key], key, tuple(tensor.shape)))
             continue
         match = _LAYER_KEY.match(key)
         if match is None:
@@ -192,22 +232,31 @@ def to_hf_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.
         prefix = f"model.layers.{layer}."
         if rest.startswith("mlp.experts."):
             projection = rest.removeprefix("mlp.experts.")
-            for expert, weight in enumerate(tensor.unbind(0)):
-                yield f"{prefix}mlp.experts.{expert}.{projection}.weight", weight
+            if projection == "up_proj":
+                continue  # in the (gate, up) group
+            gate_up, down = routed_expert_groups(
+                state,
+                f"layers.{layer}.mlp.experts.",
+                lambda e, p, prefix=prefix: f"{prefix}mlp.experts.{e}.{p}.weight",
+                prefix + "mlp.experts.",
+            )
+            groups.append(gate_up if projection == "gate_proj" else down)
         else:
-            yield prefix + _LAYER_RENAMES.get(rest, rest), tensor
+            groups.append(single(prefix + _LAYER_RENAMES.get(rest, rest), key, tuple(tensor.shape)))
+    return groups
+
+
+def to_hf_names(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our state dict -> DeepseekV3 (HF key, tensor) pairs, splitting fused experts into one tensor per expert."""
+    for group in deepseek_weight_groups(state):
+        for tensor in group.canonical():
+            yield tensor.name, gather(state, tensor)
 
 
 def hf_key_plan(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, int | None]]:
-    """For a model's state dict: every HF key it expects -> (our key, expert index or None).
-
-    Loading compares this plan with the keys on disk to list missing and unexpected tensors.
-    """
-    plan: dict[str, tuple[str, int | None]] = {}
-    for key, tensor in state.items():
-        for index, (hf_key, _) in enumerate(to_hf_names({key: tensor})):
-            plan[hf_key] = (
-                key,
-                index if key.split(".")[-1] in _EXPERT_PROJECTIONS and ".experts." in key else None,
-            )
-    return plan
+    """For a DeepseekV3-format model's state dict: every HF key it expects -> (our key, expert index or None)."""
+    return {
+        tensor.name: (tensor.slots[0].key, tensor.slots[0].expert)
+        for group in deepseek_weight_groups(state)
+        for tensor in group.canonical()
+    }

@@ -1,0 +1,452 @@
+"""Kimi Linear checkpoints (``model_type: kimi_linear``): config and weight names.
+
+Two config.json vocabularies mean the same model and are both read:
+
+* Moonshot's original (``moonshotai/Kimi-Linear-48B-A3B-*``): ``linear_attn_config`` = {``full_attn_layers``,
+  ``kda_layers`` (1-based), ``num_heads``, ``head_dim``, ``short_conv_kernel_size``}, ``first_k_dense_replace``,
+  ``num_experts``, ``num_experts_per_token``, ``num_shared_experts``, ``num_expert_group``, ``moe_renormalize``,
+  ``model_max_length``, ``mla_use_nope``;
+* transformers 5's ``KimiLinearConfig``: ``layer_types`` (``full_attention`` | ``linear_attention``),
+  ``mlp_layer_types`` (``dense`` | ``sparse``), ``linear_num_heads``, ``linear_head_dim``,
+  ``linear_conv_kernel_dim`` and, through its ``attribute_map``, the original MoE names above (which
+  ``save_pretrained`` writes). DeepSeek names (``n_routed_experts``, ``num_local_experts`` ...) are accepted too.
+
+Precedence follows transformers: ``linear_attn_config`` sizes over ``linear_*``; ``layer_types`` over
+``linear_attn_config``'s lists over transformers' default (MLA at 0-based layers 4, 8, ...);
+``mlp_layer_types`` over ``first_k_dense_replace`` (default 1). Absent fields take ``KimiLinearConfig``
+defaults (5.24) except token ids, which stay unset. The MLA layers are NoPE (``mla_rope=False``; rope_theta
+and rope_scaling are ignored, as transformers does), the KDA layers use the softplus forget gate and the
+low-rank output gate. transformers never ties the LM head of this model, so ``tie_word_embeddings`` is read
+as false (the head is loaded from the checkpoint) and a tied model is not written.
+
+Weights (per layer ``model.layers.{i}.``), written in the original layout, which transformers' conversion
+mapping reads and its ``save_pretrained`` writes back:
+
+    KDA   self_attn.{q,k,v}_proj, {q,k,v}_conv1d [H·K, 1, W] (our conv1d [3·H·K, 1, W] = q | k | v),
+          self_attn.{f_a_proj, f_b_proj, dt_bias [H·K], A_log [1, 1, H, 1] (ours [H])},
+          self_attn.{b_proj, g_a_proj, g_b_proj, o_norm, o_proj}
+    MLA   self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm,
+          kv_b_proj, o_proj   (as DeepseekV3)
+    MoE   block_sparse_moe.gate.{weight, e_score_correction_bias}, block_sparse_moe.experts.{e}.{w1, w3, w2}
+          (gate, up, down), block_sparse_moe.shared_experts.{gate,up,down}_proj
+    dense mlp.{gate,up,down}_proj
+
+Also read: transformers' in-memory names (``self_attn.conv1d``, ``self_attn.forget_gate.*``, ``mlp.gate``,
+``mlp.experts.gate_up_proj`` / ``down_proj``, ``mlp.shared_experts``), and ``block_sparse_moe.{gate,up,down}_proj``
+for a dense layer, which transformers 5.24's ``save_pretrained`` writes (its ``mlp.`` -> ``block_sparse_moe.``
+renaming reversed onto every layer).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from k2lab.config import ConfigError, ModelConfig
+from k2lab.hf.layout import (
+    CHECKPOINT,
+    GLOBAL_RENAMES,
+    MLA_RENAMES,
+    NORM_RENAMES,
+    TRANSFORMERS,
+    HFTensor,
+    Slot,
+    WeightGroup,
+    renamed,
+    routed_expert_groups,
+    single,
+)
+
+MODEL_TYPE = "kimi_linear"
+ARCHITECTURE = "KimiLinearForCausalLM"
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+DENSE, SPARSE = "dense", "sparse"
+
+# Our field -> the config.json names that may hold it, in order of preference (conflicting values are an error).
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "n_routed_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_experts_per_tok": ("num_experts_per_token", "num_experts_per_tok"),
+    "n_shared_experts": ("num_shared_experts", "n_shared_experts"),
+    "n_group": ("num_expert_group", "n_group"),
+    "norm_topk_prob": ("moe_renormalize", "norm_topk_prob"),
+    "max_position_embeddings": ("model_max_length", "max_position_embeddings"),
+}
+_PLAIN_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "topk_group",
+    "routed_scaling_factor",
+    "rms_norm_eps",
+    "initializer_range",
+    "linear_num_heads",
+    "linear_head_dim",
+    "linear_conv_kernel_dim",
+)
+# linear_attn_config key -> our field (these win over the flat ``linear_*`` fields, as in transformers).
+_LINEAR_ATTN_FIELDS = {
+    "num_heads": "linear_num_heads",
+    "head_dim": "linear_head_dim",
+    "short_conv_kernel_size": "linear_conv_kernel_dim",
+}
+# transformers' ``KimiLinearConfig`` defaults (5.24) for what a config.json omits.
+_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 163840,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 32,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.446,
+    "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "linear_num_heads": 32,
+    "linear_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+_DEFAULT_FIRST_K_DENSE = 1  # KimiLinearConfig reads kwargs.get("first_k_dense_replace", 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------------------
+
+
+def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
+    """A validated ``ModelConfig`` from a Kimi Linear ``config.json`` dict (either vocabulary).
+
+    Raises ``ConfigError`` naming the field for what our decoder cannot represent (non-SiLU activation, a
+    softmax router, attention biases, grouped key/value heads, RoPE MLA (``mla_use_nope: false``), MoE
+    layers that are not every layer after a dense prefix, layer lists that do not cover every layer once),
+    and pydantic's ``ValidationError`` for invalid values.
+    """
+    if data.get("model_type") != MODEL_TYPE:
+        raise ConfigError(f"model_type {data.get('model_type')!r} is not {MODEL_TYPE!r}")
+    linear = data.get("linear_attn_config") or {}
+    if not isinstance(linear, Mapping):
+        raise ConfigError(f"linear_attn_config should be a JSON object, got {linear!r}")
+    _check_supported(data)
+
+    fields: dict[str, Any] = dict(_DEFAULTS)
+    fields.update({key: data[key] for key in _PLAIN_FIELDS if key in data})
+    for ours, names in _ALIASES.items():
+        given = {key: data[key] for key in names if key in data}
+        if len(set(map(repr, given.values()))) > 1:
+            raise ConfigError(f"{' / '.join(given)}: conflicting values {list(given.values())}")
+        if given:
+            fields[ours] = next(iter(given.values()))
+    for key, ours in _LINEAR_ATTN_FIELDS.items():
+        if linear.get(key) is not None:
+            fields[ours] = linear[key]
+    if fields["n_routed_experts"] is None:
+        raise ConfigError("num_experts: null (a dense-only model) is not supported")
+    if data.get("use_grouped_topk") is False and fields["n_group"] != 1:
+        raise ConfigError(
+            f"use_grouped_topk: false with num_expert_group={fields['n_group']} is not supported "
+            "(transformers' KimiLinear always routes group-limited)"
+        )
+
+    layers = fields["num_hidden_layers"]
+    if not isinstance(layers, int) or layers <= 0:
+        raise ConfigError(f"num_hidden_layers: {layers!r} should be a positive integer")
+    fields["mla_layers"] = _mla_layers(data, linear, layers)
+    fields["first_k_dense_replace"] = _first_k_dense(data, layers)
+
+    for token_field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token = data.get(token_field)
+        fields[token_field] = token[0] if isinstance(token, list) and token else token
+    fields.update(
+        name=name,
+        tie_word_embeddings=False,
+        mla_rope=False,
+        mla_output_gate=False,
+        kda_gate="softplus",
+        kda_output_gate="low_rank",
+        mlp_activation="swiglu",
+        moe_latent_size=None,
+        attnres_block_size=None,
+    )
+    return ModelConfig.model_validate(fields)
+
+
+def _check_supported(data: Mapping[str, Any]) -> None:
+    unsupported = {
+        "hidden_act": (data.get("hidden_act", "silu"), "silu"),
+        "moe_router_activation_func": (data.get("moe_router_activation_func", "sigmoid"), "sigmoid"),
+        "attention_bias": (data.get("attention_bias", False), False),
+        "mla_use_nope": (data.get("mla_use_nope", True), True),
+    }
+    for key, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ConfigError(f"{key} {value!r} is not supported (Kimi Linear here uses {supported!r})")
+    heads = data.get("num_attention_heads", _DEFAULTS["num_attention_heads"])
+    kv_heads = data.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise ConfigError(
+            f"num_key_value_heads {kv_heads} != num_attention_heads {heads} is not supported (MLA)"
+        )
+    if "mlp_layer_types" not in data and data.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq {data['moe_layer_freq']!r} is not supported (only 1)")
+
+
+def _mla_layers(data: Mapping[str, Any], linear: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """1-based MLA layer indices from ``layer_types``, else ``linear_attn_config``, else transformers' default."""
+    types = data.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ConfigError(f"layer_types: should list {layers} layer types, got {types!r}")
+        wrong = sorted({str(kind) for kind in types} - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if wrong:
+            raise ConfigError(
+                f"layer_types: {wrong} not supported (only {FULL_ATTENTION!r}, {LINEAR_ATTENTION!r})"
+            )
+        return tuple(i + 1 for i, kind in enumerate(types) if kind == FULL_ATTENTION)
+    if "full_attn_layers" in linear and "kda_layers" in linear:
+        full, kda = linear["full_attn_layers"], linear["kda_layers"]
+        if not all(isinstance(v, list) and all(isinstance(i, int) for i in v) for v in (full, kda)):
+            raise ConfigError(
+                "linear_attn_config: full_attn_layers and kda_layers should be lists of integers"
+            )
+        if sorted(full + kda) != list(range(1, layers + 1)):
+            raise ConfigError(
+                f"linear_attn_config: full_attn_layers {full} and kda_layers {kda} should name each of the "
+                f"{layers} layers (1-based) exactly once"
+            )
+        return tuple(sorted(full))
+    return tuple(i + 1 for i in range(layers) if i and i % 4 == 0)
+
+
+def _first_k_dense(data: Mapping[str, Any], layers: int) -> int:
+    """The dense-prefix length from ``mlp_layer_types`` (which must be dense* sparse*) or ``first_k_dense_replace``."""
+    types = data.get("mlp_layer_types")
+    if types is None:
+        first = data.get("first_k_dense_replace", _DEFAULT_FIRST_K_DENSE)
+        return _DEFAULT_FIRST_K_DENSE if first is None else first
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError(f"mlp_layer_types: should list {layers} layer types, got {types!r}")
+    first = next((i for i, kind in enumerate(types) if kind != DENSE), layers)
+    if any(kind != SPARSE for kind in types[first:]):
+        raise ConfigError(
+            f"mlp_layer_types: {types} is not supported: only dense layers followed by MoE ({SPARSE!r}) layers "
+            "(the first_k_dense_replace form) can be represented"
+        )
+    return first
+
+
+def k3_features(config: ModelConfig) -> list[str]:
+    """Our K3-only settings, which neither DeepseekV3/Kimi-K2 nor Kimi Linear checkpoints can express."""
+    problems = []
+    if config.mla_output_gate and "mla" in config.layer_types:
+        problems.append("mla_output_gate=True (gated MLA)")
+    if config.mlp_activation != "swiglu":
+        problems.append(f"mlp_activation={config.mlp_activation!r} (only SwiGLU)")
+    if config.moe_latent_size is not None:
+        problems.append(f"moe_latent_size={config.moe_latent_size} (LatentMoE)")
+    if config.attnres_block_size is not None:
+        problems.append(f"attnres_block_size={config.attnres_block_size} (Block AttnRes)")
+    if config.has_kda:
+        if config.kda_gate != "softplus":
+            problems.append(f"kda_gate={config.kda_gate!r} (only the softplus forget gate)")
+        if config.kda_output_gate != "low_rank":
+            problems.append(f"kda_output_gate={config.kda_output_gate!r} (only the low-rank output gate)")
+    return problems
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """A Kimi Linear ``config.json`` dict in both vocabularies (original ``linear_attn_config`` and
+    transformers' ``layer_types`` ...), loadable by ``KimiLinearForCausalLM`` without remote code.
+
+    Raises ``ConfigError`` listing every setting with no Kimi Linear equivalent.
+    """
+    problems = k3_features(config)
+    if config.mla_rope and "mla" in config.layer_types:
+        problems.append("mla_rope=True (Kimi Linear's MLA is NoPE)")
+    if config.rope_scaling is not None:
+        problems.append(
+            "rope_scaling (YaRN changes our MLA softmax scale; Kimi Linear's is qk_head_dim^-0.5)"
+        )
+    if config.tie_word_embeddings:
+        problems.append("tie_word_embeddings=True (transformers' KimiLinear never ties the LM head)")
+    if problems:
+        raise ConfigError(
+            f"cannot write a {MODEL_TYPE} checkpoint, no equivalent for: " + "; ".join(problems)
+        )
+    types = config.layer_types
+    L = config.num_hidden_layers
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "num_hidden_layers": L,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "mla_use_nope": True,
+        "num_experts": config.n_routed_experts,
+        "num_experts_per_token": config.num_experts_per_tok,
+        "num_shared_experts": config.n_shared_experts,
+        "num_expert_group": config.n_group,
+        "topk_group": config.topk_group,
+        "moe_renormalize": config.norm_topk_prob,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": config.first_k_dense_replace,
+        "mlp_layer_types": [SPARSE if config.is_moe_layer(i) else DENSE for i in range(L)],
+        "layer_types": [FULL_ATTENTION if kind == "mla" else LINEAR_ATTENTION for kind in types],
+        "linear_num_heads": config.linear_num_heads,
+        "linear_head_dim": config.linear_head_dim,
+        "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
+        "linear_attn_config": {
+            "full_attn_layers": [i + 1 for i, kind in enumerate(types) if kind == "mla"],
+            "kda_layers": [i + 1 for i, kind in enumerate(types) if kind == "kda"],
+            "num_heads": config.linear_num_heads,
+            "head_dim": config.linear_head_dim,
+            "short_conv_kernel_size": config.linear_conv_kernel_dim,
+        },
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "model_max_length": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "initializer_range": config.initializer_range,
+        "tie_word_embeddings": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "float32",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------------------
+
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_MOE_RENAMES = {  # ours after ``mlp.`` -> theirs after ``block_sparse_moe.`` / ``mlp.``
+    "router.weight": "gate.weight",
+    "router.e_score_correction_bias": "gate.e_score_correction_bias",
+}
+_KDA_PLAIN = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")
+_SAVE_PRETRAINED = "save_pretrained"  # transformers 5.24's name for a dense MLP written by save_pretrained
+
+
+def weight_groups(config: ModelConfig, state: Mapping[str, torch.Tensor]) -> list[WeightGroup]:
+    """Our state dict as Kimi Linear checkpoint tensors, layer by layer in state order."""
+    groups: list[WeightGroup] = []
+    for key, tensor in state.items():
+        shape = tuple(tensor.shape)
+        if key in GLOBAL_RENAMES:
+            groups.append(single(GLOBAL_RENAMES[key], key, shape))
+            continue
+        match = _LAYER_KEY.match(key)
+        if match is None:
+            raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+        index, rest = int(match.group(1)), match.group(2)
+        prefix = f"model.layers.{index}."
+        if rest in NORM_RENAMES:
+            groups.append(single(prefix + NORM_RENAMES[rest], key, shape))
+        elif rest.startswith("attn."):
+            groups.extend(_attention_groups(config, state, key, index, rest.removeprefix("attn.")))
+        elif rest.startswith("mlp.") and config.is_moe_layer(index):
+            groups.extend(_moe_groups(state, key, index, rest.removeprefix("mlp.")))
+        elif rest.startswith("mlp."):
+            tail = rest.removeprefix("mlp.")
+            names = {CHECKPOINT: f"{prefix}mlp.{tail}", _SAVE_PRETRAINED: f"{prefix}block_sparse_moe.{tail}"}
+            groups.append(renamed(names, key, shape))
+        else:
+            raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+    return groups
+
+
+def _attention_groups(
+    config: ModelConfig, state: Mapping[str, torch.Tensor], key: str, index: int, name: str
+) -> list[WeightGroup]:
+    prefix = f"model.layers.{index}.self_attn."
+    shape = tuple(state[key].shape)
+    if config.layer_types[index] == "mla":
+        rest = "attn." + name
+        if rest not in MLA_RENAMES:
+            raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+        return [single(f"model.layers.{index}." + MLA_RENAMES[rest], key, shape)]
+    if name == "conv1d.weight":
+        return [_conv_group(key, prefix, shape)]
+    if name.startswith("forget_gate."):
+        short = name.removeprefix("forget_gate.")
+        names = {CHECKPOINT: prefix + short, TRANSFORMERS: f"{prefix}forget_gate.{short}"}
+        if short == "A_log":  # ours [H], theirs [1, 1, H, 1] (broadcast over batch, time and channel)
+            return [renamed(names, key, (1, 1, shape[0], 1))]
+        return [renamed(names, key, shape)]
+    if name.removesuffix(".weight") in _KDA_PLAIN:
+        return [single(prefix + name, key, shape)]
+    raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+
+
+def _conv_group(key: str, prefix: str, shape: tuple[int, ...]) -> WeightGroup:
+    """Our conv1d [3·H·K, 1, W] (q | k | v channels) = checkpoint {q,k,v}_conv1d [H·K, 1, W] = transformers' conv1d."""
+    width = shape[0] // 3
+    split = tuple(
+        HFTensor(
+            f"{prefix}{part}_conv1d.weight",
+            (width, *shape[1:]),
+            (Slot(key, rows=(i * width, (i + 1) * width)),),
+        )
+        for i, part in enumerate("qkv")
+    )
+    return WeightGroup(
+        {CHECKPOINT: split, TRANSFORMERS: (HFTensor(prefix + "conv1d.weight", shape, (Slot(key),)),)}
+    )
+
+
+def _moe_groups(state: Mapping[str, torch.Tensor], key: str, index: int, name: str) -> list[WeightGroup]:
+    ours = f"layers.{index}.mlp."
+    checkpoint, in_memory = f"model.layers.{index}.block_sparse_moe.", f"model.layers.{index}.mlp."
+    if name.startswith("experts."):
+        projection = name.removeprefix("experts.")
+        if projection == "up_proj":
+            return []  # in the (gate, up) group
+        gate_up, down = routed_expert_groups(
+            state,
+            ours + "experts.",
+            lambda e, p: f"{checkpoint}experts.{e}.{_EXPERT_WEIGHTS[p]}.weight",
+            in_memory + "experts.",
+        )
+        return [gate_up if projection == "gate_proj" else down]
+    theirs = _MOE_RENAMES.get(name, name)
+    if theirs == name and not name.startswith("shared_experts."):
+        raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+    names = {CHECKPOINT: checkpoint + theirs, TRANSFORMERS: in_memory + theirs}
+    return [renamed(names, key, tuple(state[key].shape))]
