@@ -39,25 +39,33 @@ token efficiency reported is therefore a lower bound of what equal schedules wou
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import statistics
-import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 from rich.table import Table
 
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
-from k2lab.train.config import TrainConfig, load_train_config
+from k2lab.train.ablation_common import (
+    AblationSettings,
+    PlannedRun,
+    base_recipe,
+    fmt,
+    ordered_subset,
+    recipe_settings,
+    record_times,
+    timing_note,
+    train_runs,
+    with_updates,
+    write_outputs,
+)
+from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 
 OPTIMIZERS = ("adamw", "muon", "muonclip")
@@ -68,7 +76,6 @@ STYLES = {
     "muon": "-",
     "muonclip": "--",
 }  # MuonClip = Muon until a head passes τ: keep both visible
-RUN_MARKER = "ablation_run.json"
 
 # The default (full) ablation: k2-mini on the embedded corpus, sized for ~30 min on 2 CPU cores.
 FULL_RECIPE: dict[str, Any] = {
@@ -110,31 +117,20 @@ class StressConfig(BaseModel):
     steps: int | None = Field(default=None, gt=0, description="None = min(the sweep's steps, 100).")
 
 
-class AblationConfig(BaseModel):
+class AblationConfig(AblationSettings):
     """What to run: a base recipe (everything but the optimizer), the lr grid, τ, the stress setting."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    base: TrainConfig
     optimizers: list[str] = Field(default_factory=lambda: list(OPTIMIZERS))
     lrs: list[float] = Field(min_length=1)
     tau: float = Field(default=100.0, gt=0, description="MuonClip's τ in the sweep.")
     target_loss: float | None = Field(default=None, description="None = worst best-run's final val loss.")
     stress: StressConfig | None = None
     out: str = "runs/ablation"
-    keep_weights: bool = False
-    threads: int | None = Field(
-        default=None, gt=0, description="torch threads per run; None: see run_ablation."
-    )
-    jobs: int = Field(default=1, gt=0, description="Runs trained at once, in worker processes when > 1.")
 
     @field_validator("optimizers")
     @classmethod
     def _known_optimizers(cls, names: list[str]) -> list[str]:
-        unknown = sorted(set(names) - set(OPTIMIZERS))
-        if unknown or not names:
-            raise ValueError(f"optimizers must be a non-empty subset of {list(OPTIMIZERS)}, got {names}")
-        return [name for name in OPTIMIZERS if name in names]
+        return ordered_subset(names, OPTIMIZERS, "optimizers")
 
     @field_validator("lrs")
     @classmethod
@@ -145,25 +141,6 @@ class AblationConfig(BaseModel):
 
 
 # ---- configuration -------------------------------------------------------------------------------------
-def _merge(into: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
-    return into
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key != "model_overrides":
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def ablation_config(
     quick: bool = False,
     recipe: str | os.PathLike[str] | None = None,
@@ -188,20 +165,7 @@ def ablation_config(
     sets everything but the name, lr and τ, which the ablation varies. ``eval_every`` defaults to a tenth
     of the steps, checkpoints are written once, at the end.
     """
-    data: dict[str, Any] = json.loads(json.dumps(QUICK_RECIPE if quick else FULL_RECIPE))
-    if recipe is not None:
-        path = Path(recipe)
-        try:
-            _merge(data, tomllib.loads(path.read_text()))
-        except FileNotFoundError as error:
-            raise K2LabError(f"recipe {path} does not exist") from error
-        except tomllib.TOMLDecodeError as error:
-            raise K2LabError(f"recipe {path} is not valid TOML ({error})") from error
-    flat = {**_flatten(data), **{key: value for key, value in overrides.items() if value is not None}}
-    steps = int(flat.get("steps", 300))
-    flat.setdefault("eval_every", max(1, steps // 10))
-    flat.update(save_every=steps, keep_last=1)
-    base = load_train_config(None, **flat)
+    base = base_recipe(QUICK_RECIPE if quick else FULL_RECIPE, recipe, **overrides)
     defaults = QUICK_STRESS if quick else FULL_STRESS
     stress = None
     if not no_stress:
@@ -256,40 +220,10 @@ def train_config(
     update: dict[str, Any] = {"optimizer": settings, "out": str(out)}
     if steps is not None and steps != ablation.base.steps:
         update.update(steps=steps, save_every=steps, eval_every=max(1, steps // 10))
-    return TrainConfig.model_validate({**ablation.base.model_dump(), **update})
+    return with_updates(ablation.base, **update)
 
 
 # ---- running ---------------------------------------------------------------------------------------------
-def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]:
-    """Run ``config`` (``run_training``) unless its directory holds a finished run of the same recipe.
-
-    Returns the run's summary (with ``seconds``, the wall time of the training call) and whether it was
-    reused. A directory with an unfinished or different run is wiped first: it belongs to the ablation.
-    """
-    from k2lab.train.trainer import run_training
-
-    run_dir = Path(config.out)
-    marker = run_dir / RUN_MARKER
-    recipe = config.model_dump(mode="json")
-    if marker.is_file():
-        try:
-            previous = json.loads(marker.read_text())
-        except json.JSONDecodeError:
-            previous = {}
-        if previous.get("recipe") == recipe and read_metrics(run_dir):
-            return previous["summary"], True
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    start = time.perf_counter()
-    summary = dict(run_training(config))
-    summary["seconds"] = time.perf_counter() - start
-    if not keep_weights:
-        for name in ("checkpoints", "model"):
-            shutil.rmtree(run_dir / name, ignore_errors=True)
-    _atomic_write(marker, json.dumps({"recipe": recipe, "summary": summary}, indent=2) + "\n")
-    return summary, False
-
-
 def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str, Any]:
     """One run's figures and curves from its ``metrics.jsonl``."""
     records = read_metrics(config.out)
@@ -321,6 +255,7 @@ def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str,
         "qk_clip_ever_frac": float(records[-1].get("qk_clip_ever_frac", 0.0)) if records else 0.0,
         "median_tokens_per_s": statistics.median(speeds) if speeds else math.nan,
         "seconds": summary.get("seconds", math.nan),
+        "cpu_seconds": summary.get("cpu_seconds", math.nan),
         "reused": reused,
     }
 
@@ -352,15 +287,20 @@ def run_ablation(ablation: AblationConfig, console: Console | None = None) -> di
     console = console or Console()
     out = Path(ablation.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = run_plan(ablation)
-    threads = torch.get_num_threads()
-    per_run = ablation.threads or (threads if ablation.jobs == 1 else max(1, threads // ablation.jobs))
+    kinds = run_plan(ablation)
+    plan = [
+        PlannedRun(
+            config,
+            f"{kind}: {LABELS[config.optimizer.name]}, lr {config.optimizer.lr:g}, "
+            f"τ {config.optimizer.qk_clip_tau:g}, {config.steps} steps → {config.out}",
+            f"{kind}-{Path(config.out).name}",
+        )
+        for kind, config in kinds
+    ]
     start = time.perf_counter()
-    outcomes: list[tuple[dict, bool] | None] = [None] * len(plan)
 
-    def report(index: int) -> None:
-        kind, config = plan[index]
-        summary, reused = outcomes[index]
+    def report(index: int, summary: dict, reused: bool) -> None:
+        kind, config = kinds[index]
         result = summarize_run(config, summary, reused)
         console.print(
             f"[{index + 1}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]} lr {config.optimizer.lr:g} "
@@ -369,73 +309,17 @@ def run_ablation(ablation: AblationConfig, console: Console | None = None) -> di
             f"elapsed {time.perf_counter() - start:.0f}s"
         )
 
-    if ablation.jobs == 1:
-        torch.set_num_threads(per_run)
-        try:
-            for index, (kind, config) in enumerate(plan):
-                console.rule(
-                    f"[{index + 1}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]}, lr {config.optimizer.lr:g}, "
-                    f"τ {config.optimizer.qk_clip_tau:g}, {config.steps} steps → {config.out}"
-                )
-                outcomes[index] = train_or_reuse(config, ablation.keep_weights)
-                report(index)
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        logs = out / "logs"
-        logs.mkdir(exist_ok=True)
-        console.print(
-            f"{len(plan)} runs on {ablation.jobs} worker processes × {per_run} torch threads; "
-            f"per-run output in {logs}/"
-        )
-        context = multiprocessing.get_context("spawn")  # no fork after OpenMP threads have started
-        with ProcessPoolExecutor(ablation.jobs, mp_context=context) as pool:
-            futures = {
-                pool.submit(
-                    _train_in_worker,
-                    config.model_dump(mode="json"),
-                    ablation.keep_weights,
-                    per_run,
-                    str(logs / f"{kind}-{Path(config.out).name}.log"),
-                ): index
-                for index, (kind, config) in enumerate(plan)
-            }
-            for future in as_completed(futures):
-                index = futures[future]
-                outcomes[index] = future.result()
-                report(index)
-
+    outcomes, per_run = train_runs(plan, ablation, console, report)
     sweep: list[dict[str, Any]] = []
     stressed: list[dict[str, Any]] = []
-    for (kind, config), (summary, reused) in zip(plan, outcomes, strict=True):
+    for (kind, config), (summary, reused) in zip(kinds, outcomes, strict=True):
         (sweep if kind == "sweep" else stressed).append(summarize_run(config, summary, reused))
     results = analyse(ablation, sweep, stressed)
-    results["wall_seconds"] = time.perf_counter() - start
-    results["settings"].update(threads=per_run, jobs=ablation.jobs)
-    results["training_seconds"] = sum(
-        run["seconds"] for run in [*sweep, *stressed] if math.isfinite(run["seconds"])
-    )
-    write_outputs(results, out)
+    record_times(results, [*sweep, *stressed], ablation, per_run, start)
+    paths = write_outputs(results, out, "ablation", markdown_report, plot_ablation)
     print_summary(results, console)
-    console.print(f"wrote {out / 'ablation.md'}, {out / 'ablation.json'}, {out / 'ablation.png'}")
+    console.print("wrote " + ", ".join(map(str, paths)))
     return results
-
-
-def _train_in_worker(config_data: dict, keep_weights: bool, threads: int, log: str) -> tuple[dict, bool]:
-    """One run in a worker process, its console output going to ``log``."""
-    import contextlib
-
-    torch.set_num_threads(threads)
-    config = TrainConfig.model_validate(config_data)
-    with (
-        open(log, "w", encoding="utf-8") as handle,
-        contextlib.redirect_stdout(handle),
-        contextlib.redirect_stderr(handle),
-    ):
-        return train_or_reuse(config, keep_weights)
 
 
 # ---- analysis --------------------------------------------------------------------------------------------
@@ -501,21 +385,7 @@ def analyse(
         stress["demonstrated"] = stress["muon_exceeds_tau"] and stress["muonclip_clipped_within_tau"]
     return {
         "settings": {
-            "preset": base.preset,
-            "steps": base.steps,
-            "batch_size": base.batch_size,
-            "seq_len": base.seq_len,
-            "grad_accum": base.grad_accum,
-            "tokens_per_step": base.batch_size * base.seq_len * base.grad_accum,
-            "tokens": base.steps * base.batch_size * base.seq_len * base.grad_accum,
-            "data": base.data or "embedded stdlib corpus",
-            "data_max_bytes": base.data_max_bytes,
-            "vocab_size": base.vocab_size,
-            "precision": base.precision,
-            "seed": base.seed,
-            "schedule": base.schedule.model_dump(mode="json"),
-            "eval_every": base.eval_every,
-            "eval_batches": base.eval_batches,
+            **recipe_settings(base),
             "lrs": ablation.lrs,
             "tau": ablation.tau,
             "adjust_lr_fn": base.optimizer.adjust_lr_fn,
@@ -562,24 +432,6 @@ def equal_token_losses(best: dict[str, dict[str, Any]], points: int = 4) -> dict
 
 
 # ---- outputs ---------------------------------------------------------------------------------------------
-def _atomic_write(path: Path, text: str) -> None:
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return format(value, spec)
-
-
 def _tokens(value: float | None) -> str:
     if value is None:
         return "not reached"
@@ -609,7 +461,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         cells = []
         for lr in lrs:
             run = next((r for r in results["runs"] if r["optimizer"] == name and r["lr"] == lr), None)
-            cells.append(_fmt(run["final_val_loss"]) if run else "—")
+            cells.append(fmt(run["final_val_loss"]) if run else "—")
         lines.append(
             f"| {LABELS[name]} | " + " | ".join(cells) + f" | {results['comparison'][name]['lr']:g} |"
         )
@@ -619,12 +471,12 @@ def markdown_report(results: dict[str, Any]) -> str:
     lines.append("| optimizer | " + " | ".join(f"{_tokens(t)} tokens" for t in equal["tokens"]) + " |")
     lines.append("|---|" + "---|" * len(equal["tokens"]))
     for name, losses in equal["val_loss"].items():
-        lines.append(f"| {LABELS[name]} | " + " | ".join(_fmt(v) for v in losses) + " |")
+        lines.append(f"| {LABELS[name]} | " + " | ".join(fmt(v) for v in losses) + " |")
 
     reference = results["reference"]
     lines += [
         "",
-        f"## Tokens to reach validation loss {_fmt(results['target_loss'])} ({results['target_rule']})",
+        f"## Tokens to reach validation loss {fmt(results['target_loss'])} ({results['target_rule']})",
         "",
         f"| optimizer | lr | final val loss | tokens to target | token efficiency vs {LABELS[reference]} "
         "| peak max logit | heads ever clipped | median tokens/s |",
@@ -633,9 +485,9 @@ def markdown_report(results: dict[str, Any]) -> str:
     for name, row in results["comparison"].items():
         efficiency = row["token_efficiency_vs_" + reference]
         lines.append(
-            f"| {LABELS[name]} | {row['lr']:g} | {_fmt(row['final_val_loss'])} | {_tokens(row['tokens_to_target'])} "
-            f"| {_fmt(efficiency, '.2f')}{'×' if efficiency else ''} | {_fmt(row['peak_max_logit'], '.2f')} "
-            f"| {row['qk_clip_ever_frac']:.0%} | {_fmt(row['median_tokens_per_s'], ',.0f')} |"
+            f"| {LABELS[name]} | {row['lr']:g} | {fmt(row['final_val_loss'])} | {_tokens(row['tokens_to_target'])} "
+            f"| {fmt(efficiency, '.2f')}{'×' if efficiency else ''} | {fmt(row['peak_max_logit'], '.2f')} "
+            f"| {row['qk_clip_ever_frac']:.0%} | {fmt(row['median_tokens_per_s'], ',.0f')} |"
         )
 
     stress = results["stress"]
@@ -653,9 +505,9 @@ def markdown_report(results: dict[str, Any]) -> str:
         ]
         for name, row in stress["runs"].items():
             lines.append(
-                f"| {LABELS[name]} | {_fmt(row['peak_max_logit'], '.2f')} | {_fmt(row['peak_max_logit_clipped'], '.2f')} "
+                f"| {LABELS[name]} | {fmt(row['peak_max_logit'], '.2f')} | {fmt(row['peak_max_logit_clipped'], '.2f')} "
                 f"| {row['steps_above_tau']} | {row['clipped_heads_total']:.0f} | {row['qk_clip_ever_frac']:.0%} "
-                f"| {_fmt(row['final_val_loss'])} |"
+                f"| {fmt(row['final_val_loss'])} |"
             )
         verdict = (
             "Muon's max logit ran past τ while MuonClip kept every head at or below τ after each step."
@@ -667,10 +519,7 @@ def markdown_report(results: dict[str, Any]) -> str:
     runs = len(results["runs"]) + len(results["stress_runs"])
     lines += [
         "",
-        f"Training time of the {runs} runs: {results.get('training_seconds', math.nan) / 60:.1f} min "
-        f"(torch threads per run: {s.get('threads', '?')}, parallel jobs: {s.get('jobs', 1)}; "
-        "a reused run counts with its original time); "
-        f"wall time of this invocation {results.get('wall_seconds', math.nan) / 60:.1f} min.",
+        timing_note(results, runs),
         "",
     ]
     return "\n".join(lines)
@@ -776,28 +625,11 @@ def plot_ablation(results: dict[str, Any], target: Path) -> Path:
     return save_figure_atomically(figure, target)
 
 
-def _strict_json(value: Any) -> Any:
-    """NaN / infinity -> None, so ablation.json is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _strict_json(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_strict_json(item) for item in value]
-    return value
-
-
-def write_outputs(results: dict[str, Any], out: Path) -> None:
-    _atomic_write(out / "ablation.json", json.dumps(_strict_json(results), indent=2) + "\n")
-    _atomic_write(out / "ablation.md", markdown_report(results))
-    plot_ablation(results, out / "ablation.png")
-
-
 def print_summary(results: dict[str, Any], console: Console) -> None:
     """Rich tables of the comparison and the stress setting."""
     reference = results["reference"]
     table = Table(
-        title=f"best lr of each optimizer; target val loss {_fmt(results['target_loss'])} "
+        title=f"best lr of each optimizer; target val loss {fmt(results['target_loss'])} "
         f"({results['target_rule']})"
     )
     for column in (
@@ -814,10 +646,10 @@ def print_summary(results: dict[str, Any], console: Console) -> None:
         table.add_row(
             LABELS[name],
             f"{row['lr']:g}",
-            _fmt(row["final_val_loss"]),
+            fmt(row["final_val_loss"]),
             _tokens(row["tokens_to_target"]),
-            f"{_fmt(efficiency, '.2f')}×" if efficiency else "—",
-            _fmt(row["peak_max_logit"], ".2f"),
+            f"{fmt(efficiency, '.2f')}×" if efficiency else "—",
+            fmt(row["peak_max_logit"], ".2f"),
         )
     console.print(table)
     stress = results["stress"]
@@ -828,10 +660,10 @@ def print_summary(results: dict[str, Any], console: Console) -> None:
         for name, row in stress["runs"].items():
             table.add_row(
                 LABELS[name],
-                _fmt(row["peak_max_logit"], ".2f"),
-                _fmt(row["peak_max_logit_clipped"], ".2f"),
+                fmt(row["peak_max_logit"], ".2f"),
+                fmt(row["peak_max_logit_clipped"], ".2f"),
                 str(row["steps_above_tau"]),
-                _fmt(row["final_val_loss"]),
+                fmt(row["final_val_loss"]),
             )
         console.print(table)
         style = "green" if stress["demonstrated"] else "yellow"
