@@ -74,3 +74,17 @@ def test_stability_json_shows_clip_holding_tau():
     steps = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(steps) == 20 and all(s["max_logit_clipped"] <= 3 * (1 + 1e-6) for s in steps)
     assert any(s["qk_clipped_heads"] > 0 for s in steps)
+
+
+def test_presets_table_shows_the_layer_mix():
+    result = subprocess.run(
+        [sys.executable, "-m", "k2lab", "presets"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "200", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│")}
+    assert "93 (24 / 69)" in rows["k3"] and "2.78T" in rows["k3"]
+    assert "27 (7 / 20)" in rows["kimi-linear-48b-a3b"]
+    assert "61 (61 / 0)" in rows["k2"]

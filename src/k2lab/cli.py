@@ -38,14 +38,15 @@ def presets() -> None:
     from k2lab.params import count_parameters, humanize
 
     table = Table(title="k2lab presets")
-    for column in ("preset", "layers", "hidden", "experts (top-k)", "total", "active"):
+    for column in ("preset", "layers (MLA / KDA)", "hidden", "experts (top-k)", "total", "active"):
         table.add_column(column, justify="left" if column == "preset" else "right")
     for name in available_presets():
         config = load_preset(name)
         report = count_parameters(config)
+        kinds = config.layer_types
         table.add_row(
             name,
-            str(config.num_hidden_layers),
+            f"{config.num_hidden_layers} ({kinds.count('mla')} / {kinds.count('kda')})",
             str(config.hidden_size),
             f"{config.n_routed_experts} ({config.num_experts_per_tok})",
             humanize(report.total),
