@@ -26,10 +26,10 @@ class _LayerLatents:
         self.slot = slot
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
-        """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r]."""
+        """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r].
+
+        Capacity was checked when the tokens were registered (``LatentCache.begin``)."""
         start, end = self.cache.length, self.cache.length + latent.shape[1]
-        if end > self.cache.max_length:
-            raise ValueError(f"cache is full: {end} tokens > max_length={self.cache.max_length}")
         rows = self.cache.rows[self.slot, :, :end]
         rows[:, start:, : latent.shape[-1]] = latent
         rows[:, start:, latent.shape[-1] :] = k_rope
