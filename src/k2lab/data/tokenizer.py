@@ -41,7 +41,12 @@ CHAT_TOKENS = (
     "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
 )
-SPECIAL_TOKENS = (PAD, BOS, EOS, *CHAT_TOKENS)  # ids 0, 1, 2, ... in this order
+# K2.5 media tokens: an image is <|media_begin|>image<|media_content|><|media_pad|>×n<|media_end|> with n
+# the number of vision tokens (transformers' Kimi_K25Processor); a video volume uses <|video_pad|>.
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = "<|media_begin|>", "<|media_content|>", "<|media_end|>"
+IMAGE_PAD, VIDEO_PAD = "<|media_pad|>", "<|video_pad|>"
+MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, IMAGE_PAD, VIDEO_PAD)
+SPECIAL_TOKENS = (PAD, BOS, EOS, *CHAT_TOKENS, *MEDIA_TOKENS)  # ids 0, 1, 2, ... in this order
 DEFAULT_VOCAB_SIZE = 8192  # k2-mini's vocabulary
 DEFAULT_MAX_TRAIN_BYTES = 64 * 2**20
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
@@ -205,7 +210,7 @@ def training_sample(corpus: Corpus, max_train_bytes: int) -> Iterator[str]:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
-    """Train a byte-level BPE; the special tokens come first, so they take ids 0..12."""
+    """Train a byte-level BPE; the special tokens come first, so they take ids 0 .. len(SPECIAL_TOKENS) - 1."""
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

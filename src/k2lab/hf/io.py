@@ -27,7 +27,7 @@ import re
 import shutil
 import struct
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,12 @@ from safetensors import SafetensorError, safe_open
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, replace_directory, staging_directory
-from k2lab.hf.layout import Slot, gather, slot_view
+from k2lab.hf import kimi_k25
+from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
 from k2lab.hf.mapping import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, weight_groups
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
+from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 
 __all__ = ["CheckpointError", "dequantize_fp8", "from_hf", "read_hf_config", "to_hf"]
 
@@ -54,7 +56,6 @@ SCALE_SUFFIX = "_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
 
 _LIST_LIMIT = 10
-_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
 _FP8_DTYPES = {"F8_E4M3"}
 # Written in fp32 whatever ``to_hf``'s dtype: the router bias and KDA's decay parameters.
 _FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")
@@ -95,10 +96,10 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{root} has no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
     data = read_json_object(config_path)
     model_type = data.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in (*SUPPORTED_MODEL_TYPES, kimi_k25.MODEL_TYPE):
         raise CheckpointError(
             f"{config_path}: model_type {model_type!r} is not supported "
-            f"(expected one of {list(SUPPORTED_MODEL_TYPES)})"
+            f"(expected one of {[*SUPPORTED_MODEL_TYPES, kimi_k25.MODEL_TYPE]})"
         )
     return data
 
@@ -107,8 +108,9 @@ def from_hf(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> CausalLM:
-    """Load a DeepseekV3 / Kimi-K2 or Kimi Linear Hugging Face checkpoint directory as a ``CausalLM``.
+) -> CausalLM | VisionLanguageModel:
+    """Load a DeepseekV3 / Kimi-K2 or Kimi Linear checkpoint directory as a ``CausalLM``, or a Kimi K2.5
+    (``kimi_k25``) one as a ``VisionLanguageModel`` (any of the namings in ``k2lab.hf.kimi_k25``).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors plus
@@ -130,16 +132,27 @@ def from_hf(
     """
     root = Path(path)
     raw = read_hf_config(root)
-    config = _model_config(raw, root)
     block = _fp8_block_size(raw, root)
     files = _weight_files(root)
     headers = _read_headers(files)
 
-    model = build_model(config, device="meta")
-    cast_model(model, dtype)
-    plan = _LoadPlan.build(config, model.state_dict(), headers, raw, block, root)
+    if raw["model_type"] == kimi_k25.MODEL_TYPE:
+        vlm_config = _parse_config(kimi_k25.config_from_hf, raw, root)
+        model = build_vlm(vlm_config, device="meta")
+        cast_model(model, dtype)
+        groups = kimi_k25.weight_groups(vlm_config, model_state(model))
+        ignored = decoder_ignored(
+            vlm_config.text, headers, raw.get("text_config") or {}, kimi_k25.decoder_name
+        )
+    else:
+        config = _parse_config(config_from_hf, raw, root)
+        model = build_model(config, device="meta")
+        cast_model(model, dtype)
+        groups = weight_groups(config, model_state(model))
+        ignored = decoder_ignored(config, headers, raw)
+    plan = _LoadPlan.build(groups, headers, ignored, block, root)
     materialize(model, device)
-    _load_tensors(model, plan, files)
+    load_tensors(model, plan, files)
     return model
 
 
@@ -152,49 +165,28 @@ class _DiskTensor:
 
 @dataclass
 class _LoadPlan:
-    targets: dict[str, tuple[Slot, ...]] = field(default_factory=dict)  # disk key -> destinations
+    targets: dict[str, HFTensor] = field(default_factory=dict)  # disk key -> what it holds
     scales: dict[str, str] = field(default_factory=dict)  # disk weight key -> its scale_inv key
     block: tuple[int, int] = DEFAULT_FP8_BLOCK
 
     @classmethod
     def build(
         cls,
-        config: ModelConfig,
-        state: Mapping[str, torch.Tensor],
+        groups: Iterable[WeightGroup],
         headers: Mapping[str, _DiskTensor],
-        raw_config: Mapping[str, Any],
+        ignored: Callable[[str], bool],
         block: tuple[int, int],
         root: Path,
     ) -> _LoadPlan:
-        """Match disk keys to the model; raise ``CheckpointError`` listing every mismatch."""
-        expected: dict[str, tuple[int, ...]] = {}
-        targets: dict[str, tuple[Slot, ...]] = {}
-        skipped: set[str] = set()
-        if config.tie_word_embeddings:
-            # The head shares the embedding; a stored copy of it is redundant.
-            state = {key: value for key, value in state.items() if key != "lm_head.weight"}
-            skipped.add("lm_head.weight")
+        """Match disk keys to the model's weight groups; raise ``CheckpointError`` listing every mismatch.
+
+        ``ignored(key)`` says which disk keys are not part of the model (MTP layers, a tied head ...).
+        """
+        expected: dict[str, HFTensor] = {}
         # Per group of our tensors, the layout found on disk (e.g. per-expert or transformers-5 fused experts).
-        for group in weight_groups(config, state):
+        for group in groups:
             for tensor in group.choose(headers):
-                expected[tensor.name] = tensor.shape
-                targets[tensor.name] = tensor.slots
-
-        first_mtp = config.num_hidden_layers
-        mtp_layers = (raw_config.get(key) or 0 for key in ("num_nextn_predict_layers", "num_mtp_layers"))
-        last_mtp = first_mtp + max(1, *(int(n) for n in mtp_layers))
-
-        def ignored(key: str) -> bool:
-            match = _LAYER_PREFIX.match(key)
-            if match and first_mtp <= int(match.group(1)) < last_mtp:
-                return True  # multi-token-prediction layers: not part of the decoder
-            if (
-                ".shared_experts." in key
-                and config.n_shared_experts == 0
-                and not math.prod(headers[key].shape)
-            ):
-                return True  # transformers saves the empty shared expert of an MoE without shared experts
-            return key.endswith("rotary_emb.inv_freq") or key in skipped
+                expected[tensor.name] = tensor
 
         missing = sorted(set(expected) - set(headers))
         unexpected: list[str] = []
@@ -204,12 +196,12 @@ class _LoadPlan:
             if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in expected:
                 weight_key = key.removesuffix(SCALE_SUFFIX)
                 scales[weight_key] = key
-                want = _scale_shape(expected[weight_key], block)
+                want = _scale_shape(expected[weight_key].shape, block)
                 if disk.shape != want:
                     misshaped.append(f"{key} {disk.shape} (expected {want} for block size {list(block)})")
             elif key in expected:
-                if disk.shape != expected[key]:
-                    misshaped.append(f"{key} {disk.shape} (expected {expected[key]})")
+                if disk.shape != expected[key].shape:
+                    misshaped.append(f"{key} {disk.shape} (expected {expected[key].shape})")
             elif not ignored(key):
                 unexpected.append(key)
         for key in sorted(set(expected) & set(headers)):
@@ -227,7 +219,53 @@ class _LoadPlan:
         ]
         if problems:
             raise CheckpointError(f"{root} does not match its {CONFIG_FILE}: " + "; ".join(problems))
-        return cls(targets=targets, scales=scales, block=block)
+        return cls(targets=expected, scales=scales, block=block)
+
+    def renamed(self, disk_names: Mapping[str, str]) -> _LoadPlan:
+        """The plan keyed by the names actually on disk (``disk_names``: planned name -> disk name)."""
+        return _LoadPlan(
+            targets={disk_names.get(k, k): v for k, v in self.targets.items()},
+            scales={disk_names.get(k, k): disk_names.get(v, v) for k, v in self.scales.items()},
+            block=self.block,
+        )
+
+
+def decoder_ignored(
+    config: ModelConfig,
+    headers: Mapping[str, _DiskTensor],
+    raw_config: Mapping[str, Any],
+    decoder_name: Callable[[str], str] = lambda key: key,
+) -> Callable[[str], bool]:
+    """Disk keys of a decoder checkpoint that are not our parameters: MTP layers, ``rotary_emb.inv_freq``,
+    a stored copy of a tied head, transformers' empty shared expert. ``decoder_name`` maps a disk key to
+    the decoder's own name (``model.layers.…``, ``lm_head.weight``) when it is nested in a larger model."""
+    first_mtp = config.num_hidden_layers
+    mtp_layers = (raw_config.get(key) or 0 for key in ("num_nextn_predict_layers", "num_mtp_layers"))
+    last_mtp = first_mtp + max(1, *(int(n) for n in mtp_layers))
+    layer_prefix = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def ignored(key: str) -> bool:
+        name = decoder_name(key)
+        match = layer_prefix.match(name)
+        if match and first_mtp <= int(match.group(1)) < last_mtp:
+            return True  # multi-token-prediction layers: not part of the decoder
+        if ".shared_experts." in key and config.n_shared_experts == 0 and not math.prod(headers[key].shape):
+            return True  # transformers saves the empty shared expert of an MoE without shared experts
+        return name.endswith("rotary_emb.inv_freq") or (
+            config.tie_word_embeddings and name == "lm_head.weight"
+        )
+
+    return ignored
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict to read or write: without the head when it is tied to the embedding."""
+    state = model.state_dict()
+    lm = model.language_model if isinstance(model, VisionLanguageModel) else model
+    prefix = "language_model." if isinstance(model, VisionLanguageModel) else ""
+    if lm.config.tie_word_embeddings:
+        state.pop(prefix + "lm_head.weight", None)
+    return state
 
 
 def _describe(label: str, items: Sequence[str]) -> str:
@@ -257,7 +295,7 @@ def dequantize_fp8(
     return weight.float() * scale
 
 
-def _load_tensors(model: CausalLM, plan: _LoadPlan, files: Sequence[Path]) -> None:
+def load_tensors(model: torch.nn.Module, plan: _LoadPlan, files: Sequence[Path]) -> None:
     """Copy every planned tensor into the (materialised) model, one file at a time."""
     state = model.state_dict()
     scale_keys = set(plan.scales.values())
@@ -271,23 +309,27 @@ def _load_tensors(model: CausalLM, plan: _LoadPlan, files: Sequence[Path]) -> No
         for file in files:
             with _open(file) as handle:
                 for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    destinations = plan.targets.get(key)
-                    if destinations is None:
+                    target = plan.targets.get(key)
+                    if target is None:
                         continue
                     tensor = handle.get_tensor(key)
                     if key in plan.scales:
                         tensor = dequantize_fp8(tensor, scale_values[plan.scales[key]], plan.block)
-                    for slot in destinations:
+                    tensor = target.to_ours(tensor)
+                    for slot in target.slots:
                         destination = slot_view(state, slot)
                         source = tensor
                         if slot.disk_rows is not None:
-                            source = tensor[:, slot.disk_rows[0] : slot.disk_rows[1]]
+                            source = tensor.narrow(
+                                row_dim(tensor), slot.disk_rows[0], slot.disk_rows[1] - slot.disk_rows[0]
+                            )
                         destination.copy_(source.reshape(destination.shape))
 
 
-def _model_config(raw: Mapping[str, Any], root: Path) -> ModelConfig:
+def _parse_config(parse: Callable[..., Any], raw: Mapping[str, Any], root: Path) -> Any:
+    """``parse(raw, name=...)`` with its errors turned into ``CheckpointError`` naming the file."""
     try:
-        return config_from_hf(raw, name=root.resolve().name or "hf")
+        return parse(raw, name=root.resolve().name or "hf")
     except ValidationError as error:
         raise CheckpointError(
             f"{root / CONFIG_FILE}: invalid config: {format_validation_error(error)}"
@@ -367,7 +409,7 @@ def _read_headers(files: Iterable[Path]) -> dict[str, _DiskTensor]:
 
 
 def to_hf(
-    model: CausalLM,
+    model: CausalLM | VisionLanguageModel,
     path: str | os.PathLike[str],
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
@@ -400,16 +442,18 @@ def to_hf(
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    config = model.config
-    hf_config = config_to_hf(config)  # first: refuses what the format cannot express
-    state = model.state_dict()
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    tensors = [
-        (tensor.name, gather(state, tensor))
-        for group in weight_groups(config, state)
-        for tensor in group.canonical()
-    ]
+    if isinstance(model, VisionLanguageModel):
+        hf_config = kimi_k25.config_to_hf(model.config)  # first: refuses what the format cannot express
+        config, state = model.config.text, model_state(model)
+        groups = kimi_k25.weight_groups(model.config, state)
+        head = model.language_model.lm_head.weight
+    else:
+        config = model.config
+        hf_config = config_to_hf(config)
+        state = model_state(model)
+        groups = weight_groups(config, state)
+        head = model.lm_head.weight
+    tensors = [(tensor.name, gather(state, tensor)) for group in groups for tensor in group.canonical()]
 
     def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:
         if dtype is None or not tensor.is_floating_point() or key.endswith(_FP32_SUFFIXES):
@@ -419,7 +463,7 @@ def to_hf(
     sizes = [tensor.numel() * output_dtype(key, tensor).itemsize for key, tensor in tensors]
     shards = _pack_shards(sizes, max_shard_bytes)
 
-    main_dtype = output_dtype("lm_head.weight", model.lm_head.weight)
+    main_dtype = output_dtype("lm_head.weight", head)
     hf_config["torch_dtype"] = str(main_dtype).removeprefix("torch.")
 
     target = Path(path)

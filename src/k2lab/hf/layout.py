@@ -24,9 +24,10 @@ TRANSFORMERS = "transformers"
 class Slot:
     """A part of one of our tensors: ``state[key][expert][rows[0]:rows[1]]`` (each index optional).
 
-    ``disk_rows`` selects the part of the disk tensor that goes there (a range of its dim 1, as in
-    transformers' fused ``gate_up_proj`` [E, 2F, D]); the values are reshaped to the slot's shape, so a
-    disk ``A_log`` [1, 1, H, 1] fills our [H].
+    ``disk_rows`` selects the part of the disk tensor that goes there (a range of its row dimension,
+    ``row_dim``: dim 1 of transformers' fused ``gate_up_proj`` [E, 2F, D], dim 0 of a fused ``wqkv``
+    [3D, D] and its bias [3D]); the values are reshaped to the slot's shape, so a disk ``A_log``
+    [1, 1, H, 1] fills our [H].
     """
 
     key: str
@@ -37,11 +38,29 @@ class Slot:
 
 @dataclass(frozen=True)
 class HFTensor:
-    """One checkpoint tensor: its name, its shape there, and the parts of our state it holds."""
+    """One checkpoint tensor: its name, its shape there, and the parts of our state it holds.
+
+    ``row_order`` (optional) permutes the row dimension: disk row r holds row ``row_order[r]`` of the
+    slots' concatenation (e.g. a fused q/k/v with the q and k rows of each head interleaved for a
+    complex-pair rope, where we keep the rotate-half order).
+    """
 
     name: str
     shape: tuple[int, ...]
     slots: tuple[Slot, ...]
+    row_order: tuple[int, ...] | None = None
+
+    def to_ours(self, disk: torch.Tensor) -> torch.Tensor:
+        """The disk tensor with its rows in our (concatenated slots') order."""
+        if self.row_order is None:
+            return disk
+        inverse = torch.argsort(torch.tensor(self.row_order))
+        return disk.index_select(row_dim(disk), inverse)
+
+
+def row_dim(tensor: torch.Tensor) -> int:
+    """The dimension fused tensors are split along: the output rows (dim -2), or dim 0 of a vector."""
+    return max(tensor.ndim - 2, 0)
 
 
 Layout = tuple[HFTensor, ...]
@@ -91,7 +110,9 @@ def slot_view(state: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
 def gather(state: Mapping[str, torch.Tensor], tensor: HFTensor) -> torch.Tensor:
     """The checkpoint tensor assembled from our state (a view where possible)."""
     pieces = [slot_view(state, slot) for slot in tensor.slots]
-    whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    whole = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=row_dim(pieces[0]))
+    if tensor.row_order is not None:
+        whole = whole.index_select(row_dim(whole), torch.tensor(tensor.row_order))
     return whole.reshape(tensor.shape)
 
 

@@ -131,6 +131,7 @@ class CausalLM(nn.Module):
     ``attention_mask`` [B, T] (1 = real token) supports padded batches; positions then count real tokens
     only, so left-padded prompts get the positions they would have alone. ``cache`` (``LatentCache``) makes
     the call incremental: the new tokens attend to everything cached and are appended to it.
+    ``inputs_embeds`` [B, T, D] replaces ``input_ids`` (the VLM splices vision features into them).
     ``segment_ids`` [B, T] (packed training windows) confines every token to its own document: MLA masks
     other documents and restarts positions, KDA restarts its state and short convolution, so each
     document's logits equal those of running it alone.
@@ -151,24 +152,29 @@ class CausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LatentCache | None = None,
         segment_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        B, T = input_ids.shape
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = h.shape[:2]
+        device = h.device
         if segment_ids is not None and (cache is not None or attention_mask is not None):
             raise ValueError(
                 "segment_ids describe packed training windows: use them without cache or padding"
             )
         valid = None if attention_mask is None else attention_mask.bool()
         if cache is not None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=input_ids.device) if valid is None else valid
+            valid = torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid
             positions, key_valid = cache.begin(valid)
             query_start = cache.length
         else:
-            positions = _positions(valid, B, T, input_ids.device)
+            positions = _positions(valid, B, T, device)
             key_valid, query_start = valid, 0
         if position_ids is not None:
             positions = position_ids.expand(B, T)
@@ -180,7 +186,6 @@ class CausalLM(nn.Module):
             positions, mask = document_positions(starts), document_mask(segment_ids)
         cos, sin = self.rotary(positions) if self.rotary is not None else (None, None)
         inputs = LayerInputs(cos, sin, mask, valid, starts)
-        h = self.embed(input_ids)
         h = (
             self._layers_attnres(h, inputs, cache)
             if hasattr(self, "final_res")

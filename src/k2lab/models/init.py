@@ -52,11 +52,12 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Modu
     Non-persistent buffers (rotary frequencies) are recomputed, since no checkpoint holds them.
     """
     model.to_empty(device=device)
-    if model.config.tie_word_embeddings:  # to_empty re-creates parameters one by one, untying them
-        model.lm_head.weight = model.embed.weight
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
+        # to_empty re-creates parameters one by one, untying a tied head
+        if hasattr(module, "lm_head") and getattr(module.config, "tie_word_embeddings", False):
+            module.lm_head.weight = module.embed.weight
     return model
 
 
