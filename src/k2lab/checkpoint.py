@@ -3,6 +3,7 @@
 Layout of ``DIR``::
 
     k2lab.json          {"format": "k2lab-model", "version": 1, "config": {...ModelConfig...}}
+                        (a vision-language model: "kind": "vlm", "config": {...VLMConfig...})
     model.safetensors   our parameter names, fused experts [E, out, in]
 
 Writes are atomic: files go to a temporary sibling directory that is renamed over ``DIR`` at the end, so a
@@ -27,6 +28,7 @@ from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, replace_directory, staging_directory
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
+from k2lab.vision.vlm import VisionLanguageModel, VLMConfig, build_vlm
 
 FORMAT = "k2lab-model"
 VERSION = 1
@@ -34,16 +36,24 @@ MANIFEST = "k2lab.json"
 WEIGHTS = "model.safetensors"
 
 
-def save_model(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
+def tied_head_key(model: torch.nn.Module) -> str | None:
+    """The state-dict key of a head tied to the embedding (not stored), or None."""
+    if isinstance(model, VisionLanguageModel):
+        return "language_model.lm_head.weight" if model.config.text.tie_word_embeddings else None
+    return "lm_head.weight" if model.config.tie_word_embeddings else None
+
+
+def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLike[str]) -> Path:
     """Write ``model`` to ``directory`` atomically (replacing an existing checkpoint there)."""
     target = Path(directory)
     staging = staging_directory(target)
     try:
         manifest = {"format": FORMAT, "version": VERSION, "config": model.config.model_dump(mode="json")}
+        if isinstance(model, VisionLanguageModel):
+            manifest["kind"] = "vlm"
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
+        state.pop(tied_head_key(model), None)
         save_file(state, str(staging / WEIGHTS), metadata={"format": FORMAT})
         replace_directory(staging, target)
     except BaseException:
@@ -52,8 +62,10 @@ def save_model(model: CausalLM, directory: str | os.PathLike[str]) -> Path:
     return target
 
 
-def load_model(directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Load a k2lab checkpoint or a DeepseekV3/Kimi-K2 Hugging Face directory."""
+def load_model(
+    directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> CausalLM | VisionLanguageModel:
+    """Load a k2lab checkpoint or a DeepseekV3 / Kimi-K2 / Kimi Linear / Kimi K2.5 Hugging Face directory."""
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -68,12 +80,13 @@ def load_model(directory: str | os.PathLike[str], dtype: torch.dtype = torch.flo
     )
 
 
-def _load_own(path: Path, dtype: torch.dtype) -> CausalLM:
+def _load_own(path: Path, dtype: torch.dtype) -> CausalLM | VisionLanguageModel:
     manifest = read_json_object(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    vlm = manifest.get("kind") == "vlm"
     try:
-        config = ModelConfig.model_validate(manifest.get("config"))
+        config = (VLMConfig if vlm else ModelConfig).model_validate(manifest.get("config"))
     except ValidationError as error:
         raise CheckpointError(
             f"{path / MANIFEST}: invalid config: {format_validation_error(error)}"
@@ -85,18 +98,17 @@ def _load_own(path: Path, dtype: torch.dtype) -> CausalLM:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{weights} cannot be read ({error})") from error
-    model = build_model(config, device="meta")
+    model = build_vlm(config, device="meta") if vlm else build_model(config, device="meta")
     check_state_dict(model, state, str(weights))
     materialize(model)
-    model.load_state_dict(state, strict=not config.tie_word_embeddings)
+    model.load_state_dict(state, strict=tied_head_key(model) is None)
     return cast_model(model, dtype)
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Raise ``CheckpointError`` listing missing, unexpected and mis-shaped tensors."""
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected.pop(tied_head_key(model), None)
     problems = []
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -32,16 +32,22 @@ _ENCODED: weakref.WeakKeyDictionary[Tokenizer, dict[str, np.ndarray]] = weakref.
 
 @dataclass
 class Batch:
-    """``input_ids``/``labels``/``segment_ids``: int64 ``[B, T]``; ``segment_ids`` None unless asked for."""
+    """``input_ids``/``labels``/``segment_ids``: int64 ``[B, T]``; ``segment_ids`` None unless asked for.
+
+    ``media`` (joint vision-text batches): the model's extra inputs, e.g. ``pixel_values`` and
+    ``image_grid_thw`` of the images whose placeholders the rows hold (``k2lab.vision.mixture``).
+    """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     segment_ids: torch.Tensor | None = None
+    media: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on ``device``."""
         segments = None if self.segment_ids is None else self.segment_ids.to(device)
-        return Batch(self.input_ids.to(device), self.labels.to(device), segments)
+        media = None if self.media is None else {k: v.to(device) for k, v in self.media.items()}
+        return Batch(self.input_ids.to(device), self.labels.to(device), segments, media)
 
 
 def tokenize_documents(docs: Sequence[Document], tokenizer: Tokenizer) -> list[np.ndarray]:

@@ -57,18 +57,23 @@ def generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig | None = None,
+    media: dict[str, torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt; returns the new tokens per prompt (up to and including EOS).
+
+    ``model`` is a ``CausalLM`` or a ``VisionLanguageModel``; ``media`` (``pixel_values``,
+    ``image_grid_thw`` ...) goes to the prefill, whose placeholders it fills in reading order.
 
     Tokens stay on the model's device until the end (one transfer, no per-step sync) unless an
     ``eos_token_id`` needs checking after each step.
     """
     config = config or GenerationConfig()
     param = next(model.parameters())
-    ids, valid = left_pad(prompts, model.config.pad_token_id or 0)
+    decoder_config = getattr(model, "language_model", model).config
+    ids, valid = left_pad(prompts, decoder_config.pad_token_id or 0)
     ids, valid = ids.to(param.device), valid.to(param.device)
     cache = LatentCache(
-        model.config,
+        decoder_config,
         len(prompts),
         ids.shape[1] + config.max_new_tokens,
         dtype=param.dtype,
@@ -76,7 +81,8 @@ def generate(
     )
     generator = torch.Generator(device=param.device).manual_seed(config.seed)
 
-    logits = model(ids, attention_mask=valid, cache=cache).logits[:, -1]
+    media = {k: v.to(param.device) for k, v in (media or {}).items()}
+    logits = model(ids, attention_mask=valid, cache=cache, **media).logits[:, -1]
     tokens: list[torch.Tensor] = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)
     for step in range(config.max_new_tokens):

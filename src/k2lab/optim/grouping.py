@@ -3,7 +3,8 @@
     muon   hidden matrices: attention projections, dense and expert MLP weights ([E, out, in] batched),
            router weight
     adamw  embeddings, lm_head, norms, biases and every other vector (AttnRes pseudo-queries, KDA A_log and
-           dt_bias), and the KDA short-convolution kernels [C, 1, 4] (not matrices) (AdamW β = (0.9, 0.95))
+           dt_bias), the KDA short-convolution kernels [C, 1, 4] and the vision patch-embedding convolution and
+           position grid (not matrices) (AdamW β = (0.9, 0.95)); the vision tower's linear layers go to Muon
     none   the router's ``e_score_correction_bias`` is a buffer: no gradient, moved by the load balancer
 
 With ``per_head_muon`` (K3), the query projection is orthogonalised per head block [q_nope_h; q_rope_h],
@@ -48,10 +49,11 @@ class OptimizerConfig(BaseModel):
 
 
 def _is_adamw_parameter(name: str, parameter: torch.Tensor) -> bool:
+    name = name.removeprefix("language_model.")  # a vision-language model's decoder
     return (
         parameter.ndim < 2
         or name.startswith(("embed.", "lm_head."))
-        or name.endswith(("norm.weight", "conv1d.weight"))
+        or name.endswith(("norm.weight", "conv1d.weight", "patch_embed.weight", "pos_embed.weight"))
     )
 
 

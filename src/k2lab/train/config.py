@@ -23,13 +23,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.train.curriculum import CurriculumStage, validate_stages
 from k2lab.train.schedule import ScheduleConfig
+from k2lab.vision.mixture import VisionDataConfig
 
 
 class BalanceConfig(BaseModel):
@@ -78,6 +79,23 @@ class TrainConfig(BaseModel):
     sample_prompt: str = "def "
     sample_tokens: int = Field(default=64, ge=0)
     out: str = "runs/k2-mini"
+    vision: VisionDataConfig | None = Field(
+        default=None,
+        description="Joint vision-text training (``[vision]``: injection start, ratio, tasks); set by default "
+        "for vision-language presets such as k25-mini.",
+    )
+
+    @model_validator(mode="after")
+    def _vision_defaults(self) -> TrainConfig:
+        from k2lab.vision.presets import is_vlm_preset
+
+        if is_vlm_preset(self.preset) and self.vision is None:
+            object.__setattr__(self, "vision", VisionDataConfig())
+        if self.vision is not None and not is_vlm_preset(self.preset):
+            raise ValueError(
+                f"[vision] needs a vision-language preset (k25-mini, k25, k3-vl-mini), not {self.preset!r}"
+            )
+        return self
 
     @field_validator("curriculum")
     @classmethod

@@ -211,6 +211,12 @@ def local_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_batch(batch: Batch) -> Batch:
     """This rank's rows of every tensor of a global ``Batch`` (identity alone)."""
+    if not is_distributed():
+        return batch
+    if batch.media is not None:
+        raise NotImplementedError(
+            "joint vision-text batches are not split across data-parallel ranks yet; train them in one process"
+        )
     segments = batch.segment_ids
     return Batch(
         local_rows(batch.input_ids),

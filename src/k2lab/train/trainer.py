@@ -35,6 +35,8 @@ from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import rope_scaling_for, stage_index
 from k2lab.train.schedule import lr_multiplier
+from k2lab.vision.presets import load_vlm_preset
+from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 
 console = Console()
 
@@ -70,7 +72,8 @@ class Trainer:
         self.run_dir = run_dir
         self.muonclip = MuonClip(model, config.optimizer, verbose=distributed.is_main())
         self.bf16 = use_bf16(config.precision)
-        for moe in model.moe_layers():
+        self.lm: CausalLM = language_model(model)
+        for moe in self.lm.moe_layers():
             moe.balance_alpha = config.balance.sequence_loss_alpha
             moe.record_scores = config.balance.bias_rule == "quantile"
         self.step = 0
@@ -84,17 +87,15 @@ class Trainer:
         """Mean next-token cross-entropy of ``batch`` and the summed MoE balance loss."""
         labels = batch.labels
         with self.autocast():
-            logits = self.model(batch.input_ids, segment_ids=batch.segment_ids).logits
+            logits = self.model(batch.input_ids, segment_ids=batch.segment_ids, **(batch.media or {})).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        aux = sum(
-            (moe.aux_loss for moe in self.model.moe_layers() if moe.aux_loss is not None), torch.zeros(())
-        )
+        aux = sum((moe.aux_loss for moe in self.lm.moe_layers() if moe.aux_loss is not None), torch.zeros(()))
         return loss, aux
 
     def train_step(self) -> tuple[StepResult, list[torch.Tensor]]:
         config = self.config
         self.model.train()
-        loads = [torch.zeros(moe.experts.n_experts) for moe in self.model.moe_layers()]
+        loads = [torch.zeros(moe.experts.n_experts) for moe in self.lm.moe_layers()]
         total_loss, total_aux, tokens = 0.0, 0.0, 0
         for _ in range(config.grad_accum):
             batch = next(self.batches)
@@ -104,7 +105,7 @@ class Trainer:
             total_loss += loss.item() / config.grad_accum
             total_aux += float(aux) / config.grad_accum
             tokens += labels.numel()
-            for load, moe in zip(loads, self.model.moe_layers(), strict=True):
+            for load, moe in zip(loads, self.lm.moe_layers(), strict=True):
                 load += moe.last_expert_counts.float().cpu()
         grad_norm = self._clip_gradients()
         for group in self.muonclip.param_groups:
@@ -121,7 +122,7 @@ class Trainer:
         stats = self.muonclip.step()
         self.muonclip.zero_grad()
         rule = self.config.balance.bias_rule
-        for moe, load in zip(self.model.moe_layers(), loads, strict=True):
+        for moe, load in zip(self.lm.moe_layers(), loads, strict=True):
             if rule == "deepseek":
                 deepseek_bias_update(moe.router, load, self.config.balance.gamma)
             elif rule == "quantile":  # the scores of this step's batch set the bias for the next
@@ -149,11 +150,10 @@ class Trainer:
         }
         if self.config.balance.sequence_loss_alpha > 0:
             values["balance_loss"] = result.aux_loss
+        first = self.lm.config.first_k_dense_replace
         for index, load in enumerate(loads):
-            values[f"expert_load/layer{index + self.model.config.first_k_dense_replace}"] = load.tolist()
-            values[f"expert_imbalance/layer{index + self.model.config.first_k_dense_replace}"] = float(
-                load.max() / load.mean().clamp(min=1e-9)
-            )
+            values[f"expert_load/layer{index + first}"] = load.tolist()
+            values[f"expert_imbalance/layer{index + first}"] = float(load.max() / load.mean().clamp(min=1e-9))
         return values
 
 
@@ -161,10 +161,30 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def build_trainer_model(config: TrainConfig, vocab_size: int) -> CausalLM:
-    """The preset with the tokenizer's vocabulary and the recipe's overrides."""
-    model_config = load_preset(config.preset, **{"vocab_size": vocab_size, **config.model_overrides})
-    return build_model(model_config, seed=config.seed)
+def text_preset(name: str):
+    """The language model's preset config (a vision-language preset's decoder)."""
+    from k2lab.vision.presets import VLM_PRESETS
+
+    return load_preset(VLM_PRESETS[name][0] if name in VLM_PRESETS else name)
+
+
+def language_model(model: torch.nn.Module) -> CausalLM:
+    """The decoder of a ``CausalLM`` (itself) or of a ``VisionLanguageModel``."""
+    return getattr(model, "language_model", model)
+
+
+def build_trainer_model(
+    config: TrainConfig, vocab_size: int, special_tokens: dict[str, int] | None = None
+) -> CausalLM | VisionLanguageModel:
+    """The preset with the tokenizer's vocabulary and the recipe's overrides (a VLM for k25-style presets,
+    its media token ids from ``special_tokens``)."""
+    text_overrides = {"vocab_size": vocab_size, **config.model_overrides}
+    if config.vision is not None:
+        vlm_config = load_vlm_preset(
+            config.preset, special_tokens, config.vision.vision_overrides, **text_overrides
+        )
+        return build_vlm(vlm_config, seed=config.seed)
+    return build_model(load_preset(config.preset, **text_overrides), seed=config.seed)
 
 
 def timed(fn):
@@ -248,7 +268,7 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     distributed.check_batch_size(config.batch_size)
     torch.manual_seed(config.seed)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    vocab = config.vocab_size or load_preset(config.preset).vocab_size
+    vocab = config.vocab_size or text_preset(config.preset).vocab_size
     with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
     console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
@@ -258,7 +278,8 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
         "eos_token_id": tokenizer.eos_id,
     }
     config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
-    model = distributed.shard_model(build_trainer_model(config, tokenizer.vocab_size))
+    special = tokenizer.special_tokens
+    model = distributed.shard_model(build_trainer_model(config, tokenizer.vocab_size, special))
     data = StageData(config, corpus, tokenizer, model)
     data.enter(0)
     trainer = Trainer(config, model, data.train_batches(), data.val_batches, run_dir)
@@ -322,13 +343,23 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
 
     summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
     model = distributed.gather_model(
-        model, lambda: data.final_model(build_trainer_model(config, tokenizer.vocab_size))
+        model, lambda: data.final_model(build_trainer_model(config, tokenizer.vocab_size, special))
     )
     if model is None:  # not rank 0: it took part in the gather; rank 0 writes the rest
         return summary
     save_model(model, run_dir / "model")
     tokenizer.save(run_dir / "model" / "tokenizer.json")
-    sample = sample_text(model, tokenizer, config.sample_prompt, config.sample_tokens, config.seed)
+    if config.vision is not None and config.vision.eval_samples:
+        from k2lab.vision.evaluate import evaluate_visual_tasks
+
+        scores = evaluate_visual_tasks(model, tokenizer, config.vision, seed=config.seed)
+        summary["visual_scores"] = scores
+        console.print(
+            "visual tasks (held-out, mean reward): " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+        )
+    sample = sample_text(
+        language_model(model), tokenizer, config.sample_prompt, config.sample_tokens, config.seed
+    )
     (run_dir / "sample.txt").write_text(sample + "\n")
     dashboard = plot_dashboard(run_dir, tau=tau)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -348,10 +379,13 @@ class StageData:
     """Batches of the current context-curriculum stage (``TrainConfig.stages()``): one ``PackedBatches``
     per stage (seeded by stage), that stage's validation batches, and its YaRN scaling on the model."""
 
-    def __init__(self, config: TrainConfig, corpus, tokenizer, model: CausalLM) -> None:
-        self.config, self.corpus, self.tokenizer, self.model = config, corpus, tokenizer, model
+    def __init__(self, config: TrainConfig, corpus, tokenizer, model: CausalLM | VisionLanguageModel) -> None:
+        self.config, self.corpus, self.tokenizer = config, corpus, tokenizer
+        self.model = language_model(model)
         self.stages = config.stages()
         self.index: int | None = None
+        self.vision_config = getattr(model, "config", None) if config.vision is not None else None
+        self.mixture = None
 
     def enter(self, index: int) -> None:
         from k2lab.data import PackedBatches, validation_batches
@@ -376,13 +410,28 @@ class StageData:
             return_segments=masking,
         )
         self.val_batches = [distributed.local_batch(batch) for batch in val]
+        if self.vision_config is not None:
+            self.mixture = self._mixture(stage.seq_len)
         if self.config.curriculum:  # without a curriculum the preset's own rope scaling stays
             self.model.set_rope_scaling(rope_scaling_for(self.stages, index))
 
-    def final_model(self, model: CausalLM) -> CausalLM:
+    def _mixture(self, seq_len: int):
+        """Joint vision-text batches over this stage's text batches (``k2lab.vision.mixture``)."""
+        from k2lab.vision.mixture import MixedBatches, VisualStream
+
+        config, previous = self.config, self.mixture
+        stream = VisualStream(
+            self.tokenizer, self.vision_config.vision, config.vision.tasks, seed=config.seed
+        )
+        mixture = MixedBatches(self.batches, stream, config.vision, config.steps, config.grad_accum, seq_len)
+        if previous is not None:  # a new curriculum stage continues the visual stream and the schedule
+            mixture.load_state_dict(previous.state_dict())
+        return mixture
+
+    def final_model(self, model: CausalLM | VisionLanguageModel) -> CausalLM | VisionLanguageModel:
         """``model`` (a fresh build) with the rope scaling the run ended in."""
         if self.config.curriculum:
-            model.set_rope_scaling(rope_scaling_for(self.stages, self.index))
+            language_model(model).set_rope_scaling(rope_scaling_for(self.stages, self.index))
         return model
 
     def describe(self) -> str:
@@ -391,11 +440,16 @@ class StageData:
         return f"(seq_len {self.stages[self.index].seq_len}{yarn})"
 
     def train_batches(self) -> Iterator[Batch]:
-        return distributed.local_batches(self.batches)
+        return distributed.local_batches(self.mixture if self.mixture is not None else self.batches)
 
     def state_dict(self) -> dict:
-        return {"stage": self.index, "batches": self.batches.state_dict()}
+        state = {"stage": self.index, "batches": self.batches.state_dict()}
+        if self.mixture is not None:
+            state["vision"] = self.mixture.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.enter(int(state["stage"]))
         self.batches.load_state_dict(state["batches"])
+        if self.mixture is not None:
+            self.mixture.load_state_dict(state["vision"])

@@ -1,4 +1,12 @@
-"""Validated configuration of the MoonViT-3D vision tower and its projector (Kimi K2.5).
+"""Validated configuration of the MoonViT vision towers and their projector (Kimi K2.5 and Kimi K3).
+
+Two named variants of one tower (see ``VisionConfig.moonvit_3d`` / ``VisionConfig.moonvit_v2``):
+
+* **MoonViT-3D** (Kimi K2.5, the defaults): LayerNorms and biased projections; the projector LayerNorms each
+  of the kh·kw patch vectors of a merge block before concatenating them (``merge="in_projector"``).
+* **MoonViT-V2** (Kimi K3, trained from scratch): RMSNorm (``norm="rmsnorm"``), no bias anywhere
+  (``bias=False``), and a 2×2 pixel shuffle (space-to-depth) before the projector, whose RMSNorm then acts
+  on the whole shuffled kh·kw·D token (``merge="pixel_shuffle"``). Only these three fields differ.
 
 Field names follow transformers' ``Kimi_K25VisionConfig`` (``patch_size``, ``pos_emb_height``,
 ``pos_emb_width``, ``pos_emb_time``, ``merge_kernel_size`` ...). The projector lives on the parent
@@ -16,9 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["VisionConfig"]
 
+_VARIANT_FIELDS = frozenset({"norm", "bias", "merge"})
+
 
 class VisionConfig(BaseModel):
-    """MoonViT-3D + MLP projector.
+    """MoonViT tower + MLP projector (K2.5's MoonViT-3D by default; ``moonvit_v2()`` for K3's).
+
+    ``layer_norm_eps`` / ``projection_layer_norm_eps`` are the eps of whichever norm ``norm`` selects.
 
     Invariants checked at construction (each error names the field and the reason):
     ``hidden_size % num_attention_heads == 0``; head dim divisible by 4 (2-D axial rope gives each of
@@ -43,6 +55,10 @@ class VisionConfig(BaseModel):
     # projector (HF: Kimi_K25Config.projection_layer_norm_eps, text_config.hidden_size)
     projection_layer_norm_eps: float = Field(default=1e-5, gt=0)
     text_hidden_size: int = Field(default=7168, gt=0)
+    # variant switches (not in HF's config: K2.5 is the only tower transformers has)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    bias: bool = True
+    merge: Literal["in_projector", "pixel_shuffle"] = "in_projector"
 
     @model_validator(mode="after")
     def _check(self) -> VisionConfig:
@@ -64,6 +80,38 @@ class VisionConfig(BaseModel):
             raise ValueError(f"merge_kernel_size={self.merge_kernel_size} must be positive")
         return self
 
+    # ------------------------------------------------------------------------------------------- presets
+
+    @classmethod
+    def moonvit_3d(cls, **overrides: Any) -> VisionConfig:
+        """Kimi K2.5's MoonViT-3D: patch 14, D = 1152, 27 layers, 16 heads, F = 4304, 64×64 position grid,
+        2×2 merge, LayerNorm, biases, per-patch projector norm (the field defaults)."""
+        return cls(**overrides)
+
+    @classmethod
+    def moonvit_v2(cls, **overrides: Any) -> VisionConfig:
+        """Kimi K3's MoonViT-V2 (sizes beyond "27 layers, 401M parameters" are unpublished; our choices).
+
+        Kept from K2.5: patch 14, D = 1152, 16 heads (head dim 72), 64×64 learned position grid + sin/cos
+        frame embedding + 2-D axial rope, volumes of ≤ 4 frames, tanh-GELU MLPs, eps 1e-5, one set of
+        weights for images and videos. Changed: RMSNorm, no biases, 2×2 pixel shuffle before the projector,
+        and F = 4048 (a multiple of 16) so that the tower (patch embedding, positions, 27 blocks, final norm)
+        has 400,604,544 ≈ 401M parameters; the projector (whose output width is K3's unpublished text
+        width, here ``text_hidden_size``) is counted apart: ``num_parameters(c, include_projector=False)``.
+        """
+        fields: dict[str, Any] = {
+            "intermediate_size": 4048,
+            "norm": "rmsnorm",
+            "bias": False,
+            "merge": "pixel_shuffle",
+        }
+        return cls(**{**fields, **overrides})
+
+    @property
+    def is_moonvit_3d_family(self) -> bool:
+        """True when the architecture is K2.5's (LayerNorm, biases, merge in the projector): HF-exportable."""
+        return self.norm == "layernorm" and self.bias and self.merge == "in_projector"
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -76,7 +124,7 @@ class VisionConfig(BaseModel):
     @classmethod
     def from_hf(cls, vision: Mapping[str, Any], parent: Mapping[str, Any] | None = None) -> VisionConfig:
         """Build from HF ``vision_config`` (dict) and optionally the parent ``Kimi_K25Config`` dict."""
-        fields = {k: vision[k] for k in cls.model_fields if k in vision}
+        fields = {k: vision[k] for k in cls.model_fields if k in vision and k not in _VARIANT_FIELDS}
         rope = vision.get("rope_parameters") or {}
         if "rope_theta" in rope:
             fields["rope_theta"] = rope["rope_theta"]
@@ -95,8 +143,19 @@ class VisionConfig(BaseModel):
         return cls(**fields)
 
     def to_hf(self) -> dict[str, Any]:
-        """The HF ``vision_config`` dict (projector fields go on the parent, see ``from_hf``)."""
-        data = self.model_dump(exclude={"projection_layer_norm_eps", "text_hidden_size", "rope_theta"})
+        """The HF ``vision_config`` dict (projector fields go on the parent, see ``from_hf``).
+
+        Raises ``ValueError`` for MoonViT-V2 (or any RMSNorm / bias-free / pixel-shuffle config):
+        transformers' ``kimi_k25`` implements only the K2.5 tower.
+        """
+        if not self.is_moonvit_3d_family:
+            raise ValueError(
+                f"to_hf: transformers' kimi_k25 has only the K2.5 MoonViT-3D tower (LayerNorm, biases, merge in "
+                f"the projector); this config (norm={self.norm!r}, bias={self.bias}, merge={self.merge!r}) is "
+                "MoonViT-V2-like and has no HF equivalent"
+            )
+        exclude = {"projection_layer_norm_eps", "text_hidden_size", "rope_theta", *_VARIANT_FIELDS}
+        data = self.model_dump(exclude=exclude)
         data.pop("layer_norm_eps")
         data["merge_kernel_size"] = list(self.merge_kernel_size)
         data["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}

@@ -1,4 +1,4 @@
-"""MoonViT-3D: the native-resolution vision tower of Kimi K2.5, plus its MLP projector.
+"""MoonViT-3D (Kimi K2.5) and MoonViT-V2 (Kimi K3): the native-resolution vision tower plus its MLP projector.
 
 Inputs follow transformers' ``Kimi_K25ImageProcessor``: ``pixel_values`` [N, C, p, p] holds the patches
 of every image / video volume back to back (per entry frame-major, then raster order within a frame),
@@ -19,6 +19,13 @@ Pipeline (N patches, E entries, D = hidden_size, M merged tokens):
    of each kh×kw block, kept as kh·kw vectors                                            [M, kh·kw, D]
    with M = Σ_e (h_e / kh)(w_e / kw) — a 4-frame volume yields as many tokens as one frame
 5. projector         y = W₂ · GELU(W₁ · concat(LN(z_1..z_{kh·kw})) + b₁) + b₂             [M, D_text]
+
+MoonViT-V2 (``VisionConfig.moonvit_v2()``) is the same code with three switches: every LayerNorm becomes
+RMSNorm (``norm="rmsnorm"``), every projection (patch conv, q/k/v/o, MLPs, projector) loses its bias
+(``bias=False``), and the 2×2 merge happens before the projector as a pixel shuffle (``merge="pixel_shuffle"``):
+step 4 is ``mean_t pixel_shuffle(x)`` [M, kh·kw·D] — the same numbers as K2.5's grouping, flattened — and
+step 5 becomes y = W₂ · GELU(W₁ · RMSNorm(z)), the norm acting on the whole shuffled kh·kw·D token instead of
+on each D-wide patch vector.
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2lab.nn.norm import RMSNorm
 from k2lab.vision.config import VisionConfig
 
 __all__ = [
     "MoonViT3D",
     "MoonViTEncoder",
+    "MoonViTV2",
     "VisionOutput",
     "VisionProjector",
     "axial_rope",
@@ -41,7 +50,9 @@ __all__ = [
     "segment_lengths",
     "apply_rope",
     "check_grid",
+    "make_norm",
     "patch_coordinates",
+    "pixel_shuffle",
     "temporal_merge",
     "time_embedding",
     "video_volumes",
@@ -159,8 +170,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------------------- blocks
 
 
+def make_norm(config: VisionConfig, dim: int, eps: float) -> nn.Module:
+    """The variant's norm over the last dim: LayerNorm (bias iff ``config.bias``) or RMSNorm (weight only).
+
+    LN(x) = γ ⊙ (x − μ) / √(σ² + ε) + β;  RMSNorm(x) = γ ⊙ x / √(mean(x²) + ε).
+    """
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    return nn.LayerNorm(dim, eps=eps, bias=config.bias)
+
+
 class VisionAttention(nn.Module):
-    """Multi-head self-attention (biased q/k/v/o) confined to each packed segment.
+    """Multi-head self-attention (q/k/v/o biased iff ``config.bias``) confined to each packed segment.
 
     softmax(q_s k_sᵀ / √d) v_s per segment s = [cu[s], cu[s+1]) — exactly block-diagonal attention over the
     packed sequence, computed as one SDPA call per segment so no [N, N] mask is materialised.
@@ -170,7 +191,7 @@ class VisionAttention(nn.Module):
         super().__init__()
         d = config.hidden_size
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=config.bias) for _ in range(4))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
@@ -192,8 +213,8 @@ class VisionMLP(nn.Module):
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
         self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,13 +222,13 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm encoder layer: x += Attn(LN₁ x); x += MLP(LN₂ x). LayerNorms with bias."""
+    """Pre-norm encoder layer: x += Attn(N₁ x); x += MLP(N₂ x), N = LayerNorm (K2.5) or RMSNorm (V2)."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn_norm = make_norm(config, config.hidden_size, config.layer_norm_eps)
         self.attn = VisionAttention(config)
-        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp_norm = make_norm(config, config.hidden_size, config.layer_norm_eps)
         self.mlp = VisionMLP(config)
 
     def forward(
@@ -217,20 +238,35 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def pixel_shuffle(x: torch.Tensor, factor: tuple[int, int] = (2, 2)) -> torch.Tensor:
+    """Space-to-depth: [..., h, w, D] -> [..., h/kh, w/kw, kh·kw·D] (a pure rearrangement, no arithmetic).
+
+    y[..., i, j, (a·kw + b)·D + d] = x[..., i·kh + a, j·kw + b, d] for a < kh, b < kw: the kh·kw patches of a
+    block are concatenated in raster order (row offset a major, column offset b minor), each keeping its D
+    channels contiguous. K2.5's projector input ``pooled[m]`` [kh·kw, D] is exactly this token unflattened.
+    """
+    kh, kw = factor
+    *lead, h, w, d = x.shape
+    if h % kh or w % kw:
+        raise ValueError(f"pixel_shuffle: grid {h}×{w} is not divisible by {kh}×{kw}")
+    blocks = x.reshape(*lead, h // kh, kh, w // kw, kw, d).transpose(-4, -3)
+    return blocks.reshape(*lead, h // kh, w // kw, kh * kw * d)
+
+
 def temporal_merge(
     x: torch.Tensor, grid_thw: torch.Tensor, merge_kernel_size: tuple[int, int]
 ) -> torch.Tensor:
-    """Mean over frames, kh×kw spatial blocks grouped: [N, D] -> [M, kh·kw, D].
+    """Pixel-shuffle every frame, then mean over frames: [N, D] -> [M, kh·kw, D].
 
-    For entry (t, h, w): z[m, (a·kw + b)] = (1/t) Σ_f x[f, i·kh + a, j·kw + b] with m = i·(w/kw) + j.
-    The mean is taken in fp32.
+    For entry (t, h, w): z[m, (a·kw + b)] = (1/t) Σ_f x[f, i·kh + a, j·kw + b] with m = i·(w/kw) + j, i.e.
+    z = mean_f pixel_shuffle(x_f) viewed as kh·kw vectors of D. The mean is taken in fp32.
     """
     kh, kw = merge_kernel_size
     d = x.shape[-1]
     parts = []
     for seg, (t, h, w) in zip(x.split(segment_lengths(grid_thw)), _grid_list(grid_thw), strict=True):
-        blocks = seg.float().view(t, h // kh, kh, w // kw, kw, d).permute(0, 1, 3, 2, 4, 5)
-        parts.append(blocks.mean(0).reshape(-1, kh * kw, d))
+        shuffled = pixel_shuffle(seg.float().view(t, h, w, d), (kh, kw))  # [t, h/kh, w/kw, kh·kw·D]
+        parts.append(shuffled.mean(0).reshape(-1, kh * kw, d))
     return torch.cat(parts).to(x.dtype)
 
 
@@ -243,19 +279,19 @@ def segment_lengths(grid_thw: torch.Tensor) -> list[int]:
 
 
 class MoonViTEncoder(nn.Module):
-    """Patch embedding, positions, L encoder blocks and the final LayerNorm. -> [N, D]."""
+    """Patch embedding, positions, L encoder blocks and the final norm. -> [N, D]."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         self.config = config
         p = config.patch_size
-        self.patch_embed = nn.Conv2d(3, config.hidden_size, kernel_size=p, stride=p)
+        self.patch_embed = nn.Conv2d(3, config.hidden_size, kernel_size=p, stride=p, bias=config.bias)
         self.pos_embed = PositionEmbedding(config)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_hidden_layers))
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.final_norm = make_norm(config, config.hidden_size, config.layer_norm_eps)
 
     def embed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[N, 3, p, p] -> [N, D]: W_p · vec(patch) + b_p + position term (cast to the activation dtype)."""
+        """[N, 3, p, p] -> [N, D]: W_p · vec(patch) (+ b_p) + position term (cast to the activation dtype)."""
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(1)
         return x + self.pos_embed(grid_thw).to(x.dtype)
 
@@ -271,24 +307,32 @@ class MoonViTEncoder(nn.Module):
 
 
 class VisionProjector(nn.Module):
-    """LN per patch vector, concat kh·kw of them, then fc_out(GELU(fc_in ·)). [M, kh·kw, D] -> [M, D_text]."""
+    """Norm, then fc_out(GELU(fc_in ·)): [M, kh·kw, D] -> [M, D_text]; where the merge happens differs.
+
+    ``merge="in_projector"`` (K2.5): y = W₂ GELU(W₁ concat(LN(z_1), …, LN(z_{kh·kw})) + b₁) + b₂ — the norm
+    is D wide and acts on each patch vector. ``merge="pixel_shuffle"`` (V2): y = W₂ GELU(W₁ RMSNorm(z)) with
+    z = flatten(pooled) the shuffled kh·kw·D token — the norm is kh·kw·D wide.
+    """
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         width = config.hidden_size * config.merge_area
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.projection_layer_norm_eps)
-        self.fc_in = nn.Linear(width, width)
-        self.fc_out = nn.Linear(width, config.text_hidden_size)
+        self.shuffled = config.merge == "pixel_shuffle"
+        norm_width = width if self.shuffled else config.hidden_size
+        self.norm = make_norm(config, norm_width, config.projection_layer_norm_eps)
+        self.fc_in = nn.Linear(width, width, bias=config.bias)
+        self.fc_out = nn.Linear(width, config.text_hidden_size, bias=config.bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        x = self.norm(pooled).flatten(1)
+        x = self.norm(pooled.flatten(1)) if self.shuffled else self.norm(pooled).flatten(1)
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
 @dataclass
 class VisionOutput:
     """features [M, D_text] (what replaces the media placeholder tokens), last_hidden_state [N, D],
-    pooled [M, kh·kw, D]; ``counts`` — tokens per grid entry (split ``features`` by it)."""
+    pooled [M, kh·kw, D] (``pooled.flatten(1)`` is the pixel-shuffled token); ``counts`` — tokens per grid
+    entry (split ``features`` by it)."""
 
     features: torch.Tensor
     last_hidden_state: torch.Tensor
@@ -297,7 +341,11 @@ class VisionOutput:
 
 
 class MoonViT3D(nn.Module):
-    """The tower and the projector: packed patches + grid_thw -> language-model-width vision tokens."""
+    """The tower and the projector: packed patches + grid_thw -> language-model-width vision tokens.
+
+    One class for both variants: ``MoonViT3D(VisionConfig.moonvit_3d())`` is K2.5's tower,
+    ``MoonViT3D(VisionConfig.moonvit_v2())`` K3's MoonViT-V2 (``MoonViTV2`` is an alias).
+    """
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -312,7 +360,7 @@ class MoonViT3D(nn.Module):
         return VisionOutput(self.projector(pooled), hidden, pooled, counts)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Truncated-normal weights (std), zero biases, unit LayerNorm gains."""
+        """Truncated-normal weights (std), zero biases, unit norm gains."""
         for name, p in self.named_parameters():
             with torch.no_grad():
                 if "norm" in name:
@@ -323,11 +371,32 @@ class MoonViT3D(nn.Module):
                     nn.init.trunc_normal_(p, std=std, a=-2 * std, b=2 * std)
 
 
-def num_parameters(config: VisionConfig) -> int:
-    """Exact parameter count of ``MoonViT3D(config)`` by formula (tower + projector)."""
-    d, f, p, k = config.hidden_size, config.intermediate_size, config.patch_size, config.merge_area
-    block = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
-    tower = 3 * p * p * d + d + config.pos_emb_height * config.pos_emb_width * d
-    tower += config.num_hidden_layers * block + 2 * d
-    projector = 2 * d + (k * d) ** 2 + k * d + k * d * config.text_hidden_size + config.text_hidden_size
-    return tower + projector
+MoonViTV2 = MoonViT3D  # K3's tower: build with ``VisionConfig.moonvit_v2()``
+
+
+def num_parameters(config: VisionConfig, include_projector: bool = True) -> int:
+    """Exact parameter count of ``MoonViT3D(config)`` by formula (tower, plus the projector by default).
+
+    With b = 1 if biased else 0 and n(w) = w·(1 + b) for LayerNorm, w for RMSNorm:
+    tower = 3p²D + bD + H·W·D + L·(4D² + 4bD + 2DF + b(F + D) + 2n(D)) + n(D);
+    projector = n(D or kD) + (kD)² + bkD + kD·D_text + bD_text, k = kh·kw.
+    """
+    d, f, p, k, t = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.patch_size,
+        config.merge_area,
+        config.text_hidden_size,
+    )
+    b = int(config.bias)
+
+    def n(width: int) -> int:
+        return width * (1 + b) if config.norm == "layernorm" else width
+
+    block = 4 * d * d + 4 * b * d + 2 * d * f + b * (f + d) + 2 * n(d)
+    tower = 3 * p * p * d + b * d + config.pos_emb_height * config.pos_emb_width * d
+    tower += config.num_hidden_layers * block + n(d)
+    if not include_projector:
+        return tower
+    norm_width = k * d if config.merge == "pixel_shuffle" else d
+    return tower + n(norm_width) + (k * d) ** 2 + b * k * d + k * d * t + b * t

@@ -1,0 +1,252 @@
+"""Joint vision-text pre-training data: synthetic visual tasks packed into rows, mixed into text batches
+on K2.5's vision injection schedule.
+
+**Schedule.** With S total steps, batch B and ``ratio`` r, vision starts at step s₀ = ⌊start·S⌋ and from then
+on takes a fraction r of the batch rows: step s gets
+
+    n(s) = ⌊(s − s₀ + 1)·B·r⌋ − ⌊(s − s₀)·B·r⌋   vision rows   (0 before s₀),
+
+so over the run exactly ⌊(S − s₀)·B·r⌋ rows are visual and every step holds B·T tokens. K2.5's ablation
+(early 10:90 from step 0, mid 20:80 from 50 %, late 50:50 from 80 %) spends the same 10 % of the total
+budget on vision in all three arms.
+
+**Rows.** A visual sample is ``<|media_begin|>image<|media_content|>`` + ``<|media_pad|>``×n +
+``<|media_end|>`` + prompt + " " + answer + ``<|eos|>`` with n the image's vision tokens. Whole samples are
+packed into rows of T + 1 tokens (a sample never straddles two rows, the remainder is padding); each
+sample is its own document (``segment_ids``). The loss covers the prompt, the answer and EOS, never the
+media markup. The images of a batch go to the tower in reading order (row-major), as the placeholders
+appear, so ``VisionLanguageModel`` splices each feature into its own slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from k2lab.data.packing import Batch
+from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, Tokenizer
+from k2lab.vision.config import VisionConfig
+from k2lab.vision.processor import ProcessorConfig, preprocess_images
+from k2lab.vision.tasks import TASK_KINDS, VisualSample, make_task
+
+__all__ = [
+    "EncodedSample",
+    "MixedBatches",
+    "VisionDataConfig",
+    "encode_sample",
+    "image_prompt_ids",
+    "pack_visual_rows",
+    "vision_rows_at",
+]
+
+IGNORE = -100
+HELD_OUT_SEED = 1_000_003  # evaluation samples come from seeds the training stream never draws
+
+
+class VisionDataConfig(BaseModel):
+    """The recipe's ``[vision]`` table: which tasks, and when and how much vision enters the batches."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: float = Field(default=0.0, ge=0, lt=1, description="Fraction of the steps before vision starts.")
+    ratio: float = Field(default=0.1, ge=0, le=1, description="Fraction of batch rows that are visual after.")
+    tasks: tuple[str, ...] = TASK_KINDS
+    eval_samples: int = Field(default=60, ge=0, description="Held-out visual samples scored at the end.")
+    eval_max_new_tokens: int = Field(default=24, gt=0)
+    vision_overrides: dict = Field(default_factory=dict, description="VisionConfig fields over the preset's.")
+
+    def model_post_init(self, _context: object) -> None:
+        unknown = [t for t in self.tasks if t not in TASK_KINDS]
+        if unknown or not self.tasks:
+            raise ValueError(
+                f"vision.tasks {list(self.tasks)} must be a non-empty subset of {list(TASK_KINDS)}"
+            )
+
+    def start_step(self, steps: int) -> int:
+        return int(self.start * steps)
+
+
+def vision_rows_at(step: int, batch_size: int, ratio: float, start_step: int) -> int:
+    """n(s) = ⌊(s − s₀ + 1)·B·r⌋ − ⌊(s − s₀)·B·r⌋ for s ≥ s₀, else 0 (exact long-run ratio r)."""
+    if step < start_step:
+        return 0
+    s = step - start_step
+    return int(np.floor((s + 1) * batch_size * ratio + 1e-9) - np.floor(s * batch_size * ratio + 1e-9))
+
+
+def image_prompt_ids(tokenizer: Tokenizer, num_image_tokens: int) -> list[int]:
+    """``<|media_begin|>image<|media_content|><|media_pad|>×n<|media_end|>`` as ids."""
+    special = tokenizer.special_tokens
+    return [
+        special[MEDIA_BEGIN],
+        *tokenizer.encode("image", allow_special=False),
+        special[MEDIA_CONTENT],
+        *[special[IMAGE_PAD]] * num_image_tokens,
+        special[MEDIA_END],
+    ]
+
+
+@dataclass
+class EncodedSample:
+    """One visual sample as tokens: ``ids``, which of them are loss targets, and its image's patches."""
+
+    ids: list[int]
+    targets: list[bool]
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor  # [1, 3]
+    prompt_length: int  # tokens up to and including the prompt (what generation is conditioned on)
+    sample: VisualSample | None = field(default=None, repr=False)
+
+
+def encode_sample(
+    sample: VisualSample, tokenizer: Tokenizer, processor: ProcessorConfig, vision: VisionConfig
+) -> EncodedSample:
+    image = preprocess_images([sample.image], processor)
+    kh, kw = vision.merge_kernel_size
+    _, h, w = image.image_grid_thw[0].tolist()
+    media = image_prompt_ids(tokenizer, (h // kh) * (w // kw))
+    prompt = tokenizer.encode(sample.prompt + " ", allow_special=False)
+    answer = [*tokenizer.encode(sample.answer, allow_special=False), tokenizer.eos_id]
+    return EncodedSample(
+        ids=media + prompt + answer,
+        targets=[False] * len(media) + [True] * (len(prompt) + len(answer)),
+        pixel_values=image.pixel_values,
+        grid_thw=image.image_grid_thw,
+        prompt_length=len(media) + len(prompt),
+        sample=sample,
+    )
+
+
+def pack_visual_rows(
+    samples: Iterator[EncodedSample], rows: int, seq_len: int, pad_id: int
+) -> tuple[Batch, dict[str, torch.Tensor]]:
+    """``rows`` rows of whole samples (each T + 1 tokens before the shift) and their images, in order.
+
+    Returns the batch (input_ids, labels with −100 off-target, segment_ids) and ``pixel_values`` /
+    ``image_grid_thw`` of every image it holds.
+    """
+    ids = torch.full((rows, seq_len + 1), pad_id, dtype=torch.long)
+    targets = torch.zeros(rows, seq_len + 1, dtype=torch.bool)
+    segments = torch.zeros(rows, seq_len + 1, dtype=torch.long)
+    pixels, grids = [], []
+    pending: EncodedSample | None = None
+    for row in range(rows):
+        used, segment = 0, 0
+        while True:
+            item = pending if pending is not None else next(samples)
+            pending = None
+            if len(item.ids) > seq_len + 1:
+                raise ValueError(f"a visual sample of {len(item.ids)} tokens does not fit seq_len {seq_len}")
+            if used + len(item.ids) > seq_len + 1:
+                pending = item
+                break
+            span = slice(used, used + len(item.ids))
+            ids[row, span] = torch.tensor(item.ids)
+            targets[row, span] = torch.tensor(item.targets)
+            segments[row, span] = segment
+            pixels.append(item.pixel_values)
+            grids.append(item.grid_thw)
+            used, segment = used + len(item.ids), segment + 1
+        segments[row, used:] = segment  # the padding is a document of its own
+    labels = torch.where(targets[:, 1:], ids[:, 1:], IGNORE)
+    batch = Batch(ids[:, :-1].contiguous(), labels, segments[:, :-1].contiguous())
+    return batch, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+
+
+class VisualStream:
+    """An endless, resumable stream of encoded training samples (sample i from seed ``seed``·10⁶ + i)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vision: VisionConfig,
+        tasks: Sequence[str],
+        seed: int,
+        processor: ProcessorConfig | None = None,
+    ) -> None:
+        self.tokenizer, self.vision, self.tasks, self.seed = tokenizer, vision, tuple(tasks), seed
+        self.processor = processor or ProcessorConfig.from_vision_config(vision)
+        self.index = 0  # samples drawn so far
+
+    def draw(self, index: int) -> EncodedSample:
+        kind = self.tasks[index % len(self.tasks)]
+        return encode_sample(
+            make_task(kind, self.seed * 1_000_000 + index), self.tokenizer, self.processor, self.vision
+        )
+
+    def __iter__(self) -> Iterator[EncodedSample]:
+        return self
+
+    def __next__(self) -> EncodedSample:
+        sample = self.draw(self.index)
+        self.index += 1
+        return sample
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+
+class MixedBatches:
+    """Text batches with the first n(s) rows of step s replaced by packed visual rows (``vision_rows_at``).
+
+    A row that is cut short by the next sample is padded, and the sample starts the next row: the stream
+    is rewound by one sample so resuming from ``state_dict`` reproduces the same batches.
+    """
+
+    def __init__(
+        self,
+        text: Iterator[Batch],
+        stream: VisualStream,
+        config: VisionDataConfig,
+        steps: int,
+        grad_accum: int,
+        seq_len: int,
+    ) -> None:
+        self.text, self.stream, self.config = text, stream, config
+        self.start_step = config.start_step(steps)
+        self.grad_accum, self.seq_len = grad_accum, seq_len
+        self.micro = 0  # micro-batches produced
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        batch = next(self.text)
+        rows = batch.input_ids.shape[0]
+        # the schedule counted in micro-batches, so accumulation spreads a step's visual rows over them
+        n = vision_rows_at(self.micro, rows, self.config.ratio, self.start_step * self.grad_accum)
+        self.micro += 1
+        if n == 0:
+            return batch
+        start = self.stream.index
+        visual, media = pack_visual_rows(self._counting(), n, self.seq_len, self.stream.tokenizer.pad_id)
+        self.stream.index = start + self._consumed
+        segments = batch.segment_ids if batch.segment_ids is not None else torch.zeros_like(batch.input_ids)
+        return Batch(
+            torch.cat([visual.input_ids, batch.input_ids[n:]]),
+            torch.cat([visual.labels, batch.labels[n:]]),
+            torch.cat([visual.segment_ids, segments[n:]]),
+            media=media,
+        )
+
+    def _counting(self) -> Iterator[EncodedSample]:
+        """The stream, counting the samples actually packed (the one that did not fit is not consumed)."""
+        self._consumed = 0
+        base = self.stream.index
+        while True:
+            yield self.stream.draw(base + self._consumed)
+            self._consumed += 1
+
+    def state_dict(self) -> dict:
+        return {"micro": self.micro, "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro = int(state["micro"])
+        self.stream.load_state_dict(state["stream"])

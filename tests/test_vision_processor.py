@@ -1,0 +1,165 @@
+"""Native-resolution preprocessing against transformers' Kimi-K2.5 image / video processors.
+
+transformers' processors need torchvision, which the project's venv does not carry (PyPI's CPU-less
+torchvision does not import beside torch's CPU wheel), so the direct comparisons skip without it. The
+golden statistics below were produced by those reference processors (transformers 5.24, torchvision 0.28)
+on the same synthetic inputs, so the comparison still runs everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from k2lab.vision import MoonViT3D, VisionConfig
+from k2lab.vision.processor import (
+    ProcessorConfig,
+    navit_size,
+    num_image_tokens,
+    patchify,
+    preprocess_images,
+    preprocess_videos,
+)
+
+SIZES = [(1, 1), (5, 9), (13, 29), (37, 41), (300, 17), (17, 300), (224, 224), (640, 480), (7200, 100)]
+LARGE = [(2000, 3000), (1800, 1800)]  # above the 16,384-patch budget
+
+# (size, grid_thw row, Σx, Σ|x|, Σx²) of the reference's pixel_values on synthetic(h, w)
+GOLDEN = [
+    ((5, 9), [1, 2, 2], -2215.482353, 2284.713727, 2262.683093),
+    ((37, 41), [1, 4, 4], -4839.560783, 7144.109849, 6390.764342),
+    ((300, 17), [1, 22, 2], -10591.670587, 18254.400150, 15709.724494),
+    ((640, 480), [1, 46, 36], -52051.866665, 514741.977676, 361749.302602),
+    ((2000, 3000), [1, 106, 158], -150231.349005, 2867849.922408, 1294216.143531),
+]
+GOLDEN_VIDEO = ([[4, 18, 28], [2, 18, 28]], -113113.396074, 948869.130075, 672458.636544)
+
+
+def synthetic(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """A deterministic, high-frequency [h, w, 3] uint8 image (no RNG: identical on every platform)."""
+    i, j, c = np.arange(h)[:, None, None], np.arange(w)[None, :, None], np.arange(3)
+    return ((i * 37 + j * 91 + c * 53 + (i * j) % 17 * 11 + seed * 29) % 256).astype(np.uint8)
+
+
+def synthetic_video(frames: int = 6, h: int = 250, w: int = 370) -> np.ndarray:
+    return np.stack([synthetic(h, w, seed=s) for s in range(frames)])
+
+
+def _stats(x: torch.Tensor) -> tuple[float, float, float]:
+    x = x.double()
+    return x.sum().item(), x.abs().sum().item(), (x * x).sum().item()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    pytest.importorskip("torchvision", reason="transformers' Kimi-K2.5 processors need torchvision")
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+    from transformers.models.kimi_k25.video_processing_kimi_k25 import Kimi_K25VideoProcessor
+
+    return Kimi_K25ImageProcessor(), Kimi_K25VideoProcessor()
+
+
+@pytest.mark.parametrize("size", SIZES + LARGE, ids=[f"{h}x{w}" for h, w in SIZES + LARGE])
+def test_images_match_transformers(reference, size: tuple[int, int]) -> None:
+    image = np.random.default_rng(size[0] * 7 + size[1]).integers(0, 256, (*size, 3), dtype=np.uint8)
+    ref = reference[0](image, return_tensors="pt")
+    ours = preprocess_images(image)
+    assert torch.equal(ours.image_grid_thw, ref["image_grid_thw"])
+    assert ours.pixel_values.shape == ref["pixel_values"].shape
+    assert (ours.pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-6
+
+
+def test_image_list_and_pil_match_transformers(reference) -> None:
+    images = [synthetic(50, 60), synthetic(100, 33), synthetic(50, 60, seed=1)]
+    ref = reference[0](images, return_tensors="pt")
+    ours = preprocess_images(images)
+    assert torch.equal(ours.image_grid_thw, ref["image_grid_thw"])
+    assert (ours.pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-6
+    rgba = Image.fromarray(synthetic(40, 70)).convert("RGBA")
+    rgba.putalpha(Image.fromarray(synthetic(40, 70)[..., 0]))
+    ref = reference[0](rgba, return_tensors="pt")
+    assert (preprocess_images(rgba).pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-6
+
+
+def test_videos_match_transformers(reference) -> None:
+    videos = [synthetic_video(), synthetic_video(3, 50, 70)]
+    ref = reference[1](videos=videos, do_sample_frames=False, return_tensors="pt")
+    ours = preprocess_videos(videos)
+    assert torch.equal(ours.video_grid_thw, ref["video_grid_thw"])
+    assert ours.volumes_per_video == ref["num_chunks_per_video"].tolist()
+    assert (ours.pixel_values_videos - ref["pixel_values_videos"]).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("golden", GOLDEN, ids=[f"{g[0][0]}x{g[0][1]}" for g in GOLDEN])
+def test_images_match_recorded_reference(golden) -> None:
+    (h, w), grid, *stats = golden
+    ours = preprocess_images(synthetic(h, w))
+    assert ours.image_grid_thw.tolist() == [grid]
+    assert _stats(ours.pixel_values) == pytest.approx(stats, abs=1e-3, rel=0)
+
+
+def test_video_matches_recorded_reference() -> None:
+    grids, *stats = GOLDEN_VIDEO
+    ours = preprocess_videos([synthetic_video()])
+    assert ours.video_grid_thw.tolist() == grids
+    assert _stats(ours.pixel_values_videos) == pytest.approx(stats, abs=1e-3, rel=0)
+
+
+def test_navit_size_and_token_counts() -> None:
+    assert navit_size(224, 224) == ((224, 224), (224, 224))
+    assert navit_size(13, 29) == ((13, 29), (28, 56))  # never upscaled, padded to multiples of 28
+    (h, w), (ph, pw) = navit_size(3584, 3584)  # 65,536 patches > 16,384: scaled by 1/2
+    assert (h, w) == (1792, 1792) and (ph // 14) * (pw // 14) <= 16384
+    assert navit_size(7200, 100)[0] == (7168, 99)  # 512 patches per side at most
+    assert num_image_tokens(224, 224) == 64
+    assert num_image_tokens(3584, 3584) == 4096
+    v2 = ProcessorConfig.moonvit_v2()
+    assert num_image_tokens(3584, 3584, v2) == 16384  # native 256×256 patches, 2×2 shuffle
+    assert num_image_tokens(3584, 3584, VisionConfig.moonvit_v2()) == 16384
+    assert num_image_tokens(3584, 3584, VisionConfig.moonvit_3d()) == 4096
+    for h, w in SIZES:
+        grid = preprocess_images(synthetic(h, w)).image_grid_thw[0]
+        assert num_image_tokens(h, w) == int(grid[1] * grid[2]) // 4
+
+
+def test_patch_layout_and_padding() -> None:
+    frames = torch.arange(2 * 3 * 4 * 6, dtype=torch.float32).view(2, 3, 4, 6)
+    patches = patchify(frames, 2)  # h = 2, w = 3
+    assert patches.shape == (12, 3, 2, 2)
+    assert torch.equal(patches[1 * 6 + 1 * 3 + 2], frames[1, :, 2:4, 4:6])  # frame 1, row 1, col 2
+    out = preprocess_images(np.full((20, 20, 3), 255, np.uint8))  # padded to 28×28 with zeros
+    image = out.pixel_values.view(2, 2, 3, 14, 14).permute(2, 0, 3, 1, 4).reshape(3, 28, 28)
+    assert torch.all(image[:, :20, :20] == 1) and torch.all(image[:, 20:] == -1)
+
+
+def test_input_kinds_agree() -> None:
+    rgb = synthetic(45, 61)
+    expected = preprocess_images(rgb).pixel_values
+    for image in (Image.fromarray(rgb), torch.from_numpy(rgb), torch.from_numpy(rgb).permute(2, 0, 1)):
+        assert torch.equal(preprocess_images(image).pixel_values, expected)
+    gray = rgb[..., 0]
+    assert torch.equal(
+        preprocess_images(gray).pixel_values,
+        preprocess_images(np.repeat(gray[..., None], 3, -1)).pixel_values,
+    )
+    video = synthetic_video(5, 30, 40)
+    as_frames = [Image.fromarray(f) for f in video]
+    assert torch.equal(
+        preprocess_videos([as_frames]).pixel_values_videos, preprocess_videos([video]).pixel_values_videos
+    )
+
+
+def test_feeds_the_tower() -> None:
+    config = VisionConfig(
+        patch_size=14, pos_emb_height=8, pos_emb_width=8, num_attention_heads=2, num_hidden_layers=1,
+        hidden_size=16, intermediate_size=32, text_hidden_size=8,
+    )  # fmt: skip
+    images = preprocess_images([synthetic(60, 90), synthetic(30, 30)])
+    videos = preprocess_videos([synthetic_video(5, 40, 40)])
+    with torch.no_grad():
+        out = MoonViT3D(config)(images.pixel_values, images.image_grid_thw)
+        vid = MoonViT3D(config)(videos.pixel_values_videos, videos.video_grid_thw)
+    assert out.counts == [num_image_tokens(60, 90), num_image_tokens(30, 30)]
+    assert vid.counts == [4, 4]  # two volumes (4 + 1 frames), 4×4 patches -> 2×2 tokens each
