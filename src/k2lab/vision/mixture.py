@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, Tokenizer
 from k2lab.vision.config import VisionConfig
+from k2lab.vision.moonvit import vision_token_counts
 from k2lab.vision.processor import ProcessorConfig, preprocess_images
 from k2lab.vision.tasks import TASK_KINDS, VisualSample, make_task
 
@@ -39,6 +40,7 @@ __all__ = [
     "VisionDataConfig",
     "encode_sample",
     "image_prompt_ids",
+    "image_prompts",
     "pack_visual_rows",
     "vision_rows_at",
 ]
@@ -90,6 +92,26 @@ def image_prompt_ids(tokenizer: Tokenizer, num_image_tokens: int) -> list[int]:
     ]
 
 
+def image_prompts(
+    tokenizer: Tokenizer,
+    vision: VisionConfig,
+    images: Sequence[object],
+    texts: Sequence[str],
+    processor: ProcessorConfig | None = None,
+) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """Prompt i = image i's placeholders (``image_prompt_ids``) + ``texts[i]``; and the model's pixel inputs.
+
+    Images are PIL images, HWC uint8 arrays or CHW tensors at any resolution (``preprocess_images``).
+    """
+    batch = preprocess_images(list(images), processor or ProcessorConfig.from_vision_config(vision))
+    counts = vision_token_counts(batch.image_grid_thw, vision.merge_kernel_size)
+    prompts = [
+        image_prompt_ids(tokenizer, n) + tokenizer.encode(text, allow_special=False)
+        for n, text in zip(counts, texts, strict=True)
+    ]
+    return prompts, {"pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}
+
+
 @dataclass
 class EncodedSample:
     """One visual sample as tokens: ``ids``, which of them are loss targets, and its image's patches."""
@@ -105,18 +127,15 @@ class EncodedSample:
 def encode_sample(
     sample: VisualSample, tokenizer: Tokenizer, processor: ProcessorConfig, vision: VisionConfig
 ) -> EncodedSample:
-    image = preprocess_images([sample.image], processor)
-    kh, kw = vision.merge_kernel_size
-    _, h, w = image.image_grid_thw[0].tolist()
-    media = image_prompt_ids(tokenizer, (h // kh) * (w // kw))
-    prompt = tokenizer.encode(sample.prompt + " ", allow_special=False)
+    (prompt,), media = image_prompts(tokenizer, vision, [sample.image], [sample.prompt + " "], processor)
     answer = [*tokenizer.encode(sample.answer, allow_special=False), tokenizer.eos_id]
+    markup = prompt.index(tokenizer.special_tokens[MEDIA_END]) + 1
     return EncodedSample(
-        ids=media + prompt + answer,
-        targets=[False] * len(media) + [True] * (len(prompt) + len(answer)),
-        pixel_values=image.pixel_values,
-        grid_thw=image.image_grid_thw,
-        prompt_length=len(media) + len(prompt),
+        ids=prompt + answer,
+        targets=[False] * markup + [True] * (len(prompt) - markup + len(answer)),
+        pixel_values=media["pixel_values"],
+        grid_thw=media["image_grid_thw"],
+        prompt_length=len(prompt),
         sample=sample,
     )
 

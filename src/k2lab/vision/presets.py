@@ -5,6 +5,7 @@
 | ``k25``    | ``k2``         | MoonViT-3D (Kimi K2.5: patch 14, 1152 wide, 27 layers, 2×2 merge)    |
 | ``k25-mini`` | ``k2-mini``  | a 2-layer, 128-wide MoonViT-3D (patch 14, 2×2 merge) for CPU runs    |
 | ``k3-vl-mini`` | ``k3-mini`` | a 2-layer, 128-wide MoonViT-V2 (RMSNorm, no biases, 2×2 shuffle)   |
+| ``k25-nano`` / ``k3-vl-nano`` | ``k2-nano`` / ``k3-nano`` | 1-layer, 32-wide towers (tests)         |
 
 The media token ids come from the tokenizer the model is trained with (``VLMConfig.for_tokenizer``), or
 K2.5's own ids for ``build`` without one.
@@ -25,7 +26,14 @@ _MINI_TOWER = dict(
     hidden_size=128, intermediate_size=256,
 )  # fmt: skip
 
+_NANO_TOWER = dict(
+    patch_size=14, pos_emb_height=8, pos_emb_width=8, num_attention_heads=2, num_hidden_layers=1,
+    hidden_size=32, intermediate_size=64,
+)  # fmt: skip
+
 VLM_PRESETS: dict[str, tuple[str, Any]] = {
+    "k25-nano": ("k2-nano", lambda **kw: VisionConfig(**{**_NANO_TOWER, **kw})),
+    "k3-vl-nano": ("k3-nano", lambda **kw: VisionConfig.moonvit_v2(**{**_NANO_TOWER, **kw})),
     "k25": ("k2", VisionConfig.moonvit_3d),
     "k25-mini": ("k2-mini", lambda **kw: VisionConfig(**{**_MINI_TOWER, **kw})),
     "k3-vl-mini": ("k3-mini", lambda **kw: VisionConfig.moonvit_v2(**{**_MINI_TOWER, **kw})),
