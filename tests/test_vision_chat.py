@@ -1,0 +1,81 @@
+"""K2.5 multimodal chat rendering: placeholders expand to each image's / video volume's token count, in the
+order the model splices features, and the vision-language model accepts the result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k2lab.data.corpus import load_corpus
+from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, VIDEO_PAD, train_tokenizer
+from k2lab.vision.chat import render_multimodal_chat
+from k2lab.vision.presets import load_vlm_preset
+from k2lab.vision.processor import num_image_tokens
+from k2lab.vision.tasks import make_task
+from k2lab.vision.vlm import build_vlm
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(4):
+        (folder / f"d{i}.txt").write_text("describe the image and the video please " * (20 + i))
+    return train_tokenizer(load_corpus(str(folder)), vocab_size=300, use_cache=False)
+
+
+def test_placeholders_match_media_and_the_model_accepts_them(tokenizer):
+    config = load_vlm_preset("k25-nano", tokenizer.special_tokens, vocab_size=300)
+    wide = make_task("ocr", 0).image  # 112 × 56
+    square = make_task("counting", 1).image  # 112 × 112
+    video = np.random.default_rng(0).integers(0, 256, (6, 56, 84, 3), dtype=np.uint8)  # 6 frames: 4 + 2
+    messages = [
+        {"role": "system", "content": "You are Kimi."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": wide},
+                {"type": "text", "text": "and"},
+                {"type": "video", "video": video},
+                {"type": "image", "image": square},
+                {"type": "text", "text": "describe"},
+            ],
+        },
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "more"},
+    ]
+    ids, media = render_multimodal_chat(tokenizer, messages, config.vision)
+    special = tokenizer.special_tokens
+    image_tokens = [num_image_tokens(im.height, im.width, config.vision) for im in (wide, square)]
+    assert image_tokens == [8, 16]
+    assert ids.count(special[IMAGE_PAD]) == sum(image_tokens)
+    assert media["video_grid_thw"].tolist() == [[4, 4, 6], [2, 4, 6]]
+    assert ids.count(special[VIDEO_PAD]) == 2 * (2 * 3)  # two volumes, one frame's worth each
+    assert ids.count(special[MEDIA_BEGIN]) == 4  # two images + two video volumes
+    # reading order: wide image, the video's volumes, then the square image
+    pads = [t for t in ids if t in (special[IMAGE_PAD], special[VIDEO_PAD])]
+    assert pads == [special[IMAGE_PAD]] * 8 + [special[VIDEO_PAD]] * 12 + [special[IMAGE_PAD]] * 16
+    text = tokenizer.decode(ids)
+    assert text.startswith(
+        "<|im_system|>system<|im_middle|>You are Kimi.<|im_end|><|im_user|>user<|im_middle|>"
+    )
+    assert text.endswith("<|im_user|>user<|im_middle|>more<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    model = build_vlm(config).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), **media).logits
+    assert logits.shape == (1, len(ids), 300) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "robot", "content": "hi"}],
+        [{"role": "user", "content": 3}],
+        [{"role": "user", "content": [{"type": "audio", "audio": b""}]}],
+        [{"role": "user", "content": [{"type": "image"}]}],
+    ],
+)
+def test_malformed_messages_are_clear_errors(tokenizer, messages):
+    config = load_vlm_preset("k25-nano", tokenizer.special_tokens, vocab_size=300)
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        render_multimodal_chat(tokenizer, messages, config.vision)
