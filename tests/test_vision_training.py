@@ -172,3 +172,18 @@ def test_k3_style_language_side_caches_like_a_full_forward(tokenizer):
         alone = model(torch.tensor([first[0] + [7]]), **first_media).logits
     assert (full[:, -1] - step[:, -1]).abs().max() < 1e-4
     assert (full[0, -1] - alone[0, -1]).abs().max() < 1e-4
+
+
+def test_k25_preset_counts_on_the_meta_device():
+    """K2.5 = K2's 1.03T decoder + a 0.42B MoonViT-3D (the seed's "~1T / 32B + 0.4B ViT")."""
+    from k2lab import load_preset
+    from k2lab.params import count_parameters
+    from k2lab.vision.moonvit import num_parameters
+    from k2lab.vision.presets import vlm_parameter_counts
+
+    config = load_vlm_preset("k25")
+    counts = vlm_parameter_counts(config)
+    assert counts["language_model"] == count_parameters(load_preset("k2")).total == 1_026_408_232_448
+    assert counts["vision_tower"] == num_parameters(config.vision, include_projector=False) == 416_866_032
+    assert counts["vision_tower"] + counts["projector"] == num_parameters(config.vision)
+    assert config.image_token_id == 163605  # K2.5's own ids with K2's vocabulary

@@ -53,6 +53,33 @@ def presets() -> None:
             humanize(report.active),
         )
     console.print(table)
+    _print_vlm_presets()
+
+
+def _print_vlm_presets() -> None:
+    """The vision-language presets: language model + vision tower (exact counts on the meta device)."""
+    from k2lab.params import humanize
+    from k2lab.vision.presets import VLM_PRESETS, load_vlm_preset, vlm_parameter_counts
+
+    table = Table(title="vision-language presets (train with --preset NAME)")
+    for column in ("preset", "language model", "tower", "tower params", "projector", "total"):
+        table.add_column(
+            column, justify="left" if column in ("preset", "language model", "tower") else "right"
+        )
+    for name, (text, _) in VLM_PRESETS.items():
+        config = load_vlm_preset(name)
+        vision = config.vision
+        kind = "MoonViT-3D" if vision.is_moonvit_3d_family else "MoonViT-V2"
+        counts = vlm_parameter_counts(config)
+        table.add_row(
+            name,
+            text,
+            f"{kind} {vision.num_hidden_layers}×{vision.hidden_size}",
+            humanize(counts["vision_tower"]),
+            humanize(counts["projector"]),
+            humanize(counts["total"]),
+        )
+    console.print(table)
 
 
 @app.command()

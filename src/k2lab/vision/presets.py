@@ -7,8 +7,8 @@
 | ``k3-vl-mini`` | ``k3-mini`` | a 2-layer, 128-wide MoonViT-V2 (RMSNorm, no biases, 2×2 shuffle)   |
 | ``k25-nano`` / ``k3-vl-nano`` | ``k2-nano`` / ``k3-nano`` | 1-layer, 32-wide towers (tests)         |
 
-The media token ids come from the tokenizer the model is trained with (``VLMConfig.for_tokenizer``), or
-K2.5's own ids for ``build`` without one.
+The media token ids come from the tokenizer the model is trained with (``VLMConfig.for_tokenizer``);
+without one, K2.5's own ids for a K2-size vocabulary, else a k2lab tokenizer's layout (special tokens first).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from k2lab.config import load_preset
 from k2lab.vision.config import VisionConfig
 from k2lab.vision.vlm import VLMConfig
 
-__all__ = ["VLM_PRESETS", "is_vlm_preset", "load_vlm_preset"]
+__all__ = ["VLM_PRESETS", "is_vlm_preset", "load_vlm_preset", "vlm_parameter_counts"]
 
 _MINI_TOWER = dict(
     patch_size=14, pos_emb_height=16, pos_emb_width=16, num_attention_heads=4, num_hidden_layers=2,
@@ -40,6 +40,27 @@ VLM_PRESETS: dict[str, tuple[str, Any]] = {
 }
 
 
+def vlm_parameter_counts(config: VLMConfig) -> dict[str, int]:
+    """Exact parameter counts of the VLM built on the meta device: language model, tower, projector, total."""
+    import torch
+
+    from k2lab.vision.vlm import VisionLanguageModel
+
+    with torch.device("meta"):
+        model = VisionLanguageModel(config)
+
+    def count(module: torch.nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    counts = {
+        "language_model": count(model.language_model),
+        "vision_tower": count(model.vision.encoder),
+        "projector": count(model.vision.projector),
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
 def is_vlm_preset(name: str) -> bool:
     return name in VLM_PRESETS
 
@@ -56,6 +77,11 @@ def load_vlm_preset(
     text_name, tower = VLM_PRESETS[name]
     text = load_preset(text_name, **text_overrides)
     vision = tower(**{"text_hidden_size": text.hidden_size, **(vision_overrides or {})})
+    if special_tokens is None and text.vocab_size <= VLMConfig.model_fields["video_token_id"].default:
+        # a small vocabulary is a k2lab tokenizer's: its special tokens take the first ids
+        from k2lab.data.tokenizer import SPECIAL_TOKENS
+
+        special_tokens = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     if special_tokens is not None:
         return VLMConfig.for_tokenizer(text, vision, special_tokens)
     return VLMConfig(text=text, vision=vision)
