@@ -587,7 +587,9 @@ def ablate_vision_injection(
     seed: Annotated[
         int | None, typer.Option(help="Seed of the initial weights and data order (default 0).")
     ] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate of every arm.")] = None,
+    lr: Annotated[
+        float | None, typer.Option(help="Peak learning rate of every arm (default 2e-3, MuonClip).")
+    ] = None,
     keep_weights: Annotated[
         bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
     ] = False,

@@ -52,8 +52,10 @@ def vlm_parameter_counts(config: VLMConfig) -> dict[str, int]:
     def count(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters())
 
-    counts = {
-        "language_model": count(model.language_model),
+    from k2lab.params import count_parameters
+
+    counts = {  # the decoder as ``k2lab params`` counts it (router bias buffers included)
+        "language_model": count_parameters(config.text).total,
         "vision_tower": count(model.vision.encoder),
         "projector": count(model.vision.projector),
     }
