@@ -79,7 +79,7 @@ def load_vlm_preset(
     text_name, tower = VLM_PRESETS[name]
     text = load_preset(text_name, **text_overrides)
     vision = tower(**{"text_hidden_size": text.hidden_size, **(vision_overrides or {})})
-    if special_tokens is None and text.vocab_size <= VLMConfig.model_fields["video_token_id"].default:
+    if special_tokens is None and text.vocab_size <= VLMConfig.model_fields["vision_end_token_id"].default:
         # a small vocabulary is a k2lab tokenizer's: its special tokens take the first ids
         from k2lab.data.tokenizer import SPECIAL_TOKENS
 

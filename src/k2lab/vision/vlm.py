@@ -52,7 +52,9 @@ class VLMConfig(BaseModel):
                 f"vision.text_hidden_size={self.vision.text_hidden_size} must equal the language model's "
                 f"hidden_size={self.text.hidden_size}: the projector writes into its embedding space"
             )
-        for field in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        # placeholders are replaced before the embedding (K2.5's video id 163840 lies past K2's vocabulary);
+        # the media begin / end markers are embedded like any token
+        for field in ("vision_start_token_id", "vision_end_token_id"):
             if getattr(self, field) >= self.text.vocab_size:
                 raise ValueError(
                     f"{field}={getattr(self, field)} is outside the vocabulary (vocab_size={self.text.vocab_size})"
