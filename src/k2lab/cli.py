@@ -554,11 +554,11 @@ def ablate_balancing(
 VISION_INJECTION_HELP = (
     "K2.5's vision-injection ablation: early 10:90, mid 20:80 and late 50:50 fusion at a fixed "
     "visual-plus-text token budget.\n\n"
-    "Trains the same vision-language recipe once per arm (k25-mini, 60 steps × 8×256 tokens of the embedded "
-    "corpus by default: ~12 min on 2 CPU cores), with the same seed, text data and lr; vision enters at 0 % / "
-    "50 % / 80 % of the steps as 10 % / 20 % / 50 % of the batch rows, so every arm spends the same 10 % of "
-    "its rows on vision (checked exactly, to the row). Compares the final text validation loss and the "
-    "held-out visual scores per task kind.\n\n"
+    "Trains the same vision-language recipe once per arm (k25-mini, 200 steps × 8×256 tokens of the embedded "
+    "corpus by default, the arms side by side in one-thread worker processes: ~12 min on 2 CPU cores), with "
+    "the same seed, text data and lr; vision enters at 0 % / 50 % / 80 % of the steps as 10 % / 20 % / 50 % "
+    "of the batch rows, so every arm spends the same 10 % of its rows on vision (checked exactly, to the "
+    "row). Compares the final text validation loss and the held-out visual scores per task kind.\n\n"
     "Writes OUT/vision_injection.md, OUT/vision_injection.json and OUT/vision_injection.png; each run lives "
     "in OUT/runs/ARM and a finished run is reused when the command is repeated."
 )
@@ -570,7 +570,7 @@ def ablate_vision_injection(
         str | None, typer.Option("--preset", "-p", help="Vision-language preset (default k25-mini).")
     ] = None,
     steps: Annotated[
-        int | None, typer.Option(help="Optimizer steps per arm, a multiple of 10 (default 60).")
+        int | None, typer.Option(help="Optimizer steps per arm, a multiple of 10 (default 200).")
     ] = None,
     batch_size: Annotated[int | None, typer.Option(help="Rows per micro-batch (default 8).")] = None,
     seq_len: Annotated[
@@ -582,7 +582,7 @@ def ablate_vision_injection(
     ] = None,
     out: Annotated[str | None, typer.Option(help="Output directory (default runs/vision-injection).")] = None,
     eval_samples: Annotated[
-        int | None, typer.Option(help="Held-out visual samples scored per arm (default 24).")
+        int | None, typer.Option(help="Held-out visual samples scored per arm (default 60).")
     ] = None,
     seed: Annotated[
         int | None, typer.Option(help="Seed of the initial weights and data order (default 0).")
@@ -595,7 +595,9 @@ def ablate_vision_injection(
     ] = False,
     jobs: Annotated[
         int | None,
-        typer.Option(help="Arms trained at once, in worker processes (output in OUT/logs/); default 1."),
+        typer.Option(
+            help="Arms trained at once, in worker processes (output in OUT/logs/); default one per arm."
+        ),
     ] = None,
     threads: Annotated[
         int | None,

@@ -352,11 +352,11 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     if config.vision is not None and config.vision.eval_samples:
         from k2lab.vision.evaluate import evaluate_visual_tasks
 
-        scores = evaluate_visual_tasks(model, tokenizer, config.vision, seed=config.seed)
-        summary["visual_scores"] = scores
-        console.print(
-            "visual tasks (held-out, mean reward): " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
-        )
+        for key, blind in (("visual_scores", False), ("visual_scores_blind", True)):
+            scores = evaluate_visual_tasks(model, tokenizer, config.vision, seed=config.seed, blind=blind)
+            summary[key] = scores
+            what = "gray images (language prior)" if blind else "held-out, mean reward"
+            console.print(f"visual tasks ({what}): " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
     sample = sample_text(
         language_model(model), tokenizer, config.sample_prompt, config.sample_tokens, config.seed
     )

@@ -4,6 +4,10 @@ For each sample: prompt = image placeholders + question (``k2lab.vision.mixture.
 decoding up to ``eval_max_new_tokens``, reward = ``visual_reward(kind, answer, truth)`` in [0, 1] (soft IoU,
 point F1, mask IoU, 1 − normalised edit distance, count and chart rewards; malformed answers score 0).
 Samples come from seeds the training stream never draws (``HELD_OUT_SEED``).
+
+``blind=True`` is the control: the same prompts with every image replaced by a uniform gray one (all
+normalised pixels 0), which measures what the language prior alone scores (e.g. always answering "3" to
+a counting question earns partial count reward).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ def answer_visual_samples(
     samples: list,
     max_new_tokens: int,
     batch_size: int = 16,
+    blind: bool = False,
 ) -> list[str]:
-    """Greedy answers (decoded text, special tokens dropped) to each ``VisualSample``."""
+    """Greedy answers (decoded text, special tokens dropped) to each ``VisualSample`` (``blind``: gray images)."""
     vision = model.config.vision
     processor = ProcessorConfig.from_vision_config(vision)
     settings = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_id=tokenizer.eos_id)
@@ -42,7 +47,7 @@ def answer_visual_samples(
         ]
         prompts = [e.ids[: e.prompt_length] for e in encoded]
         media = {
-            "pixel_values": torch.cat([e.pixel_values for e in encoded]),
+            "pixel_values": torch.cat([e.pixel_values for e in encoded]) * (0.0 if blind else 1.0),
             "image_grid_thw": torch.cat([e.grid_thw for e in encoded]),
         }
         for new in generate(model, prompts, settings, media=media):
@@ -51,11 +56,15 @@ def answer_visual_samples(
 
 
 def evaluate_visual_tasks(
-    model: VisionLanguageModel, tokenizer: Tokenizer, config: VisionDataConfig, seed: int = 0
+    model: VisionLanguageModel,
+    tokenizer: Tokenizer,
+    config: VisionDataConfig,
+    seed: int = 0,
+    blind: bool = False,
 ) -> dict[str, float]:
     """Mean reward per task kind and overall (``"mean"``) on ``config.eval_samples`` held-out samples."""
     samples = generate_tasks(config.eval_samples, kinds=config.tasks, seed=HELD_OUT_SEED + seed)
-    answers = answer_visual_samples(model, tokenizer, samples, config.eval_max_new_tokens)
+    answers = answer_visual_samples(model, tokenizer, samples, config.eval_max_new_tokens, blind=blind)
     rewards: dict[str, list[float]] = defaultdict(list)
     for sample, answer in zip(samples, answers, strict=True):
         rewards[sample.kind].append(visual_reward(sample.kind, answer, sample.truth))
