@@ -82,3 +82,16 @@ def tiny_recipe(path, corpus, **fields) -> object:
     ]
     path.write_text("\n".join(lines) + "\n[schedule]\nwarmup_steps = 2\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(tmp_path_factory):
+    """A 300-token byte-level BPE with k2lab's special tokens, trained on a little chat / JSON text."""
+    from k2lab.data.corpus import load_corpus
+    from k2lab.data.tokenizer import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("small-corpus")
+    text = 'hello there, how are you? {"city": "Paris", "unit": "celsius", "days": 3} get_weather describe '
+    for i in range(4):
+        (folder / f"d{i}.txt").write_text(text * (20 + i))
+    return train_tokenizer(load_corpus(str(folder)), vocab_size=300, use_cache=False)

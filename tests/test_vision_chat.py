@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from k2lab.data.corpus import load_corpus
-from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, VIDEO_PAD, train_tokenizer
+from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, VIDEO_PAD
 from k2lab.vision.chat import render_multimodal_chat
 from k2lab.vision.presets import load_vlm_preset
 from k2lab.vision.processor import num_image_tokens
@@ -16,12 +15,9 @@ from k2lab.vision.tasks import make_task
 from k2lab.vision.vlm import build_vlm
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    for i in range(4):
-        (folder / f"d{i}.txt").write_text("describe the image and the video please " * (20 + i))
-    return train_tokenizer(load_corpus(str(folder)), vocab_size=300, use_cache=False)
+@pytest.fixture
+def tokenizer(small_tokenizer):
+    return small_tokenizer
 
 
 def test_placeholders_match_media_and_the_model_accepts_them(tokenizer):

@@ -266,6 +266,54 @@ def generate(
 
 
 @app.command()
+def serve(
+    checkpoint: Annotated[
+        Path,
+        typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory with a tokenizer.json."),
+    ],
+    host: Annotated[str, typer.Option(help="Interface to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="K2LAB_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (or $K2LAB_API_KEY)."
+        ),
+    ] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="Model id clients ask for (default: the directory name).")
+    ] = None,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Sequences decoded together (continuous batching).")
+    ] = 16,
+    max_context: Annotated[
+        int | None, typer.Option(min=2, help="Prompt + completion limit (default: the model's).")
+    ] = None,
+) -> None:
+    """Serve a checkpoint over an OpenAI-compatible API: /v1/models, /v1/chat/completions (streaming, tool
+    calls constrained to the declared JSON Schemas), /health."""
+    import uvicorn
+
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+    from k2lab.serve import Engine
+    from k2lab.serve.server import build_app
+
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise K2LabError(f"{checkpoint} has no tokenizer.json: the server renders chats to text and back")
+    tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    model = load_model(checkpoint)
+    model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
+    engine = Engine(model, max_batch=max_batch).start()
+    name = model_name or checkpoint.resolve().name
+    app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=max_context)
+    console.print(f"serving {name} on http://{host}:{port}/v1 (max batch {max_batch})")
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()
+
+
+@app.command()
 def train(
     preset: Annotated[
         str | None, typer.Option("--preset", "-p", help="Model preset (default k2-mini).")
@@ -620,6 +668,86 @@ def ablate_vision_injection(
         **{"optimizer.lr": lr, "vision.eval_samples": eval_samples},
     )
     run_vision_injection(settings, console)
+
+
+tools_app = typer.Typer(
+    help="Tool specs for the agent data factory, harvested from real MCP servers.", no_args_is_help=True
+)
+app.add_typer(tools_app, name="tools")
+
+
+@tools_app.command("harvest")
+def tools_harvest(
+    config: Annotated[
+        Path,
+        typer.Option(
+            "--config",
+            "-c",
+            help='servers.json in the Claude Desktop / Cursor layout: {"mcpServers": {"name": {"command": '
+            '..., "args": ..., "env": ..., "cwd": ...}}}.',
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="JSONL output; the summary goes to OUT's stem + .summary.json."),
+    ] = Path("tools.jsonl"),
+    timeout: Annotated[
+        float, typer.Option(help="Seconds per server for start, initialize and tools/list.")
+    ] = 30.0,
+    concurrency: Annotated[int, typer.Option(help="Servers harvested at once.")] = 8,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Exit with code 1 when any server failed.")
+    ] = False,
+) -> None:
+    """Start the MCP servers of a config, list their tools and write OpenAI-ready normalised specs (JSONL).
+
+    A server that fails to start, crashes, hangs or answers garbage is reported; the others go on.
+    The summary is printed and written next to the output (OUT's stem + .summary.json).
+    """
+    from k2lab.agent.mcp_harvest import harvest, print_summary
+
+    result = harvest(config, timeout=timeout, concurrency=concurrency)
+    summary = result.write(out)
+    print_summary(result, console)
+    console.print(f"wrote {len(result.tools)} tools to {out} (summary: {summary})", highlight=False)
+    if strict and result.failed:
+        raise typer.Exit(1)
+
+
+sandbox_app = typer.Typer(help="Run untrusted Python in a contained sandbox.", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    file: Annotated[Path, typer.Argument(help="The Python program to run.")],
+    timeout: Annotated[float, typer.Option("--timeout", help="Wall-clock limit in seconds.")] = 10.0,
+    memory: Annotated[int, typer.Option("--memory", help="Address-space limit in MB.")] = 512,
+    cpu: Annotated[
+        float | None, typer.Option("--cpu", help="CPU-time limit in seconds (default: the timeout).")
+    ] = None,
+    max_output: Annotated[
+        int, typer.Option("--max-output", help="Bytes kept of stdout and of stderr; more kills the run.")
+    ] = 1_000_000,
+    workdir: Annotated[
+        Path | None, typer.Option("--workdir", help="Writable working directory (default: a fresh temp dir).")
+    ] = None,
+) -> None:
+    """Run FILE in the sandbox and print the JSON result (exit code 0 whenever the sandbox ran).
+
+    The program gets its own network, mount and PID namespaces, a read-only filesystem except its working
+    directory, an unprivileged uid, resource limits, and nothing of it survives the run; the result's
+    `isolation` says what was actually contained on this machine.
+    """
+    from k2lab.agent.sandbox import SandboxLimits, run_python
+
+    if not file.is_file():
+        raise K2LabError(f"cannot run {file}: it does not exist or is not a file")
+    if timeout <= 0 or memory <= 0 or max_output <= 0 or (cpu is not None and cpu <= 0):
+        raise K2LabError("--timeout, --memory, --cpu and --max-output must be positive")
+    limits = SandboxLimits(timeout_s=timeout, cpu_s=cpu, memory_mb=memory, max_output_bytes=max_output)
+    result = run_python(file, limits, workdir=workdir)
+    print(json.dumps(result.to_dict(), indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,23 @@ from typing import Any
 from k2lab.errors import CheckpointError
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling, fsync, then a rename: readers and crashes
+    never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; the result is an ordinary file
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def staging_directory(target: Path) -> Path:
     """A fresh temporary sibling of ``target`` (same filesystem, so the final rename is atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)

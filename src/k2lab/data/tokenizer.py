@@ -16,7 +16,6 @@ order, so a large corpus trains on a deterministic prefix; the whole embedded st
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from k2lab.data.corpus import Corpus
 from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 # K2 chat and tool-call tokens (MoonshotAI/Kimi-K2 docs/tool_call_guidance.md).
@@ -222,17 +222,3 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
     )
     backend.train_from_iterator(texts, trainer)
     return backend
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling and a rename (readers never see half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; the result is an ordinary file
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -121,3 +121,62 @@ class LatentCache:
 
     def nbytes(self) -> int:
         return self.rows.nbytes + sum(state.nbytes() for state in self.kda_states.values())
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_valid.shape[0]
+
+    def _set_rows(self, rows: torch.Tensor, key_valid: torch.Tensor) -> None:
+        self.rows, self.key_valid = rows, key_valid
+        self.max_length = rows.shape[2]
+        width = self.latent.shape[-1]
+        self.latent, self.k_rope = rows.split([width, rows.shape[-1] - width], dim=-1)
+
+    def select(self, index: torch.Tensor | list[int]) -> LatentCache:
+        """Keep only the sequences ``index`` (in that order), in place; returns self.
+
+        A server drops finished or cancelled sequences this way, so later steps compute only live rows.
+        """
+        index = torch.as_tensor(index, dtype=torch.long, device=self.key_valid.device)
+        self._set_rows(self.rows.index_select(1, index), self.key_valid.index_select(0, index))
+        self.next_position = self.next_position.index_select(0, index)
+        for state in self.kda_states.values():
+            state.conv = state.conv.index_select(0, index)
+            state.recurrent = state.recurrent.index_select(0, index)
+        return self
+
+    @classmethod
+    def concat(cls, caches: list[LatentCache], max_length: int) -> LatentCache:
+        """One cache holding every sequence of ``caches`` (batch order kept), room for ``max_length`` tokens.
+
+        Shorter caches are left-aligned to the longest with invalid (masked) key slots: a key's storage
+        index only orders it before later queries, and its rotary position was applied when it was
+        written (``next_position`` carries on per sequence), so the sequences continue exactly.
+        """
+        length = max(cache.length for cache in caches)
+        if max_length < length:
+            raise ValueError(f"max_length={max_length} is below the longest cached sequence ({length})")
+        first = caches[0]
+        layers, _, _, width = first.rows.shape
+        batch = sum(cache.batch_size for cache in caches)
+        rows = first.rows.new_zeros(layers, batch, max_length, width)
+        key_valid = first.key_valid.new_zeros(batch, max_length)
+        row = 0
+        for cache in caches:
+            b, shift = cache.batch_size, length - cache.length
+            rows[:, row : row + b, shift:length] = cache.rows[:, :, : cache.length]
+            key_valid[row : row + b, shift:length] = cache.key_valid[:, : cache.length]
+            row += b
+        merged = object.__new__(cls)
+        merged.slot_of, merged.length = dict(first.slot_of), length
+        merged.latent = first.latent  # replaced by _set_rows (keeps the latent width)
+        merged._set_rows(rows, key_valid)
+        merged.next_position = torch.cat([cache.next_position for cache in caches])
+        merged.kda_states = {
+            layer: KDAState(
+                torch.cat([cache.kda_states[layer].conv for cache in caches]),
+                torch.cat([cache.kda_states[layer].recurrent for cache in caches]),
+            )
+            for layer in first.kda_states
+        }
+        return merged

@@ -7,6 +7,7 @@ each step feeds one token per sequence and attends in latent space (absorbed MLA
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,6 +25,16 @@ class GenerationConfig(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     eos_token_id: int | None = None
     seed: int = 0
+
+
+class Constraint(Protocol):
+    """Per-sequence decoding constraint (e.g. ``k2lab.agent.enforcer.ToolCallConstraint``)."""
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set the logits [V] of tokens that may not come next to −inf, in place."""
+
+    def advance(self, token: int) -> None:
+        """Record the token that was sampled."""
 
 
 def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
@@ -58,8 +69,12 @@ def generate(
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig | None = None,
     media: dict[str, torch.Tensor] | None = None,
+    constraints: Sequence[Constraint | None] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt; returns the new tokens per prompt (up to and including EOS).
+
+    ``constraints`` (one per prompt, or None) mask each step's logits before sampling and see the
+    sampled token after it (e.g. the tool-call decoding enforcer).
 
     ``model`` is a ``CausalLM`` or a ``VisionLanguageModel``; ``media`` (``pixel_values``,
     ``image_grid_thw`` ...) goes to the prefill, whose placeholders it fills in reading order.
@@ -86,8 +101,17 @@ def generate(
     tokens: list[torch.Tensor] = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)
     for step in range(config.max_new_tokens):
+        if constraints is not None:
+            logits = logits.float().clone()
+            for row, constraint in enumerate(constraints):
+                if constraint is not None and not bool(finished[row]):
+                    constraint.mask(logits[row])
         token = sample_next(logits, config, generator)
         tokens.append(token)
+        if constraints is not None:
+            for row, constraint in enumerate(constraints):
+                if constraint is not None and not bool(finished[row]):
+                    constraint.advance(int(token[row]))
         if config.eos_token_id is not None:
             finished |= token == config.eos_token_id
             if bool(finished.all()):

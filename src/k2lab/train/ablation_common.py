@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 import tomllib
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
 from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text
 from k2lab.train.config import TrainConfig, load_train_config
 from k2lab.train.metrics import read_metrics
 
@@ -156,7 +156,7 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
     if not keep_weights:
         for name in ("checkpoints", "model"):
             shutil.rmtree(run_dir / name, ignore_errors=True)
-    atomic_write(marker, json.dumps({"recipe": recipe, "summary": summary}, indent=2) + "\n")
+    atomic_write_text(marker, json.dumps({"recipe": recipe, "summary": summary}, indent=2) + "\n")
     return summary, False
 
 
@@ -238,19 +238,6 @@ def _train_in_worker(config_data: dict, keep_weights: bool, threads: int, log: s
 
 
 # ---- outputs ---------------------------------------------------------------------------------------------
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary sibling and a rename."""
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def strict_json(value: Any) -> Any:
     """NaN / infinity -> None, so the JSON written is strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -263,7 +250,7 @@ def strict_json(value: Any) -> Any:
 
 
 def write_json(path: Path, value: Any) -> None:
-    atomic_write(path, json.dumps(strict_json(value), indent=2) + "\n")
+    atomic_write_text(path, json.dumps(strict_json(value), indent=2) + "\n")
 
 
 def record_times(
@@ -303,7 +290,7 @@ def write_outputs(
 ) -> list[Path]:
     """``out/{stem}.json`` (strict JSON), ``out/{stem}.md`` and ``out/{stem}.png``, each written atomically."""
     paths = [out / f"{stem}.{suffix}" for suffix in ("md", "json", "png")]
-    atomic_write(paths[0], markdown(results))
+    atomic_write_text(paths[0], markdown(results))
     write_json(paths[1], results)
     plot(results, paths[2])
     return paths

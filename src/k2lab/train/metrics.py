@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -174,17 +174,7 @@ def truncate_metrics(run_dir: str | os.PathLike[str], step: int) -> int:
             for line in handle
             if (record := _parse_line(line)) is not None and record["step"] <= step
         ]
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{METRICS_FILE}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.writelines(kept)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(kept))
     return len(kept)
 
 

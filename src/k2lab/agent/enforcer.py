@@ -1,0 +1,240 @@
+"""The decoding enforcer: once a tool call opens, only well-formed calls to declared tools can be sampled.
+
+K2 (tech report): "A decoding enforcer guarantees syntax after a tool-call start token; it does not prove
+that the model selected the right tool." After ``<|tool_calls_section_begin|>`` every sampled token must
+keep the output a prefix of
+
+    <|tool_call_begin|> functions.{name}:{idx} <|tool_call_argument_begin|> {json} <|tool_call_end|>  (×1..n)
+    <|tool_calls_section_end|>
+
+with ``name`` one of the declared tools and ``{json}`` an instance of that tool's JSON Schema (objects,
+properties, required, string / number / integer / boolean / null, enums, arrays, nesting); the turn then
+ends with ``<|im_end|>``. The grammar is compiled by llguidance (the structured-generation library that
+vLLM, SGLang and llama.cpp use) from a Lark grammar with one inline ``%json`` schema per tool; the token
+mask is computed per step on CPU.
+
+``tool_choice`` (OpenAI): ``"auto"`` leaves text free until the model opens a section; ``"required"``
+and ``{"type": "function", "function": {"name": ...}}`` force a section from the first token (the latter
+with that tool only); ``"none"`` forbids opening one. ``parallel_tool_calls=False`` allows one call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from llguidance import LLMatcher, LLTokenizer
+
+from k2lab.data.tokenizer import Tokenizer
+from k2lab.errors import K2LabError
+
+__all__ = ["GrammarError", "ToolCallConstraint", "ToolCallGrammar", "ll_tokenizer"]
+
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+TURN_END = "<|im_end|>"
+# compact JSON as K2 writes it (json.dumps separators), no free whitespace between tokens
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(K2LabError):
+    """A tool's schema or the tool set cannot be compiled into a decoding grammar."""
+
+
+@lru_cache(maxsize=8)
+def _ll_tokenizer(serialized: str, n_vocab: int, eos: int) -> LLTokenizer:
+    return LLTokenizer(serialized, n_vocab=n_vocab, eos_token=eos)
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
+    """llguidance's view of a k2lab tokenizer (cached: building it walks the whole vocabulary)."""
+    return _ll_tokenizer(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_id)
+
+
+def _tool_name(tool: Mapping[str, Any]) -> str:
+    return tool["function"]["name"] if "function" in tool else tool["name"]
+
+
+def _tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    function = tool.get("function", tool)
+    return closed_objects(function.get("parameters") or {"type": "object", "properties": {}})
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` on every object that does not say otherwise.
+
+    JSON Schema lets an object carry any extra key unless told not to; a tool call should hold the
+    declared arguments only (OpenAI's strict mode does the same). Every output stays valid for the
+    original schema.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a valid Lark string literal
+
+
+def tool_calls_lark(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+    """The Lark grammar of one tool-call section over ``tools`` (OpenAI tool specs)."""
+    if not tools:
+        raise GrammarError("a tool-call grammar needs at least one tool")
+    alternatives = []
+    for i, tool in enumerate(tools):
+        schema = {**_tool_schema(tool), "x-guidance": _JSON_OPTIONS}
+        alternatives.append(
+            f"tool_{i}: {_lark_string('functions.' + _tool_name(tool) + ':')} IDX {ARGUMENT_BEGIN} "
+            f"%json {json.dumps(schema)}"
+        )
+    repeat = "+" if parallel else ""
+    return "\n".join(
+        [
+            f"start: {SECTION_BEGIN} call{repeat} {SECTION_END}",
+            f"call: {CALL_BEGIN} ({' | '.join(f'tool_{i}' for i in range(len(tools)))}) {CALL_END}",
+            *alternatives,
+            "IDX: /[0-9]{1,4}/",
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class ToolCallGrammar:
+    """A compiled grammar for one request: tools, tool_choice and parallel_tool_calls."""
+
+    grammar: str
+    tokenizer: LLTokenizer
+    forced: bool  # a section must start at the first generated token
+    allowed: bool  # the model may open a section at all
+    section_begin: int
+    section_end: int
+    turn_end: int
+    vocab_size: int
+
+    @classmethod
+    def build(
+        cls,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+    ) -> ToolCallGrammar:
+        tools = list(tools or [])
+        forced, allowed = False, bool(tools)
+        if isinstance(tool_choice, Mapping):
+            name = (tool_choice.get("function") or {}).get("name")
+            tools = [t for t in tools if _tool_name(t) == name]
+            if not tools:
+                raise GrammarError(f"tool_choice names the function {name!r}, which is not among the tools")
+            forced = True
+        elif tool_choice == "required":
+            if not tools:
+                raise GrammarError('tool_choice "required" needs at least one tool')
+            forced = True
+        elif tool_choice == "none":
+            allowed = False
+        elif tool_choice != "auto":
+            raise GrammarError(
+                f'tool_choice must be "auto", "none", "required" or a function, not {tool_choice!r}'
+            )
+        special = tokenizer.special_tokens
+        grammar = ""
+        ll = ll_tokenizer(tokenizer, vocab_size)
+        if allowed:
+            grammar = LLMatcher.grammar_from_lark(tool_calls_lark(tools, parallel_tool_calls))
+            problem = LLMatcher.validate_grammar(grammar, ll)
+            if problem:
+                raise GrammarError(
+                    f"the tools' schemas cannot be compiled into a decoding grammar: {problem}"
+                )
+        return cls(
+            grammar,
+            ll,
+            forced,
+            allowed,
+            special[SECTION_BEGIN],
+            special[SECTION_END],
+            special[TURN_END],
+            vocab_size,
+        )
+
+    def constraint(self) -> ToolCallConstraint:
+        """The per-sequence state machine for one generation."""
+        return ToolCallConstraint(self)
+
+
+class ToolCallConstraint:
+    """Per sequence: free text, then (inside a tool-call section) the grammar's mask, then ``<|im_end|>``.
+
+    ``mask(logits)`` sets disallowed logits to −inf in place ([V]); ``advance(token)`` records the sampled
+    token. ``in_call`` is True while a section is open.
+    """
+
+    def __init__(self, grammar: ToolCallGrammar) -> None:
+        self.grammar = grammar
+        self.matcher: LLMatcher | None = None
+        self.finished_section = False
+        if grammar.forced:
+            self._open()
+
+    @property
+    def in_call(self) -> bool:
+        return self.matcher is not None
+
+    def _open(self) -> None:
+        self.matcher = LLMatcher(self.grammar.tokenizer, self.grammar.grammar)
+        if self.matcher.is_error():
+            raise GrammarError(self.matcher.get_error())
+
+    def allowed_tokens(self) -> torch.Tensor | None:
+        """Bool [V] of the tokens that may come next, or None when any token may."""
+        g = self.grammar
+        if self.finished_section:
+            allowed = torch.zeros(g.vocab_size, dtype=torch.bool)
+            allowed[g.turn_end] = True
+            return allowed
+        if self.matcher is None:
+            if g.allowed:
+                return None
+            allowed = torch.ones(g.vocab_size, dtype=torch.bool)
+            allowed[g.section_begin] = False
+            return allowed
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(words, bitorder="little")[: g.vocab_size]
+        return torch.from_numpy(bits.astype(bool))
+
+    def mask(self, logits: torch.Tensor) -> None:
+        allowed = self.allowed_tokens()
+        if allowed is not None:
+            logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+    def advance(self, token: int) -> None:
+        g = self.grammar
+        if self.matcher is None:
+            if token == g.section_begin and g.allowed and not self.finished_section:
+                self._open()
+                self._consume(token)
+            return
+        self._consume(token)
+        if token == g.section_end and self.matcher.is_accepting():
+            self.matcher, self.finished_section = None, True
+
+    def _consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} violates the tool-call grammar: {self.matcher.get_error()}")

@@ -1,0 +1,228 @@
+"""The serving engine: continuous batching of token-level requests over one model, in a background thread.
+
+Every iteration of the loop:
+
+1. **admit** waiting requests (up to ``max_batch`` running): prefill them together (left-padded) into a
+   cache of their own, sample each one's first token, and merge that cache into the running one
+   (``LatentCache.concat``: shorter histories are left-aligned with masked slots, positions carry on);
+2. **decode** one token for every running sequence in a single forward pass;
+3. **retire** sequences that stopped (a stop token, ``max_tokens``, or a cancelled request — a client
+   that went away) with ``LatentCache.select``, so later steps compute only live rows.
+
+Each request has its own sampling settings and generator (temperature, top-p, seed) and may carry a
+decoding constraint (the tool-call enforcer). Tokens are delivered through a thread-safe callback as
+they are sampled; ``Request.cancel()`` frees the request's row at the next iteration.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from k2lab.infer.cache import LatentCache
+from k2lab.infer.generate import Constraint, GenerationConfig, left_pad, sample_next
+
+__all__ = ["Engine", "Request", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: prompt ids in, sampled ids out through ``on_token(id)`` then ``on_finish(reason)``.
+
+    ``finish_reason``: "stop" (a stop token, which is not delivered), "length" (``max_tokens``),
+    "cancelled", or "error: …".
+    """
+
+    prompt: list[int]
+    params: SamplingParams
+    on_token: Callable[[int], None] = lambda token: None
+    on_finish: Callable[[str], None] = lambda reason: None
+    constraint: Constraint | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    id: int = field(default_factory=itertools.count().__next__)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    _generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        """Stop generating for this request; its batch row is freed at the engine's next iteration."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Engine:
+    """Continuous batching over ``model`` (a ``CausalLM``; ``max_batch`` sequences decode together)."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int = 16) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.max_batch = max_batch
+        self.pad_id = self.config.pad_token_id or 0
+        self._waiting: list[Request] = []
+        self._admitting: list[Request] = []  # taken from the queue, being prefilled
+        self._running: list[Request] = []
+        self._cache: LatentCache | None = None
+        self._last: torch.Tensor | None = None  # [B] last sampled token of each running sequence
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # decode forward passes run
+        self.max_seen_batch = 0
+        self.finished: dict[str, int] = {}  # finish reason -> requests
+
+    # ---- public --------------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="k2lab-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, request: Request) -> Request:
+        with self._wake:
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    @property
+    def active(self) -> int:
+        """Requests waiting or running."""
+        with self._wake:
+            return len(self._waiting) + len(self._admitting) + len(self._running)
+
+    # ---- loop ----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stop:
+                    break
+                room = self.max_batch - len(self._running)
+                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+                self._admitting = admitted
+            try:
+                with torch.inference_mode():
+                    self._iterate(admitted)
+            except Exception as error:  # a failed step fails its requests, never the server
+                for request in [*self._running, *admitted]:
+                    if request.finish_reason is None:
+                        self._finish(request, f"error: {type(error).__name__}: {error}")
+                with self._wake:
+                    self._running, self._cache, self._last = [], None, None
+            with self._wake:
+                self._admitting = []
+        for request in [*self._waiting, *self._running]:
+            self._finish(request, "cancelled")
+
+    def _iterate(self, admitted: list[Request]) -> None:
+        admitted = [r for r in admitted if not self._drop_if_cancelled(r)]
+        if admitted:
+            self._admit(admitted)
+        if self._running:
+            logits = self.model(self._last[:, None], cache=self._cache).logits[:, -1]
+            self.steps += 1
+            self._sample_all(logits)
+        self._retire()
+
+    def _drop_if_cancelled(self, request: Request) -> bool:
+        if request.cancelled:
+            self._finish(request, "cancelled")
+        return request.cancelled
+
+    def _admit(self, requests: list[Request]) -> None:
+        ids, valid = left_pad([r.prompt for r in requests], self.pad_id)
+        param = next(self.model.parameters())
+        budget = max(r.params.max_tokens for r in requests)
+        cache = LatentCache(self.config, len(requests), ids.shape[1] + budget, dtype=param.dtype)
+        logits = self.model(ids, attention_mask=valid, cache=cache).logits[:, -1]
+        for r in requests:
+            r._generator = torch.Generator().manual_seed(r.params.seed)
+        first = self._sample(requests, logits)
+        if self._cache is None:
+            self._cache, self._last = cache, first
+        else:
+            caches = [self._cache, cache]
+            room = max(c.length for c in caches) + max(
+                r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests]
+            )
+            self._cache = LatentCache.concat(caches, room)
+            self._last = torch.cat([self._last, first])
+        with self._wake:
+            self._running += requests
+            self._admitting = []
+        self.max_seen_batch = max(self.max_seen_batch, len(self._running))
+
+    def _sample_all(self, logits: torch.Tensor) -> None:
+        self._last = self._sample(self._running, logits)
+
+    def _sample(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+        """One token per request (its own settings and generator); delivers it or finishes the request."""
+        tokens = []
+        for row, request in enumerate(requests):
+            if request.finish_reason is not None:
+                tokens.append(self.pad_id)
+                continue
+            row_logits = logits[row].float().clone()
+            if request.constraint is not None:
+                request.constraint.mask(row_logits)
+            p = request.params
+            settings = GenerationConfig(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p)
+            token = int(sample_next(row_logits[None], settings, request._generator)[0])
+            if request.constraint is not None:
+                request.constraint.advance(token)
+            tokens.append(token)
+            self._deliver(request, token)
+        return torch.tensor(tokens, dtype=torch.long)
+
+    def _deliver(self, request: Request, token: int) -> None:
+        if token in request.params.stop_token_ids:
+            self._finish(request, "stop")
+            return
+        request.tokens.append(token)
+        request.on_token(token)
+        if len(request.tokens) >= request.params.max_tokens:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request.finish_reason is None:
+            request.finish_reason = reason
+            key = reason.split(":", 1)[0]
+            self.finished[key] = self.finished.get(key, 0) + 1
+            request.on_finish(reason)
+
+    def _retire(self) -> None:
+        for request in self._running:
+            if request.cancelled:
+                self._finish(request, "cancelled")
+        keep = [i for i, r in enumerate(self._running) if r.finish_reason is None]
+        if len(keep) == len(self._running):
+            return
+        with self._wake:
+            self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache, self._last = None, None
+            return
+        self._cache.select(keep)
+        self._last = self._last[keep]
