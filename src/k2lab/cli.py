@@ -355,6 +355,59 @@ def train(
 
 
 @app.command()
+def sft(
+    checkpoint: Annotated[
+        str,
+        typer.Option("--checkpoint", "-c", help="k2lab model directory with tokenizer.json (runs/X/model)."),
+    ],
+    data: Annotated[str, typer.Option(help="JSONL of {'messages': [...], 'tools': [...]} conversations.")],
+    out: Annotated[str | None, typer.Option(help="Run directory (default runs/sft).")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="TOML recipe; flags below override it.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default: from --epochs).")] = None,
+    epochs: Annotated[
+        float | None, typer.Option(help="Passes over the SFT rows (default 3 unless --steps).")
+    ] = None,
+    ptx_ratio: Annotated[
+        float | None, typer.Option(help="Fraction of rows from the pre-training corpus (default 0).")
+    ] = None,
+    ptx_data: Annotated[
+        str | None, typer.Option(help="PTX corpus directory (default: embedded corpus).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
+    ] = False,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (default 5e-4).")] = None,
+    save_every: Annotated[int | None, typer.Option(help="Checkpoint every K steps.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Rows per micro-batch (default 4).")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per row (default 1024).")] = None,
+    precision: Annotated[str | None, typer.Option(help="auto, fp32 or bf16.")] = None,
+) -> None:
+    """Agentic SFT: fine-tune a checkpoint on chat trajectories (loss on assistant tokens), with optional
+    pre-training rows mixed in; the same loop, checkpoints and exact resume as `k2lab train`."""
+    from k2lab.agentic.sft import sft_train_config
+    from k2lab.train.trainer import run_training
+
+    config = sft_train_config(
+        recipe,
+        out=out,
+        steps=steps,
+        data=ptx_data,
+        save_every=save_every,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        **{
+            "sft.init_checkpoint": checkpoint,
+            "sft.data": data,
+            "sft.epochs": epochs,
+            "sft.ptx_ratio": ptx_ratio,
+            "optimizer.lr": lr,
+        },
+    )
+    run_training(config, resume=resume)
+
+
+@app.command()
 def stability(
     preset: PresetOption = "k2-nano",
     optimizer: Annotated[str, typer.Option(help="muonclip, muon or adamw.")] = "muonclip",
@@ -670,6 +723,170 @@ def ablate_vision_injection(
     run_vision_injection(settings, console)
 
 
+REPHRASE_ABLATION_HELP = (
+    "K2's rephrasing ablation at small scale: K rephrasings × 1 epoch vs the raw text × K epochs.\n\n"
+    "Takes --docs raw documents (of --data or the embedded corpus, each cut to --doc-chars), rephrases each "
+    "K times through an OpenAI-compatible endpoint (--base-url; or k2lab's own server started here over "
+    "--checkpoint; or reuses --rephrased DIR), and trains the same recipe (k2-mini, 4×128 tokens per step) on "
+    "both arms with the same tokenizer, seed and token budget (K raw epochs). A rephrasing the fidelity check "
+    "dropped is replaced by the raw text. Compares the validation loss on raw held-out documents and a cloze "
+    "QA probe on facts of the training documents.\n\n"
+    "Writes OUT/rephrase.md, OUT/rephrase.json and OUT/rephrase.png; rephrasings are cached in OUT/rephrased "
+    "and the runs in OUT/runs/ARM are reused when the command is repeated."
+)
+
+
+@ablate_app.command("rephrase", help=REPHRASE_ABLATION_HELP)
+def ablate_rephrase(
+    data: Annotated[
+        str | None, typer.Option(help="Directory of .txt/.md/.jsonl (default: embedded corpus).")
+    ] = None,
+    out: Annotated[str | None, typer.Option(help="Output directory (default runs/rephrase).")] = None,
+    base_url: Annotated[
+        str | None, typer.Option(help="OpenAI-compatible endpoint for the rephrasings, e.g. http://host/v1.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Model name at --base-url.")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="OPENAI_API_KEY", help="API key of --base-url ($OPENAI_API_KEY).")
+    ] = None,
+    checkpoint: Annotated[
+        str | None, typer.Option(help="Serve this checkpoint in-process for the rephrasings (no --base-url).")
+    ] = None,
+    rephrased: Annotated[
+        str | None, typer.Option(help="Reuse this `k2lab data rephrase` output instead of rephrasing.")
+    ] = None,
+    n_rephrasings: Annotated[
+        int | None, typer.Option(help="K: rephrasings per document = raw epochs (default 4).")
+    ] = None,
+    docs: Annotated[int | None, typer.Option(help="Raw training documents (default 32).")] = None,
+    doc_chars: Annotated[
+        int | None, typer.Option(help="Characters kept per document (default 1000).")
+    ] = None,
+    heldout_docs: Annotated[int | None, typer.Option(help="Raw held-out documents (default 8).")] = None,
+    chunk_chars: Annotated[
+        int | None, typer.Option(help="Characters per rephrased chunk (default 400).")
+    ] = None,
+    styles: Annotated[
+        str | None, typer.Option(help="Comma-separated styles (default encyclopedic,textbook,qa,plain).")
+    ] = None,
+    fidelity_threshold: Annotated[
+        float | None, typer.Option(help="Drop rephrasings scoring below this (0-1, default 0.5).")
+    ] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (default 8).")] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Completion tokens per chunk (default ~chars/2).")
+    ] = None,
+    probe_items: Annotated[int | None, typer.Option(help="QA probe questions (default 64; 0 skips).")] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="Steps per arm (default: K epochs of the raw subset's tokens).")
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", "-p", help="Model preset (default k2-mini).")
+    ] = None,
+    vocab_size: Annotated[int | None, typer.Option(help="BPE vocabulary of the shared tokenizer.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch (default 4).")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 128).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate of both arms.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of weights, data order and sampling.")] = None,
+    recipe: Annotated[
+        Path | None, typer.Option(help="TOML recipe for everything but the data; flags override it.")
+    ] = None,
+    keep_weights: Annotated[
+        bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
+    ] = False,
+    jobs: Annotated[
+        int | None, typer.Option(help="Arms trained at once, in worker processes (default 2).")
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch threads per run (default torch's divided among the jobs).")
+    ] = None,
+) -> None:
+    from k2lab.train.rephrase_ablation import rephrase_ablation_config, run_rephrase_ablation
+
+    own = dict(
+        data=data, base_url=base_url, model=model, api_key=api_key, checkpoint=checkpoint,
+        rephrased=rephrased, n_rephrasings=n_rephrasings, docs=docs, doc_chars=doc_chars,
+        heldout_docs=heldout_docs, chunk_chars=chunk_chars, fidelity_threshold=fidelity_threshold,
+        concurrency=concurrency, max_tokens=max_tokens, probe_items=probe_items,
+        styles=[s.strip() for s in styles.split(",") if s.strip()] if styles else None,
+    )  # fmt: skip
+    settings = rephrase_ablation_config(
+        recipe=recipe, out=out, keep_weights=keep_weights, threads=threads, jobs=jobs, ablation=own,
+        preset=preset, vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed, steps=steps,
+        **{"optimizer.lr": lr},
+    )  # fmt: skip
+    run_rephrase_ablation(settings, console)
+
+
+data_app = typer.Typer(help="Pre-training data recipes (K2's knowledge rephrasing).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("rephrase")
+def data_rephrase(
+    data: Annotated[Path, typer.Option(help="Source corpus: a directory of .txt/.md/.jsonl.")],
+    out: Annotated[Path, typer.Option(help="Output corpus directory (texts/, manifest.json).")],
+    base_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1.")],
+    model: Annotated[str, typer.Option(help="Model name at the endpoint.")],
+    api_key: Annotated[
+        str | None, typer.Option(envvar="OPENAI_API_KEY", help="API key of the endpoint ($OPENAI_API_KEY).")
+    ] = None,
+    n_rephrasings: Annotated[int, typer.Option(min=1, help="Rephrasings per document.")] = 2,
+    chunk_chars: Annotated[int, typer.Option(min=1, help="Characters per chunk (rewritten in turn).")] = 1500,
+    tail_chars: Annotated[
+        int, typer.Option(min=0, help="Characters of the rephrased text so far shown with each chunk.")
+    ] = 600,
+    styles: Annotated[
+        str, typer.Option(help="Comma-separated styles, one per rephrasing in turn (names or free text).")
+    ] = "encyclopedic,textbook,qa,plain",
+    fidelity_threshold: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Drop rephrasings whose fidelity score is below this.")
+    ] = 0.5,
+    judge: Annotated[
+        bool, typer.Option("--judge", help="Also ask the endpoint to rate faithfulness (0-10).")
+    ] = False,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 4,
+    max_tokens: Annotated[
+        int | None, typer.Option(min=1, help="Completion tokens per chunk (default ~chunk chars / 2).")
+    ] = None,
+    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, help="Sampling temperature.")] = 0.7,
+    timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 120.0,
+    retries: Annotated[int, typer.Option(min=0, help="Retries of a failed request (with backoff).")] = 3,
+) -> None:
+    """Rewrite a corpus chunk by chunk in diverse styles through an OpenAI-compatible endpoint, verified.
+
+    Each chunk's prompt holds the tail of the rephrased text so far and the next source chunk; a fidelity
+    check (content words, names, numbers, length) drops unfaithful rephrasings. Writes OUT/texts/ (a corpus
+    directory for `k2lab train --data`) and OUT/manifest.json; documents already done are skipped, and a
+    document whose requests keep failing is reported and retried on the next run.
+    """
+    from k2lab.data.corpus import load_corpus
+    from k2lab.data.rephrase import RephraseSettings, rephrase_corpus
+
+    corpus = load_corpus(data, val_fraction=0.0)
+    settings = RephraseSettings(
+        base_url=base_url, model=model, api_key=api_key, n_rephrasings=n_rephrasings, chunk_chars=chunk_chars,
+        tail_chars=tail_chars, styles=tuple(s.strip() for s in styles.split(",") if s.strip()),
+        fidelity_threshold=fidelity_threshold, judge=judge, concurrency=concurrency, max_tokens=max_tokens,
+        temperature=temperature, timeout=timeout, retries=retries,
+    )  # fmt: skip
+    console.print(f"rephrasing {len(corpus.train)} documents × {n_rephrasings} through {base_url} → {out}")
+
+    def progress(path: str, entry: dict) -> None:
+        if entry["status"] == "failed":
+            console.print(f"[red]failed[/] {path}: {entry['error']}", markup=True, highlight=False)
+        else:
+            scores = ", ".join(f"{r['style']} {r['score']:.2f}{'' if r['kept'] else ' dropped'}"
+                               for r in entry["rephrasings"])  # fmt: skip
+            console.print(f"done {path}: {scores}", markup=False, highlight=False)
+
+    report = rephrase_corpus(corpus.train, out, settings, on_document=progress)
+    console.print(
+        f"{report.done} done, {report.skipped} skipped (already done), {report.failed} failed; "
+        f"{report.kept} rephrasings kept, {report.dropped} dropped; {report.seconds:.1f}s → {out}"
+    )
+
+
 tools_app = typer.Typer(
     help="Tool specs for the agent data factory, harvested from real MCP servers.", no_args_is_help=True
 )
@@ -748,6 +965,133 @@ def sandbox_run(
     limits = SandboxLimits(timeout_s=timeout, cpu_s=cpu, memory_mb=memory, max_output_bytes=max_output)
     result = run_python(file, limits, workdir=workdir)
     print(json.dumps(result.to_dict(), indent=2))
+
+
+@app.command()
+def rl(
+    checkpoint: Annotated[
+        Path, typer.Option("--checkpoint", "-c", help="k2lab model directory with tokenizer.json.")
+    ],
+    out: Annotated[Path, typer.Option(help="Run directory (metrics, checkpoints, final model).")],
+    iterations: Annotated[int, typer.Option(min=1, help="RL iterations.")] = 10,
+    group: Annotated[int, typer.Option(min=2, help="K responses per prompt.")] = 4,
+    prompts: Annotated[int, typer.Option(min=1, help="New prompts (groups) per iteration.")] = 2,
+    envs: Annotated[
+        str, typer.Option(help="Comma-separated: arithmetic, instruction, coding, open_qa, tools.")
+    ] = "arithmetic,instruction,coding",
+    env_weights: Annotated[
+        str | None, typer.Option(help="Comma-separated mixture weights, one per environment.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per assistant turn.")] = 64,
+    token_limit: Annotated[
+        int | None, typer.Option(min=1, help="Tokens per episode per iteration (partial rollouts).")
+    ] = None,
+    temperature: Annotated[float, typer.Option(help="Starting temperature T_0.")] = 1.0,
+    temperature_floor: Annotated[float, typer.Option(help="Temperature floor.")] = 0.3,
+    temperature_decay: Annotated[float, typer.Option(help="γ in T_i = max(floor, T_0 γ^i).")] = 0.9,
+    tau: Annotated[float, typer.Option(help="τ of the K1.5 objective.")] = 0.5,
+    offpolicy_clip: Annotated[
+        float | None, typer.Option(help="K2.5 token-level clip δ on |log π_θ − log π_old|.")
+    ] = None,
+    budget_penalty: Annotated[float, typer.Option(help="λ of the token-budget penalty.")] = 0.1,
+    updates: Annotated[int, typer.Option(min=1, help="Optimizer steps per iteration.")] = 2,
+    lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 1e-3,
+    ptx_data: Annotated[str | None, typer.Option(help="PTX corpus directory.")] = None,
+    ptx_weight: Annotated[float, typer.Option(help="α of the PTX loss (0: off).")] = 0.0,
+    critic: Annotated[
+        str, typer.Option(help='Rubric critic: "none", "self" (a copy of the policy) or a checkpoint.')
+    ] = "none",
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N iterations.")] = 1,
+    seed: Annotated[int, typer.Option(help="Run seed (tasks and sampling).")] = 0,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoints when present.")
+    ] = True,
+) -> None:
+    """Joint RL (K2): verifiable environments + rubric critic, K1.5's objective, MuonClip, exact resume."""
+    from k2lab.agentic.rl import RLConfig, run_rl
+    from k2lab.optim.grouping import OptimizerConfig
+
+    config = RLConfig(
+        iterations=iterations,
+        group_size=group,
+        groups_per_iteration=prompts,
+        envs=[name.strip() for name in envs.split(",") if name.strip()],
+        env_weights=[float(w) for w in env_weights.split(",")] if env_weights else None,
+        max_new_tokens=max_new_tokens,
+        token_limit=token_limit,
+        temperature_start=temperature,
+        temperature_floor=temperature_floor,
+        temperature_decay=temperature_decay,
+        tau=tau,
+        offpolicy_clip=offpolicy_clip,
+        budget_penalty=budget_penalty,
+        updates_per_iteration=updates,
+        ptx_data=ptx_data,
+        ptx_weight=ptx_weight,
+        critic=critic,
+        optimizer=OptimizerConfig(lr=lr),
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+    )
+    try:
+        history = run_rl(checkpoint, out, config, resume=resume, threads=threads)
+    except ValueError as error:
+        raise K2LabError(str(error)) from error
+    last = history[-1] if history else {}
+    console.print(
+        f"RL done: {len(history)} iterations this run, last mean reward {last.get('mean_reward')}, "
+        f"metrics in {out / 'metrics.jsonl'}, policy in {out / 'model'}"
+    )
+
+
+factory_app = typer.Typer(
+    help="K2's agentic data factory: tool tasks rolled out by expert agents, judged by rubrics.",
+    no_args_is_help=True,
+)
+app.add_typer(factory_app, name="factory")
+
+
+@factory_app.command("generate")
+def factory_generate(
+    n: Annotated[int, typer.Option("--n", help="Tasks to roll out.")] = 100,
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Kept trajectories (JSONL); summary: OUT's stem + .summary.json."),
+    ] = Path("trajectories.jsonl"),
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the tool evolution, tasks and failures.")] = 0,
+    tools: Annotated[
+        Path | None, typer.Option("--tools", help="Harvested MCP tools (JSONL of `k2lab tools harvest`).")
+    ] = None,
+    failure_rate: Annotated[
+        float,
+        typer.Option("--failure-rate", help="Injected failures per call (errors, rate limits, edge cases)."),
+    ] = 0.1,
+    imperfection: Annotated[
+        float, typer.Option("--imperfection", help="Share of tasks where the expert makes one mistake.")
+    ] = 0.2,
+    no_tool_fraction: Annotated[
+        float, typer.Option("--no-tool-fraction", help="Share of tasks that need no tool at all.")
+    ] = 0.15,
+    mcp_fraction: Annotated[
+        float, typer.Option("--mcp-fraction", help="Share of tasks for harvested MCP tools (with --tools).")
+    ] = 0.2,
+) -> None:
+    """Roll out N tool tasks with expert agents, judge them by rubric, write the kept conversations (JSONL).
+
+    Runs on CPU without an external model: synthetic tools evolved over a domain hierarchy (plus harvested
+    MCP tools with --tools), a stateful simulator injecting failures, scripted users and procedural experts
+    (imperfect on a share of tasks, so the judge has trajectories to reject).
+    """
+    from k2lab.agentic.factory import FactoryConfig, generate, print_summary
+
+    if tools is not None and not tools.is_file():
+        raise K2LabError(f"--tools {tools}: no such file")
+    config = FactoryConfig(n, seed, tools, failure_rate, imperfection, no_tool_fraction, mcp_fraction)
+    result = generate(config)
+    summary = result.write(out)
+    print_summary(result.summary, console)
+    console.print(f"wrote {len(result.kept)} trajectories to {out} (summary: {summary})", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from k2lab.agentic.sft import SFTConfig
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 from k2lab.optim.grouping import OptimizerConfig
@@ -84,6 +85,11 @@ class TrainConfig(BaseModel):
         description="Joint vision-text training (``[vision]``: injection start, ratio, tasks); set by default "
         "for vision-language presets such as k25-mini.",
     )
+    sft: SFTConfig | None = Field(
+        default=None,
+        description="Agentic SFT (``[sft]``): start from a checkpoint (its model and tokenizer; ``preset``, "
+        "``tokenizer`` and ``vocab_size`` unused) and train on chat trajectories, ``data`` the PTX corpus.",
+    )
 
     @model_validator(mode="after")
     def _vision_defaults(self) -> TrainConfig:
@@ -95,6 +101,12 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"[vision] needs a vision-language preset (k25-mini, k25, k3-vl-mini), not {self.preset!r}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sft_alone(self) -> TrainConfig:
+        if self.sft is not None and (self.vision is not None or self.curriculum):
+            raise ValueError("[sft] trains a text checkpoint at one seq_len: no [vision], no curriculum")
         return self
 
     @field_validator("curriculum")

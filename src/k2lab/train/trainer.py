@@ -28,6 +28,7 @@ from rich.console import Console
 
 from k2lab.config import load_preset
 from k2lab.data.packing import Batch
+from k2lab.data.tokenizer import Tokenizer
 from k2lab.models import CausalLM, build_model
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
 from k2lab.optim.muonclip import MuonClip
@@ -249,12 +250,6 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from k2lab.checkpoint import save_model
-    from k2lab.data import (
-        load_corpus,
-        load_tokenizer,
-        train_tokenizer,
-        unigram_baseline,
-    )
     from k2lab.errors import K2LabError
     from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
     from k2lab.train.dashboard import plot_dashboard
@@ -267,21 +262,22 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
         )
     distributed.check_batch_size(config.batch_size)
     torch.manual_seed(config.seed)
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    vocab = config.vocab_size or text_preset(config.preset).vocab_size
-    with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
-        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
-    console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
-    overrides = {
-        "pad_token_id": tokenizer.pad_id,
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-    }
-    config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
-    special = tokenizer.special_tokens
-    model = distributed.shard_model(build_trainer_model(config, tokenizer.vocab_size, special))
-    data = StageData(config, corpus, tokenizer, model)
-    data.enter(0)
+    if config.sft is not None:  # fine-tune a checkpoint on chat trajectories (k2lab.agentic.sft)
+        from k2lab.agentic.sft import prepare_sft
+
+        config, tokenizer, model, data = prepare_sft(config)
+        console.print(f"SFT of {config.sft.init_checkpoint}: {data.summary()}; tokenizer: {tokenizer}")
+        baseline = float("nan")
+        fresh_model = data.fresh_model
+    else:
+        config, tokenizer, model, data, baseline = prepare_pretraining(config)
+
+        def fresh_model() -> CausalLM | VisionLanguageModel:
+            return data.final_model(
+                build_trainer_model(config, tokenizer.vocab_size, tokenizer.special_tokens)
+            )
+
+    model = distributed.shard_model(model)
     trainer = Trainer(config, model, data.train_batches(), data.val_batches, run_dir)
 
     if resume:
@@ -292,7 +288,6 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
             restore_training_state(trainer, data, loaded[1])
             trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches
             console.print(f"resumed {run_dir} at step {trainer.step}")
-    baseline = unigram_baseline(corpus, tokenizer)
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     tau = config.optimizer.qk_clip_tau
     progress = Progress(
@@ -341,10 +336,10 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
                 if distributed.is_main():
                     save_training_checkpoint(run_dir, trainer.step, state, config.keep_last)
 
-    summary = {"val_loss": val_loss, "unigram_baseline": baseline, "steps": trainer.step}
-    model = distributed.gather_model(
-        model, lambda: data.final_model(build_trainer_model(config, tokenizer.vocab_size, special))
-    )
+    summary = {"val_loss": val_loss, "steps": trainer.step}
+    if not math.isnan(baseline):
+        summary["unigram_baseline"] = baseline
+    model = distributed.gather_model(model, fresh_model)
     if model is None:  # not rank 0: it took part in the gather; rank 0 writes the rest
         return summary
     save_model(model, run_dir / "model")
@@ -364,15 +359,42 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
     dashboard = plot_dashboard(run_dir, tau=tau)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"[bold]sample:[/]\n{sample}")
-    verdict = "below" if val_loss < baseline else "[red]NOT below[/]"
-    console.print(
-        f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f}): "
-        f"{abs(baseline - val_loss):.2f} nats {verdict} the unigram baseline {baseline:.3f}"
-    )
+    report = f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f})"
+    if config.sft is not None:
+        console.print(f"{report} on held-out assistant tokens")
+    else:
+        verdict = "below" if val_loss < baseline else "[red]NOT below[/]"
+        console.print(
+            f"{report}: {abs(baseline - val_loss):.2f} nats {verdict} the unigram baseline {baseline:.3f}"
+        )
     console.print(
         f"run directory {run_dir}: checkpoints/, metrics.jsonl, tensorboard/, {dashboard.name}, sample.txt, model/"
     )
     return summary
+
+
+def prepare_pretraining(
+    config: TrainConfig,
+) -> tuple[TrainConfig, Tokenizer, CausalLM | VisionLanguageModel, StageData, float]:
+    """Corpus, tokenizer (trained or loaded), a fresh model, the stage data and the unigram baseline; the
+    config comes back with the tokenizer's special ids among its model overrides."""
+    from k2lab.data import load_corpus, load_tokenizer, train_tokenizer, unigram_baseline
+
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    vocab = config.vocab_size or text_preset(config.preset).vocab_size
+    with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
+    console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
+    overrides = {
+        "pad_token_id": tokenizer.pad_id,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+    }
+    config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
+    model = build_trainer_model(config, tokenizer.vocab_size, tokenizer.special_tokens)
+    data = StageData(config, corpus, tokenizer, model)
+    data.enter(0)
+    return config, tokenizer, model, data, unigram_baseline(corpus, tokenizer)
 
 
 class StageData:

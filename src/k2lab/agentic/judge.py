@@ -1,0 +1,273 @@
+"""The rubric judge: keeps only trajectories that satisfy their task's rubric, with reasons for the rest.
+
+A rubric (``k2lab.agentic.tasks``) has ``final_state`` checks, verified on the episode's world (compared
+with its initial copy) and its call log, and trajectory ``items``, verified on the messages. Every failed
+check yields one reason ``"<category>: <what is wrong>"``; categories: ``final_state``, ``unfinished``,
+``confirmation``, ``unnecessary_question``, ``unnecessary_tool_call`` and ``tool_on_no_tool_task``.
+
+The judge is rule-based (the world state makes tool tasks verifiable); an LLM judge for open-ended rubric
+items could be added behind the same ``Verdict``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from k2lab.agentic.env import Episode
+
+__all__ = ["CATEGORIES", "Verdict", "judge", "judge_episode", "reason_category"]
+
+CATEGORIES = (
+    "final_state",
+    "unfinished",
+    "confirmation",
+    "unnecessary_question",
+    "unnecessary_tool_call",
+    "tool_on_no_tool_task",
+)
+
+
+@dataclass
+class Verdict:
+    """``kept`` when every check passed; ``reasons`` for the failures; ``checks`` lists every check."""
+
+    kept: bool
+    reasons: list[str] = field(default_factory=list)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def reason_category(reason: str) -> str:
+    """``final_state`` of ``"final_state: balance of b is 3.00, expected 5.00"``."""
+    return reason.split(":", 1)[0]
+
+
+def judge_episode(episode: Episode, finished: bool | None = None) -> Verdict:
+    """Judge an episode of ``ToolTaskEnvironment`` (its ``state`` holds world, initial world, task, calls)."""
+    state = episode.state
+    if finished is None:
+        finished = bool(episode.outcome and episode.outcome.details.get("ended") == "answered")
+    return judge(
+        state["task"]["rubric"], state["world"], state["initial"], state["calls"], episode.messages, finished
+    )
+
+
+def judge(
+    rubric: dict[str, Any],
+    world: dict[str, Any],
+    initial: dict[str, Any],
+    calls: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    finished: bool,
+) -> Verdict:
+    """Check every final-state check and rubric item."""
+    verdict = Verdict(kept=True)
+    for check in rubric.get("final_state", []):
+        problem = _state_problem(check, world, initial, calls)
+        _record(verdict, check, "final_state", problem)
+    for item in rubric.get("items", []):
+        category, problem = _item_problem(item, messages, calls, finished)
+        _record(verdict, item, category, problem)
+    verdict.kept = not verdict.reasons
+    return verdict
+
+
+def _record(verdict: Verdict, check: dict[str, Any], category: str, problem: str | None) -> None:
+    verdict.checks.append(
+        {"kind": check["kind"], "description": check.get("description", ""), "ok": not problem}
+    )
+    if problem:
+        verdict.reasons.append(f"{category}: {problem}")
+
+
+# ------------------------------------------------------------------------------------------ final state
+
+
+def _state_problem(check: dict[str, Any], world: dict, initial: dict, calls: list[dict]) -> str | None:
+    handler = STATE_CHECKS.get(check["kind"])
+    if handler is None:
+        return f"unknown check kind {check['kind']!r}"
+    try:
+        return handler(check, world, initial, calls)
+    except (KeyError, TypeError, ValueError) as error:
+        return f"{check['kind']} could not be checked ({type(error).__name__}: {error})"
+
+
+def _order_placed(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    new = world["retail"]["orders"][len(initial["retail"]["orders"]) :]
+    if len(new) != 1:
+        return f"expected one new order, found {len(new)}"
+    if new[0]["items"] != check["items"]:
+        return f"the order holds {new[0]['items']}, expected {check['items']}"
+    return None
+
+
+def _cart_empty(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    cart = world["retail"]["cart"]
+    return f"the cart still holds {cart}" if cart else None
+
+
+def _event(world: dict, title: str) -> dict | None:
+    return next((e for e in world["calendar"]["events"] if e["title"] == title), None)
+
+
+def _event_at(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    event = _event(world, check["title"])
+    if event is None:
+        return f"no event titled {check['title']!r}"
+    if (event["day"], event["hour"]) != (check["day"], check["hour"]):
+        found, wanted = f"{event['day']} {event['hour']}:00", f"{check['day']} {check['hour']}:00"
+        return f"{check['title']!r} is on {found}, expected {wanted}"
+    return None
+
+
+def _event_absent(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    return f"{check['title']!r} is still on the calendar" if _event(world, check["title"]) else None
+
+
+def _balance(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    value = world["bank"]["accounts"].get(check["account"])
+    if value is None or abs(value - check["amount"]) > 0.005:
+        return f"balance of {check['account']} is {value}, expected {check['amount']:.2f}"
+    return None
+
+
+def _file_contains(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    text = world["files"]["files"].get(check["path"])
+    if text is None:
+        return f"{check['path']} does not exist"
+    return None if check["text"] in text else f"{check['path']} does not contain {check['text']!r}"
+
+
+def _file_absent(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    return f"{check['path']} still exists" if check["path"] in world["files"]["files"] else None
+
+
+def _stock(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    value = world["inventory"]["stock"].get(check["sku"])
+    return None if value == check["qty"] else f"{check['sku']} has {value} units, expected {check['qty']}"
+
+
+def _shipment(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    new = world["inventory"]["shipments"][len(initial["inventory"]["shipments"]) :]
+    wanted = (check["sku"], check["qty"], check["address"])
+    if [(s["sku"], s["qty"], s["address"]) for s in new] != [wanted]:
+        return (
+            f"expected one new shipment {wanted}, found {[(s['sku'], s['qty'], s['address']) for s in new]}"
+        )
+    return None
+
+
+def _booking(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    bookings = world["travel"]["bookings"]
+    if any(b["flight_id"] == check["flight_id"] and b["passenger"] == check["passenger"] for b in bookings):
+        return None
+    return f"no booking of {check['passenger']!r} on {check['flight_id']}"
+
+
+def _booking_absent(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    ids = [b["booking_id"] for b in world["travel"]["bookings"]]
+    return f"booking {check['booking_id']} still exists" if check["booking_id"] in ids else None
+
+
+def _unchanged(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    section = check.get("section")
+    before, after = (initial, world) if section is None else (initial[section], world[section])
+    if _canonical(before) != _canonical(after):
+        return f"{section or 'the world'} changed although nothing should have"
+    return None
+
+
+def _called(check: dict, world: dict, initial: dict, calls: list) -> str | None:
+    wanted = _canonical(check.get("args") or {})
+    for call in calls:
+        if call["tool"] != check["tool"] or _canonical(call.get("args") or {}) != wanted:
+            continue
+        if (check["outcome"] == "ok" and call["ok"]) or call["kind"] == check["outcome"]:
+            return None
+    return f"no {check['outcome']} call of {check['tool']} with {json.dumps(check.get('args') or {})}"
+
+
+def _canonical(value: Any) -> Any:
+    """Numbers rounded to 6 decimals (ints and floats alike), containers recursively."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return round(float(value), 6)
+    if isinstance(value, dict):
+        return {key: _canonical(sub) for key, sub in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(sub) for sub in value]
+    return value
+
+
+STATE_CHECKS: dict[str, Callable[[dict, dict, dict, list], str | None]] = {
+    "order_placed": _order_placed,
+    "cart_empty": _cart_empty,
+    "event_at": _event_at,
+    "event_absent": _event_absent,
+    "balance": _balance,
+    "file_contains": _file_contains,
+    "file_absent": _file_absent,
+    "stock": _stock,
+    "shipment": _shipment,
+    "booking": _booking,
+    "booking_absent": _booking_absent,
+    "unchanged": _unchanged,
+    "called": _called,
+}
+
+
+# ------------------------------------------------------------------------------------------ trajectory
+
+
+def _final_answers(messages: list[dict[str, Any]]) -> list[str]:
+    """The text of every assistant turn that answered (no tool calls, not a question)."""
+    return [
+        str(m.get("content") or "")
+        for m in messages
+        if m.get("role") == "assistant" and not m.get("tool_calls") and not _is_question(m)
+    ]
+
+
+def _is_question(message: dict[str, Any]) -> bool:
+    return str(message.get("content") or "").rstrip().endswith("?")
+
+
+def _item_problem(
+    item: dict, messages: list[dict], calls: list[dict], finished: bool
+) -> tuple[str, str | None]:
+    kind = item["kind"]
+    if kind == "finished":
+        return "unfinished", None if finished else "the episode ended without a final answer (turn limit)"
+    if kind == "confirmed_result":
+        return "confirmation", _confirmation_problem(item["terms"], _final_answers(messages))
+    if kind == "no_unnecessary_questions":
+        asked = sum(
+            1
+            for m in messages
+            if m.get("role") == "assistant" and not m.get("tool_calls") and _is_question(m)
+        )
+        too_many = asked > item["max_questions"]
+        return (
+            "unnecessary_question",
+            f"asked {asked} question(s), {item['max_questions']} needed" if too_many else None,
+        )
+    if kind == "only_needed_tools":
+        extra = sorted({str(c["tool"]) for c in calls} - set(item["allowed"]))
+        return "unnecessary_tool_call", f"called {', '.join(extra)}" if extra else None
+    if kind == "no_tool_calls":
+        return "tool_on_no_tool_task", f"made {len(calls)} tool call(s)" if calls else None
+    return "final_state", f"unknown rubric item {kind!r}"
+
+
+def _confirmation_problem(terms: list[list[str]], answers: list[str]) -> str | None:
+    if len(answers) < len(terms):
+        return f"{len(answers)} final answer(s) for {len(terms)} request(s)"
+    for index, (wanted, answer) in enumerate(zip(terms, answers, strict=False)):
+        missing = [term for term in wanted if term.lower() not in answer.lower()]
+        if missing:
+            return f"answer {index + 1} does not state {', '.join(map(repr, missing))}"
+    return None

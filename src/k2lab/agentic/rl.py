@@ -1,0 +1,600 @@
+"""K2's joint RL at small scale: verifiable environments + self-critique rubric rewards, K1.5's objective.
+
+Each iteration i:
+
+1. The sampling temperature is ``T_i = max(T_floor, T_0 · γ^i)`` (exploration early, reliable generation
+   late; K2 decays temperature).
+2. ``groups_per_iteration`` new prompts x are drawn from the environment mixture (task seeds derived from
+   the run seed and i), each with a group of K rollouts; unfinished groups from earlier iterations
+   (partial rollouts) continue. With ``token_limit`` an episode generates at most about that many tokens
+   per iteration before it is parked (turns are never split) and resumed in the next iteration.
+3. A group is trained on in the iteration all its K members finish. Rewards:
+
+       r_j = R_env(y_j) − λ · min(1, max(0, n_j − B) / B)        (budget penalty; B = episode.token_budget,
+                                                                 n_j = completion tokens, 0 without B)
+
+   where R_env is the verifier's reward, or, for open-ended prompts, the rubric critic's win rate within
+   the group (``k2lab.agentic.critic``).
+4. The K1.5 objective (K2 inherits it), per group, with π_old the weights at the start of the iteration:
+
+       L(θ) = (1/K) Σ_j ( r_j − r̄ − τ · log(π_θ(y_j|x) / π_old(y_j|x)) )²,     r̄ = (1/K) Σ_j r_j
+
+       log(π_θ(y_j|x) / π_old(y_j|x)) = Σ_{t ∈ y_j} m_t · (log π_θ(y_t | ctx_t) − log π_old(y_t | ctx_t))
+
+   The sum runs over the tokens the policy generated (every assistant turn's completion ids; prompts and
+   tool results are context only) sampled in this iteration (turns of a partial rollout sampled in earlier
+   iterations are context, as in K1.5). m_t = 1, except with K2.5's token-level off-policy clipping
+   (``offpolicy_clip = δ``): m_t = 1[|log π_θ − log π_old| ≤ δ] (computed without gradient), so tokens that
+   drifted too far get no gradient. log π is the model's distribution at temperature 1 without the
+   decoding enforcer's mask. The loss is averaged over the groups and minimised for
+   ``updates_per_iteration`` MuonClip steps; the first step sees θ = θ_old, where the gradient is
+   −(2τ/K) Σ_j (r_j − r̄) ∇ log π_θ(y_j|x): a group-relative policy gradient.
+5. PTX (optional): ``L + α · CE(next token)`` on packed pre-training batches (``k2lab.data``).
+6. The critic is refreshed on pairs from verifiable groups whose rewards differ.
+7. metrics.jsonl gets one line; every ``checkpoint_every`` iterations an atomic training checkpoint (model,
+   optimizer, iteration, RNG, pending partial rollouts, PTX position, critic) is written: a killed run
+   restarted with the same arguments resumes and reproduces the uninterrupted run's metrics.
+
+Failures (malformed output, truncation, unknown tools, tool errors, hangs, sandbox timeouts) fail their
+trajectory (reward 0) and are counted per reason in ``failures``; training goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from k2lab.agentic.critic import Preference, RubricCritic
+from k2lab.agentic.env import Environment
+from k2lab.agentic.envs import EnvMixture, build_env
+from k2lab.agentic.rollout import LocalPolicy, Policy, Rollout, Turn, run_episode, save_rollouts
+from k2lab.optim.grouping import OptimizerConfig
+from k2lab.optim.muonclip import MuonClip
+from k2lab.train.checkpoint import (
+    capture_rng_state,
+    load_latest_checkpoint,
+    restore_rng_state,
+    save_training_checkpoint,
+)
+
+__all__ = [
+    "Group",
+    "RLConfig",
+    "RLTrainer",
+    "budget_penalty",
+    "k15_loss",
+    "offpolicy_mask",
+    "sequence_log_ratio",
+    "temperature_at",
+]
+
+METRICS = "metrics.jsonl"
+PARTIALS = "partial_rollouts.jsonl"
+
+
+class RLConfig(BaseModel):
+    """Hyper-parameters of ``k2lab rl`` (see the module docstring for the equations)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: int = Field(default=10, ge=1)
+    groups_per_iteration: int = Field(default=2, ge=1, description="New prompts per iteration.")
+    group_size: int = Field(default=4, ge=2, description="K responses per prompt.")
+    envs: list[str] = ["arithmetic", "instruction", "coding"]
+    env_weights: list[float] | None = None
+    max_new_tokens: int = Field(default=64, ge=1)
+    token_limit: int | None = Field(default=None, ge=1, description="Per episode per iteration.")
+    temperature_start: float = Field(default=1.0, gt=0)
+    temperature_floor: float = Field(default=0.3, ge=0)
+    temperature_decay: float = Field(default=0.9, gt=0, le=1)
+    tau: float = Field(default=0.5, gt=0)
+    offpolicy_clip: float | None = Field(default=None, gt=0)
+    budget_penalty: float = Field(default=0.1, ge=0)
+    updates_per_iteration: int = Field(default=2, ge=1)
+    ptx_data: str | None = None
+    ptx_weight: float = Field(default=0.0, ge=0)
+    ptx_batch_size: int = Field(default=2, ge=1)
+    ptx_seq_len: int = Field(default=64, ge=2)
+    critic: str = Field(default="none", description='"none", "self" (a copy of the policy) or a checkpoint.')
+    critic_refresh_steps: int = Field(default=2, ge=0)
+    critic_lr: float = Field(default=1e-4, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
+    checkpoint_every: int = Field(default=1, ge=1)
+    keep_checkpoints: int | None = Field(default=3, ge=1)
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    logprob_batch: int = Field(default=8, ge=1)
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------ the math
+
+
+def temperature_at(iteration: int, start: float, floor: float, decay: float) -> float:
+    """T_i = max(T_floor, T_0 · γ^i)."""
+    return max(floor, start * decay**iteration)
+
+
+def budget_penalty(tokens: int, budget: int | None, weight: float) -> float:
+    """λ · min(1, max(0, n − B) / B) for n completion tokens against budget B (0 when B is None)."""
+    if not budget or weight == 0:
+        return 0.0
+    return weight * min(1.0, max(0, tokens - budget) / budget)
+
+
+def offpolicy_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, threshold: float | None) -> torch.Tensor:
+    """m_t = 1[|log π_θ − log π_old| ≤ δ] per token (no gradient); all ones when δ is None."""
+    if threshold is None:
+        return torch.ones_like(logp_old, dtype=torch.bool)
+    return (logp_new.detach() - logp_old).abs() <= threshold
+
+
+def sequence_log_ratio(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log(π_θ(y|x) / π_old(y|x)) = Σ_t m_t (log π_θ(y_t) − log π_old(y_t))."""
+    return ((logp_new - logp_old) * mask.to(logp_new.dtype)).sum()
+
+
+def k15_loss(rewards: torch.Tensor, log_ratios: torch.Tensor, tau: float) -> torch.Tensor:
+    """L = (1/K) Σ_j (r_j − r̄ − τ · log_ratio_j)² for one group of K responses."""
+    return ((rewards - rewards.mean() - tau * log_ratios) ** 2).mean()
+
+
+# ------------------------------------------------------------------------------------------ groups
+
+
+@dataclass
+class Group:
+    """K rollouts of one prompt (``task_seed`` of the environment mixture)."""
+
+    group_id: str
+    task_seed: int
+    members: list[Rollout]
+
+    @property
+    def done(self) -> bool:
+        return all(not member.partial for member in self.members)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "task_seed": self.task_seed,
+            "members": [m.to_dict() for m in self.members],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Group:
+        return cls(data["group_id"], data["task_seed"], [Rollout.from_dict(m) for m in data["members"]])
+
+
+def derive_seed(*parts: object) -> int:
+    """A deterministic 31-bit seed from any parts (independent of Python's hash randomisation)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _answer(rollout: Rollout) -> str:
+    """The last assistant message's text (tool calls as JSON), "" when there is none."""
+    for message in reversed(rollout.episode.messages):
+        if message.get("role") == "assistant":
+            text = message.get("content") or ""
+            calls = message.get("tool_calls")
+            return text + (json.dumps(calls) if calls else "")
+    return ""
+
+
+def _question(rollout: Rollout) -> str:
+    users = [m.get("content") for m in rollout.episode.messages if m.get("role") == "user"]
+    return str(users[0]) if users else ""
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+
+class RLTrainer:
+    """Joint RL over an environment mixture with a local policy; ``run()`` trains (resuming if possible).
+
+    ``env`` defaults to ``EnvMixture`` of ``config.envs``; ``critic_model`` enables rubric rewards for
+    open-ended environments.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: RLConfig,
+        out_dir: str | Path,
+        env: Environment | None = None,
+        critic_model: torch.nn.Module | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        weights = config.env_weights or [1.0] * len(config.envs)
+        if len(weights) != len(config.envs):
+            raise ValueError("env_weights must give one weight per environment")
+        self.env = env or EnvMixture(
+            [(build_env(name), w) for name, w in zip(config.envs, weights, strict=True)],
+            config.step_timeout_s,
+        )
+        self.policy = policy or LocalPolicy(model, tokenizer, config.temperature_start, config.max_new_tokens)
+        self.optimizer = MuonClip(model, config.optimizer, verbose=False)
+        self.ptx = self._ptx_stream()
+        self.critic = RubricCritic(critic_model, tokenizer, lr=config.critic_lr) if critic_model else None
+        self.pending: list[Group] = []
+        self.iteration = 0
+        self._resume()
+
+    # ---- setup and persistence
+    def _ptx_stream(self) -> Any:
+        config = self.config
+        if config.ptx_data is None or config.ptx_weight == 0:
+            return None
+        from k2lab.data import PackedBatches, load_corpus
+
+        corpus = load_corpus(config.ptx_data)
+        docs = corpus.train or corpus.val
+        return PackedBatches(
+            docs, self.tokenizer, config.ptx_batch_size, config.ptx_seq_len, seed=config.seed
+        )
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": capture_rng_state(),
+            "pending": json.dumps([g.to_dict() for g in self.pending]),
+            "ptx": json.dumps(self.ptx.state_dict()) if self.ptx else None,
+            "critic": self.critic.state_dict() if self.critic else None,
+            "config": self.config.model_dump(mode="json"),
+        }
+
+    def _resume(self) -> None:
+        latest = load_latest_checkpoint(self.out)
+        if latest is None:
+            (self.out / METRICS).unlink(missing_ok=True)
+            return
+        _, state = latest
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng_state(state["rng"])
+        self.pending = [Group.from_dict(g) for g in json.loads(state["pending"])]
+        if self.ptx and state.get("ptx"):
+            self.ptx.load_state_dict(json.loads(state["ptx"]))
+        if self.critic and state.get("critic"):
+            self.critic.load_state_dict(state["critic"])
+        self.iteration = int(state["iteration"])
+        save_rollouts(self.out / PARTIALS, [g.to_dict() for g in self.pending])
+        self._truncate_metrics()
+
+    def _truncate_metrics(self) -> None:
+        """Drop metrics lines of iterations after the checkpoint (they are about to be redone)."""
+        path = self.out / METRICS
+        if path.is_file():
+            lines = [x for x in path.read_text().splitlines() if x.strip()]
+            kept = [x for x in lines if json.loads(x)["iteration"] < self.iteration]
+            path.write_text("".join(x + "\n" for x in kept))
+
+    # ---- the loop
+    def run(
+        self, iterations: int | None = None, on_iteration: Callable[[dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Train until ``iterations`` (default ``config.iterations``) are done; returns this call's metrics."""
+        total = iterations or self.config.iterations
+        history = []
+        while self.iteration < total:
+            metrics = self.train_iteration()
+            history.append(metrics)
+            last = self.iteration == total
+            if self.iteration % self.config.checkpoint_every == 0 or last:
+                save_training_checkpoint(
+                    self.out, self.iteration, self._state(), self.config.keep_checkpoints
+                )
+            if on_iteration is not None:
+                on_iteration(metrics)
+        plot_metrics(self.out / METRICS, self.out / "rl_metrics.png")
+        return history
+
+    def train_iteration(self) -> dict[str, Any]:
+        """Roll out, score, update once per ``updates_per_iteration``; returns (and logs) the metrics."""
+        started, i, config = time.perf_counter(), self.iteration, self.config
+        temperature = temperature_at(
+            i, config.temperature_start, config.temperature_floor, config.temperature_decay
+        )
+        if hasattr(self.policy, "temperature"):
+            self.policy.temperature = temperature
+        groups = self.pending + [self._new_group(i, g) for g in range(config.groups_per_iteration)]
+        for group in groups:
+            self._roll(group, i)
+        finished = [g for g in groups if g.done]
+        self.pending = [g for g in groups if not g.done]
+        save_rollouts(self.out / PARTIALS, [g.to_dict() for g in self.pending])
+        scored = [self._score(g) for g in finished]
+        critic_loss = self._refresh_critic(finished, scored)
+        losses = self._update(finished, [r for r, _ in scored], i)
+        self.iteration += 1
+        metrics = self._metrics(i, temperature, finished, scored, losses, critic_loss)
+        metrics["seconds"] = round(time.perf_counter() - started, 3)
+        with open(self.out / METRICS, "a") as handle:
+            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+        return metrics
+
+    def _new_group(self, iteration: int, index: int) -> Group:
+        task_seed = derive_seed(self.config.seed, "task", iteration, index)
+        members = [Rollout(self.env.reset(task_seed)) for _ in range(self.config.group_size)]
+        return Group(f"{iteration}-{index}", task_seed, members)
+
+    def _roll(self, group: Group, iteration: int) -> None:
+        for j, member in enumerate(group.members):
+            if member.partial:
+                sample_seed = derive_seed(self.config.seed, "sample", iteration, group.group_id, j)
+                run_episode(
+                    self.env,
+                    self.policy,
+                    group.task_seed,
+                    self.config.token_limit,
+                    member,
+                    iteration,
+                    sample_seed,
+                )
+
+    # ---- rewards and critic
+    def _score(self, group: Group) -> tuple[list[float], list[float]]:
+        """(r_j after penalties, the penalties) of a finished group."""
+        episodes = [m.episode for m in group.members]
+        base = [float(e.reward or 0.0) for e in episodes]
+        if self.critic is not None and all(e.state.get("open_ended") for e in episodes):
+            base = self.critic.win_rates(_question(group.members[0]), [_answer(m) for m in group.members])
+        penalties = [
+            budget_penalty(e.completion_tokens, e.token_budget, self.config.budget_penalty) for e in episodes
+        ]
+        return [b - p for b, p in zip(base, penalties, strict=True)], penalties
+
+    def _refresh_critic(
+        self, groups: Sequence[Group], scored: Sequence[tuple[list[float], list[float]]]
+    ) -> float | None:
+        if self.critic is None or self.config.critic_refresh_steps == 0:
+            return None
+        preferences = []
+        for group in groups:
+            if group.members[0].episode.state.get("open_ended"):
+                continue
+            rewards = [float(m.episode.reward or 0.0) for m in group.members]
+            for j, a in enumerate(group.members):
+                for k, b in enumerate(group.members):
+                    if rewards[j] > rewards[k]:
+                        preferences.append(Preference(_question(a), _answer(a), _answer(b)))
+        return self.critic.refresh(preferences[:8], self.config.critic_refresh_steps)
+
+    # ---- the update
+    def _update(
+        self, groups: Sequence[Group], rewards: Sequence[list[float]], iteration: int
+    ) -> dict[str, Any]:
+        """``updates_per_iteration`` MuonClip steps on mean_groups L(θ) (+ α · PTX); returns the last losses."""
+        items = [
+            (g, j, turn)
+            for g, group in enumerate(groups)
+            for j, member in enumerate(group.members)
+            for turn in member.turns
+            if turn.iteration == iteration and turn.completion_ids and turn.prompt_ids
+        ]
+        result: dict[str, Any] = {"loss": None, "ptx_loss": None, "clipped_tokens": 0, "trained_tokens": 0}
+        if not items and self.ptx is None:
+            return result
+        with torch.no_grad():
+            old = self.token_logprobs([t for _, _, t in items])
+        reward_tensors = [torch.tensor(r, dtype=torch.float32) for r in rewards]
+        for _ in range(self.config.updates_per_iteration):
+            total = torch.zeros(())
+            if items:
+                rl_loss, clipped = self._rl_loss(items, old, reward_tensors, len(groups))
+                total = total + rl_loss
+                result.update(loss=float(rl_loss.detach()), clipped_tokens=clipped)
+                result["trained_tokens"] = sum(len(t.completion_ids) for _, _, t in items)
+            if self.ptx is not None:
+                ptx_loss = self._ptx_loss()
+                total = total + self.config.ptx_weight * ptx_loss
+                result["ptx_loss"] = float(ptx_loss.detach())
+            total.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return result
+
+    def _rl_loss(
+        self,
+        items: list[tuple[int, int, Turn]],
+        old: list[torch.Tensor],
+        rewards: list[torch.Tensor],
+        count: int,
+    ) -> tuple[torch.Tensor, int]:
+        new = self.token_logprobs([t for _, _, t in items])
+        ratios = [torch.zeros(len(r)) for r in rewards]
+        clipped = 0
+        for (g, j, _), logp_new, logp_old in zip(items, new, old, strict=True):
+            mask = offpolicy_mask(logp_new, logp_old, self.config.offpolicy_clip)
+            clipped += int((~mask).sum())
+            ratios[g] = ratios[g].index_add(
+                0, torch.tensor([j]), sequence_log_ratio(logp_new, logp_old, mask)[None]
+            )
+        losses = [k15_loss(r, ratio, self.config.tau) for r, ratio in zip(rewards, ratios, strict=True)]
+        return torch.stack(losses).sum() / count, clipped
+
+    def token_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
+        """log π(y_t | prompt, y_<t) of each turn's completion tokens (temperature 1), in chunks."""
+        out: list[torch.Tensor] = []
+        size = self.config.logprob_batch
+        for start in range(0, len(turns), size):
+            out += _chunk_logprobs(self.model, turns[start : start + size])
+        return out
+
+    def _ptx_loss(self) -> torch.Tensor:
+        batch = next(self.ptx)
+        device = next(self.model.parameters()).device
+        logits = self.model(batch.input_ids.to(device)).logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), batch.labels.to(device).flatten())
+
+    # ---- metrics
+    def _metrics(
+        self,
+        iteration: int,
+        temperature: float,
+        groups: Sequence[Group],
+        scored: Sequence[tuple[list[float], list[float]]],
+        losses: dict[str, Any],
+        critic_loss: float | None,
+    ) -> dict[str, Any]:
+        members = [m for g in groups for m in g.members]
+        rewards = [r for rs, _ in scored for r in rs]
+        penalties = [p for _, ps in scored for p in ps]
+        per_env: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for member, reward in zip(members, rewards, strict=True):
+            e = member.episode
+            row = per_env[e.env]
+            row["reward"].append(reward)
+            row["success"].append(float(bool(e.outcome and e.outcome.success)))
+            row["tool_calls"].append(e.tool_calls)
+            row["tokens"].append(e.completion_tokens)
+        return {
+            "iteration": iteration,
+            "temperature": round(temperature, 6),
+            "groups": len(groups),
+            "episodes": len(members),
+            "pending_groups": len(self.pending),
+            "mean_reward": _mean(rewards),
+            "success": _mean([float(bool(m.episode.outcome and m.episode.outcome.success)) for m in members]),
+            "tool_calls_per_task": _mean([m.episode.tool_calls for m in members]),
+            "tokens_per_task": _mean([m.episode.completion_tokens for m in members]),
+            "budget_penalty": _mean(penalties),
+            "failures": dict(sorted(Counter(_reason(m) for m in members if not _succeeded(m)).items())),
+            "per_env": {
+                env: {k: _mean(v) for k, v in row.items()} | {"episodes": len(row["reward"])}
+                for env, row in sorted(per_env.items())
+            },
+            "critic_loss": critic_loss,
+            **losses,
+        }
+
+
+def _chunk_logprobs(model: torch.nn.Module, turns: Sequence[Turn]) -> list[torch.Tensor]:
+    """One right-padded forward over prompt+completion rows; the log-probs at the completion positions."""
+    rows = [t.prompt_ids + t.completion_ids for t in turns]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        valid[i, : len(row)] = True
+    device = next(model.parameters()).device
+    logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
+    logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+    return [
+        logp[i, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.completion_ids)]
+        for i, t in enumerate(turns)
+    ]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return round(sum(values) / len(values), 6) if values else None
+
+
+def _succeeded(member: Rollout) -> bool:
+    return bool(member.episode.outcome and member.episode.outcome.success)
+
+
+def _reason(member: Rollout) -> str:
+    return member.episode.outcome.reason if member.episode.outcome else "unfinished"
+
+
+# ------------------------------------------------------------------------------------------ plot
+
+
+def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> Path | None:
+    """A 2×2 PNG of mean reward, success, tool calls per task and tokens per task over iterations."""
+    path = Path(metrics_path)
+    if not path.is_file():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7))
+    panels = (
+        ("mean_reward", "mean reward"),
+        ("success", "success rate"),
+        ("tool_calls_per_task", "tool calls per task"),
+        ("tokens_per_task", "tokens per task"),
+    )
+    for axis, (key, title) in zip(axes.flat, panels, strict=True):
+        points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label="all")
+        for env in sorted({e for r in rows for e in r.get("per_env", {})}):
+            field = {
+                "mean_reward": "reward",
+                "success": "success",
+                "tool_calls_per_task": "tool_calls",
+                "tokens_per_task": "tokens",
+            }[key]
+            env_points = [
+                (r["iteration"], r["per_env"][env][field]) for r in rows if env in r.get("per_env", {})
+            ]
+            axis.plot([p[0] for p in env_points], [p[1] for p in env_points], linestyle="--", label=env)
+        axis.set_title(title)
+        axis.set_xlabel("iteration")
+    axes.flat[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=80)
+    plt.close(figure)
+    return Path(png_path)
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+def run_rl(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config: RLConfig,
+    resume: bool = True,
+    threads: int | None = None,
+    on_iteration: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
+    ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
+    False refuses to run over them instead)."""
+    from k2lab.checkpoint import load_model, save_model
+    from k2lab.data import load_tokenizer
+    from k2lab.errors import K2LabError
+    from k2lab.train.checkpoint import list_checkpoints
+
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
+    if not resume and list_checkpoints(out):
+        raise K2LabError(f"{out} already holds checkpoints: resume it or choose another --out")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(config.seed)
+    tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    model = load_model(checkpoint)
+    critic_model = None
+    if config.critic == "self":
+        critic_model = load_model(checkpoint).eval()
+    elif config.critic != "none":
+        critic_model = load_model(config.critic).eval()
+    trainer = RLTrainer(model, tokenizer, config, out, critic_model=critic_model)
+    history = trainer.run(on_iteration=on_iteration)
+    save_model(model, out / "model")
+    tokenizer.save(out / "model" / "tokenizer.json")
+    return history

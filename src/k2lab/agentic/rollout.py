@@ -1,0 +1,336 @@
+"""Rollouts: a policy talks to an environment, every assistant turn recorded as exact token ids.
+
+    rollout = run_episode(env, policy, seed=3, token_limit=256)
+    rollout.episode          # the Episode (messages, reward, outcome)
+    rollout.turns            # per assistant turn: prompt ids, completion ids, the iteration that sampled it
+
+Policies implement ``respond(messages, tools, *, seed) -> (assistant_message, completion_token_ids)``:
+
+* ``LocalPolicy`` renders with ``encode_chat`` (K2's chat format), samples with ``generate`` under the
+  tool-call decoding enforcer (tool calls are always well-formed and name a declared tool), stops at
+  ``<|im_end|>`` and parses with ``parse_assistant``. Output that does not parse, contains reserved
+  special-token strings, or never reaches ``<|im_end|>`` raises ``PolicyOutputError`` ("malformed" /
+  "truncated"), which ends the episode with that reason (its tokens are still recorded for training).
+* ``EndpointPolicy`` calls any OpenAI-compatible server (``k2lab serve``, vLLM ...) through the official
+  ``openai`` client; with a tokenizer it re-encodes the reply so its turns can be trained on too.
+
+Partial rollouts (K1.5 / K3): with ``token_limit`` a rollout stops between turns once it has generated that
+many tokens in this call and comes back unfinished (``rollout.partial``); the next iteration passes it to
+``run_episode`` again and it continues where it stopped. ``save_rollouts`` / ``load_rollouts`` persist
+unfinished rollouts as JSON lines (written to a temporary file, fsynced, renamed: a crash leaves the old
+file or the new one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from k2lab.agent.chat import (
+    ChatFormatError,
+    ToolCallParseError,
+    encode_chat,
+    normalize_messages,
+    parse_assistant,
+    render_assistant_body,
+)
+from k2lab.agentic.env import Environment, Episode
+
+__all__ = [
+    "EndpointPolicy",
+    "LocalPolicy",
+    "Policy",
+    "PolicyOutputError",
+    "Rollout",
+    "Turn",
+    "load_rollouts",
+    "run_episode",
+    "save_rollouts",
+]
+
+IM_END = "<|im_end|>"
+
+
+class PolicyOutputError(Exception):
+    """Generated output that cannot become an assistant message; ``completion_ids`` are what was sampled."""
+
+    def __init__(self, reason: str, completion_ids: Sequence[int] = (), detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.completion_ids, self.detail = reason, list(completion_ids), detail
+
+
+class Policy(Protocol):
+    """Anything that answers a conversation with one assistant message and the token ids it generated."""
+
+    def respond(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
+    ) -> tuple[dict[str, Any], list[int]]: ...
+
+
+@dataclass
+class Turn:
+    """One assistant turn: the exact prompt ids the policy saw, the ids it generated, and the RL iteration
+    that sampled it (a partial rollout's earlier turns come from earlier iterations)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    iteration: int = 0
+
+
+@dataclass
+class Rollout:
+    """An episode and its recorded turns; ``partial`` while the episode is not done."""
+
+    episode: Episode
+    turns: list[Turn] = field(default_factory=list)
+
+    @property
+    def partial(self) -> bool:
+        return not self.episode.done
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"episode": self.episode.to_dict(), "turns": [asdict(turn) for turn in self.turns]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Rollout:
+        return cls(Episode.from_dict(data["episode"]), [Turn(**turn) for turn in data["turns"]])
+
+
+# ------------------------------------------------------------------------------------------ policies
+
+
+class LocalPolicy:
+    """Sample from a local ``CausalLM`` in K2's chat format with the tool-call enforcer.
+
+    ``temperature`` and ``max_new_tokens`` may be changed between calls (the RL loop decays temperature).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        temperature: float = 1.0,
+        max_new_tokens: int = 64,
+        top_p: float = 1.0,
+        tool_format: str = "typescript",
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.temperature, self.max_new_tokens, self.top_p = temperature, max_new_tokens, top_p
+        self.tool_format = tool_format
+        self.im_end = tokenizer.special_tokens[IM_END]
+        self._grammars: dict[str, Any] = {}
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        """The ids the model continues: the conversation and the generation prompt."""
+        return encode_chat(
+            self.tokenizer, messages, tools or None, self.tool_format, add_generation_prompt=True
+        ).ids
+
+    def _grammar(self, tools: list[dict[str, Any]]) -> Any:
+        from k2lab.agent.enforcer import ToolCallGrammar
+
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._grammars:
+            vocab = self.model.config.vocab_size
+            self._grammars[key] = ToolCallGrammar.build(self.tokenizer, vocab, tools or None)
+        return self._grammars[key]
+
+    def respond(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
+    ) -> tuple[dict[str, Any], list[int]]:
+        from k2lab.infer.generate import GenerationConfig, generate
+
+        prompt = self.encode_prompt(messages, tools)
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if limit is not None and len(prompt) + self.max_new_tokens > limit:
+            raise PolicyOutputError(
+                "context overflow", (), f"{len(prompt)} prompt tokens + {self.max_new_tokens}"
+            )
+        config = GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            eos_token_id=self.im_end,
+            seed=seed,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ids = generate(self.model, [prompt], config, constraints=[self._grammar(tools).constraint()])[0]
+        finally:
+            self.model.train(was_training)
+        if not ids or ids[-1] != self.im_end:
+            raise PolicyOutputError("truncated", ids, f"no {IM_END} within {self.max_new_tokens} tokens")
+        try:
+            return parse_reply(self.tokenizer.decode(ids)), ids
+        except PolicyOutputError as error:
+            raise PolicyOutputError(error.reason, ids, error.detail) from None
+
+
+def parse_reply(text: str) -> dict[str, Any]:
+    """An assistant message from generated text, or ``PolicyOutputError("malformed")``: the text must
+    parse and the message must render again (no reserved special-token strings in its content)."""
+    try:
+        message = parse_assistant(text)
+        normalize_messages([message])
+    except (ToolCallParseError, ChatFormatError) as error:
+        raise PolicyOutputError("malformed", (), str(error)) from None
+    return message
+
+
+class EndpointPolicy:
+    """A policy behind an OpenAI-compatible ``/v1/chat/completions`` endpoint (official ``openai`` client).
+
+    Completion ids come from re-encoding the reply with ``tokenizer`` (when given; otherwise they are empty
+    and ``last_completion_tokens`` holds the server's ``usage.completion_tokens``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "EMPTY",
+        temperature: float = 1.0,
+        max_new_tokens: int = 256,
+        tokenizer: Any = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+        self.model, self.tokenizer = model, tokenizer
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.last_completion_tokens = 0
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        return encode_chat(self.tokenizer, messages, tools or None, add_generation_prompt=True).ids
+
+    def respond(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
+    ) -> tuple[dict[str, Any], list[int]]:
+        request: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "seed": seed,
+        }
+        if tools:
+            request["tools"] = tools
+        response = self.client.chat.completions.create(**request)
+        choice = response.choices[0]
+        message = choice.message.model_dump(exclude_none=True)
+        message = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
+        message["role"] = "assistant"
+        self.last_completion_tokens = response.usage.completion_tokens if response.usage else 0
+        ids = self._encode_reply(message)
+        if choice.finish_reason == "length":
+            raise PolicyOutputError("truncated", ids, "the server stopped at max_tokens")
+        return message, ids
+
+    def _encode_reply(self, message: dict[str, Any]) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        try:
+            body = render_assistant_body(normalize_messages([message])[0])
+        except ChatFormatError:
+            return []
+        return self.tokenizer.encode(body + IM_END)
+
+
+# ------------------------------------------------------------------------------------------ episodes
+
+
+def run_episode(
+    env: Environment,
+    policy: Policy,
+    seed: int,
+    token_limit: int | None = None,
+    rollout: Rollout | None = None,
+    iteration: int = 0,
+    sample_seed: int = 0,
+) -> Rollout:
+    """Play episode ``seed`` of ``env`` (or continue ``rollout``) until it is done or, with ``token_limit``,
+    until this call has generated at least that many completion tokens (then it comes back partial).
+
+    Turn ``t`` is sampled with seed ``sample_seed * 1000 + t`` (deterministic). A turn is never split: the
+    limit is checked before each turn. ``PolicyOutputError`` ends the episode with its reason; any other
+    exception from the policy ends it with "policy error", from ``env.step`` with "environment error".
+    An episode still running after ``max_turns`` assistant turns ends with "max turns".
+    """
+    rollout = rollout if rollout is not None else Rollout(env.reset(seed))
+    episode, used = rollout.episode, 0
+    while not episode.done:
+        if episode.turns >= episode.max_turns:
+            episode.finish(False, "max turns", reward=0.0)
+            break
+        if token_limit is not None and used >= token_limit:
+            break
+        used += _play_turn(env, policy, rollout, iteration, sample_seed * 1000 + len(rollout.turns))
+    return rollout
+
+
+def _play_turn(env: Environment, policy: Policy, rollout: Rollout, iteration: int, seed: int) -> int:
+    """One assistant turn; returns the completion tokens it generated."""
+    episode = rollout.episode
+    encode: Callable[..., list[int]] | None = getattr(policy, "encode_prompt", None)
+    prompt = encode(episode.messages, episode.tools) if encode is not None else []
+    try:
+        message, ids = policy.respond(episode.messages, episode.tools, seed=seed)
+    except PolicyOutputError as error:
+        count = _record(rollout, policy, prompt, error.completion_ids, iteration)
+        episode.turns += 1
+        episode.finish(False, error.reason, reward=0.0, error=error.detail[:500])
+        return count
+    except Exception as error:  # noqa: BLE001 - a failing endpoint fails this trajectory, not the run
+        episode.finish(False, "policy error", reward=0.0, error=f"{type(error).__name__}: {error}"[:500])
+        return 0
+    count = _record(rollout, policy, prompt, ids, iteration)
+    try:
+        env.step(episode, message)
+    except Exception as error:  # noqa: BLE001 - environments should not raise; if one does, say so
+        episode.finish(False, "environment error", reward=0.0, error=f"{type(error).__name__}: {error}"[:500])
+    return count
+
+
+def _record(rollout: Rollout, policy: Policy, prompt: list[int], ids: list[int], iteration: int) -> int:
+    rollout.turns.append(Turn(list(prompt), list(ids), iteration))
+    count = len(ids) or int(getattr(policy, "last_completion_tokens", 0) or 0)
+    rollout.episode.completion_tokens += count
+    return count
+
+
+# ------------------------------------------------------------------------------------------ persistence
+
+
+def save_rollouts(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> Path:
+    """Write JSON-able records (e.g. ``Rollout.to_dict()`` or groups of them) as JSON lines, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            for record in records:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_rollouts(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a ``save_rollouts`` file ([] when it does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,542 @@
+"""Agentic supervised fine-tuning: chat trajectories (OpenAI format, tool calls and results) in K2's format,
+loss on the assistant's tokens only, optionally mixed with pre-training rows (PTX).
+
+**Data.** A JSONL file, one conversation a line: ``{"messages": [...], "tools": [...]}`` (``tools``
+optional), as the data factory writes them. Each line is validated (JSON object, messages the chat module
+renders, at least one assistant message; ``SFTDataError`` names the line) and encoded with
+``k2lab.agent.chat.encode_chat`` (tool declarations first when ``tools`` is present). About
+``val_fraction`` of the lines, chosen by a hash of the line's text, are held out for ``val_loss``.
+
+**Labels.** Only assistant tokens are targets: every assistant turn's body (thinking, content, tool-call
+section) and its closing ``<|im_end|>`` (``ChatEncoding.assistant_mask``); headers, system / user / tool
+turns and the tool declarations get label −100.
+
+**Packing.** Whole conversations are packed greedily into rows of ``seq_len + 1`` tokens (``input_ids =
+row[:-1]``, ``labels = row[1:]``), in a seeded order drawn per epoch (``numpy.random.default_rng([seed,
+epoch])``), epochs one after another without end. A conversation that does not fit the rest of a row
+starts the next one; the rest of the row is padding, a segment of its own with label −100. Each
+conversation is its own document (``segment_ids``), so attention stays inside it. A conversation longer
+than a row is cut to its first ``seq_len + 1`` tokens (``overlong = "truncate"``, the default: the early
+turns are still learnt; one left with no assistant token is dropped) or dropped (``"skip"``).
+
+**PTX.** With ``ptx_ratio`` r > 0, micro-batch m holds ``vision_rows_at(m, B, r, 0)`` rows of the
+pre-training corpus (``TrainConfig.data``, plain next-token loss on every token) after its SFT rows, so
+over the run exactly ⌊m·B·r⌋ of the rows are PTX. The loss is the mean over all target tokens of the
+micro-batch, so a PTX row (all tokens targets) weighs more than an SFT row.
+
+Everything is resumable: ``SFTBatches.state_dict()`` (epoch, position, micro-batch count, the PTX stream's
+own state) continues with exactly the same batches, so ``k2lab sft --resume`` after a kill reproduces the
+uninterrupted losses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from k2lab.data.packing import Batch
+from k2lab.errors import K2LabError
+
+if TYPE_CHECKING:
+    from k2lab.data.packing import PackedBatches
+    from k2lab.data.tokenizer import Tokenizer
+    from k2lab.models import CausalLM
+    from k2lab.train.config import TrainConfig
+
+__all__ = [
+    "ConversationRows",
+    "EncodedConversation",
+    "SFTBatches",
+    "SFTConfig",
+    "SFTData",
+    "SFTDataError",
+    "assistant_loss",
+    "encode_conversations",
+    "load_conversations",
+    "prepare_sft",
+]
+
+IGNORE = -100
+STATE_VERSION = 1
+
+
+class SFTDataError(K2LabError):
+    """A trajectories file that cannot be used: unreadable, a malformed line, no conversation left."""
+
+
+class SFTConfig(BaseModel):
+    """The recipe's ``[sft]`` table: fine-tune ``init_checkpoint`` on the conversations of ``data``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    init_checkpoint: str = Field(description="A k2lab model directory holding tokenizer.json (runs/X/model).")
+    data: str = Field(description="JSONL of {'messages': [...], 'tools': [...]?} conversations.")
+    ptx_ratio: float = Field(default=0.0, ge=0, lt=1, description="Fraction of rows from TrainConfig.data.")
+    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="Share of lines held out (by hash).")
+    epochs: float | None = Field(
+        default=None, gt=0, description="When set, the run's steps are derived from it (over SFT rows)."
+    )
+    overlong: Literal["truncate", "skip"] = "truncate"
+    tool_format: Literal["typescript", "json"] = "typescript"
+
+
+# ---- reading and encoding -----------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    """One JSONL line: its 1-based ``line`` number, messages, tools and a hash of its text."""
+
+    line: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    digest: str
+
+    @property
+    def held_out(self) -> float:
+        """A number in [0, 1) from the line's hash: lines below ``val_fraction`` are validation."""
+        return int(self.digest[:8], 16) / 2**32
+
+
+@dataclass
+class EncodedConversation:
+    """Token ids of a conversation and which of them are loss targets (assistant tokens)."""
+
+    ids: np.ndarray  # int64 [n]
+    targets: np.ndarray  # bool [n]
+    line: int
+
+
+def load_conversations(path: str | Path) -> list[Conversation]:
+    """Every non-blank line of ``path`` as a ``Conversation``; ``SFTDataError`` names the first bad line."""
+    path = Path(path).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise SFTDataError(f"cannot read trajectories file {path} ({error})") from error
+    conversations = [_parse_line(path, number, text) for number, text in enumerate(lines, 1) if text.strip()]
+    if not conversations:
+        raise SFTDataError(f"trajectories file {path} holds no conversations")
+    return conversations
+
+
+def _parse_line(path: Path, number: int, text: str) -> Conversation:
+    from k2lab.agent.chat import normalize_messages
+
+    where = f"{path} line {number}"
+    try:
+        record = json.loads(text)
+    except ValueError as error:
+        raise SFTDataError(f"{where} is not valid JSON ({error})") from error
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        raise SFTDataError(f'{where} must be a JSON object {{"messages": [...], "tools": [...]?}}')
+    tools = record.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise SFTDataError(f"{where}: tools must be a list, got {type(tools).__name__}")
+    try:
+        messages = normalize_messages(record["messages"])
+    except K2LabError as error:
+        raise SFTDataError(f"{where}: {error}") from error
+    if not any(message["role"] == "assistant" for message in messages):
+        raise SFTDataError(f"{where} has no assistant message, so nothing to learn from")
+    digest = hashlib.sha256(text.strip().encode()).hexdigest()
+    return Conversation(number, record["messages"], tools or None, digest)
+
+
+def split_conversations(
+    conversations: Sequence[Conversation], val_fraction: float
+) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, validation) by line hash; at least one validation conversation when there are two or more,
+    and with a single conversation it serves both."""
+    val = [c for c in conversations if c.held_out < val_fraction]
+    if not val and len(conversations) > 1 and val_fraction > 0:
+        val = [min(conversations, key=lambda c: c.held_out)]
+    train = [c for c in conversations if c not in val]
+    return (train, val) if train else (list(conversations), list(conversations))
+
+
+def encode_conversations(
+    conversations: Sequence[Conversation],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    overlong: str = "truncate",
+    tool_format: str = "typescript",
+) -> list[EncodedConversation]:
+    """Each conversation's ids and assistant-token targets, cut to one row (``seq_len + 1``) or dropped per
+    ``overlong``; conversations left without a target are dropped."""
+    from k2lab.agent.chat import encode_chat
+
+    encoded = []
+    for conversation in conversations:
+        try:
+            chat = encode_chat(tokenizer, conversation.messages, conversation.tools, tool_format)
+        except K2LabError as error:
+            raise SFTDataError(f"line {conversation.line}: {error}") from error
+        ids, targets = np.array(chat.ids, dtype=np.int64), np.array(chat.assistant_mask, dtype=bool)
+        if len(ids) > seq_len + 1:
+            if overlong == "skip":
+                continue
+            ids, targets = ids[: seq_len + 1], targets[: seq_len + 1]
+        if targets[1:].any():  # the first token is never predicted
+            encoded.append(EncodedConversation(ids, targets, conversation.line))
+    return encoded
+
+
+def conversations_digest(conversations: Sequence[Conversation]) -> str:
+    """A short digest of the conversations' texts, to check a resumed state belongs to them."""
+    digest = hashlib.sha256()
+    for conversation in conversations:
+        digest.update(conversation.digest.encode())
+    return digest.hexdigest()[:16]
+
+
+# ---- packing ------------------------------------------------------------------------------------------
+def rows_to_batch(ids: np.ndarray, targets: np.ndarray, segments: np.ndarray) -> Batch:
+    """``[n, T + 1]`` rows -> a shifted ``Batch``; labels only where the next token is a target of the same
+    conversation."""
+    ids_t, segments_t = torch.from_numpy(ids), torch.from_numpy(segments)
+    keep = torch.from_numpy(targets[:, 1:]) & (segments_t[:, 1:] == segments_t[:, :-1])
+    labels = torch.where(keep, ids_t[:, 1:], IGNORE)
+    return Batch(ids_t[:, :-1].contiguous(), labels, segments_t[:, :-1].contiguous())
+
+
+class ConversationRows:
+    """Endless, deterministic, resumable rows of whole conversations (see the module docstring); with
+    ``endless=False`` one pass in order, rows after it all padding.
+
+    ``take(n)`` returns the next ``n`` rows; ``state_dict()`` after it, loaded into a new object built from
+    the same conversations, continues with exactly the rows that would have followed.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[EncodedConversation],
+        seq_len: int,
+        pad_id: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        digest: str = "",
+        endless: bool = True,
+    ) -> None:
+        if not units:
+            raise SFTDataError("no conversation fits the training rows (all too long or without targets)")
+        self.units, self.seq_len, self.pad_id, self.digest = list(units), seq_len, pad_id, digest
+        self.seed, self.shuffle, self.endless = seed, shuffle, endless
+        self.epoch, self.index, self.rows = 0, 0, 0
+        self._order_epoch, self._order = -1, np.arange(0)
+
+    def take(self, n: int) -> Batch:
+        """The next ``n`` packed rows as a batch."""
+        width = self.seq_len + 1
+        ids = np.full((n, width), self.pad_id, dtype=np.int64)
+        targets = np.zeros((n, width), dtype=bool)
+        segments = np.zeros((n, width), dtype=np.int64)
+        for row in range(n):
+            used, segment = 0, 0
+            while (self.endless or self.epoch == 0) and used + len((unit := self._peek()).ids) <= width:
+                ids[row, used : used + len(unit.ids)] = unit.ids
+                targets[row, used : used + len(unit.ids)] = unit.targets
+                segments[row, used : used + len(unit.ids)] = segment
+                used, segment = used + len(unit.ids), segment + 1
+                self._advance()
+            segments[row, used:] = segment  # the padding is a document of its own
+        self.rows += n
+        return rows_to_batch(ids, targets, segments)
+
+    def rows_per_epoch(self) -> int:
+        """How many rows one pass over the conversations fills (in epoch 0's order)."""
+        width, rows, used = self.seq_len + 1, 1, 0
+        for index in range(len(self.units)):
+            size = len(self.units[self._unit_at(0, index)].ids)
+            rows, used = (rows + 1, size) if used + size > width else (rows, used + size)
+        return rows
+
+    def _peek(self) -> EncodedConversation:
+        return self.units[self._unit_at(self.epoch, self.index)]
+
+    def _advance(self) -> None:
+        self.index += 1
+        if self.index == len(self.units):
+            self.epoch, self.index = self.epoch + 1, 0
+
+    def _unit_at(self, epoch: int, index: int) -> int:
+        """Which conversation is ``index``-th in ``epoch``'s order."""
+        if not self.shuffle:
+            return index
+        if epoch != self._order_epoch:
+            self._order_epoch = epoch
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.units))
+        return int(self._order[index])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "index": self.index,
+            "rows": self.rows,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "seq_len": self.seq_len,
+            "num_conversations": len(self.units),
+            "conversations": self.digest,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; a state of other conversations or settings is a ``K2LabError``."""
+        _check_state(
+            self.state_dict(),
+            state,
+            ("version", "seed", "shuffle", "seq_len", "num_conversations", "conversations"),
+        )
+        self.epoch, self.index, self.rows = int(state["epoch"]), int(state["index"]), int(state["rows"])
+
+
+def _check_state(mine: dict[str, Any], state: dict[str, Any], keys: Sequence[str]) -> None:
+    for key in keys:
+        if state.get(key) != mine[key]:
+            raise K2LabError(
+                f"SFT data state does not match this stream: {key} is {state.get(key)!r}, expected {mine[key]!r}"
+            )
+
+
+def validation_rows(
+    units: Sequence[EncodedConversation], seq_len: int, pad_id: int, batch_size: int, max_batches: int
+) -> list[Batch]:
+    """Held-out conversations packed once in file order: at most ``max_batches`` batches."""
+    rows = ConversationRows(units, seq_len, pad_id, shuffle=False, endless=False)
+    total = min(rows.rows_per_epoch(), batch_size * max_batches)
+    return [rows.take(min(batch_size, total - start)) for start in range(0, total, batch_size)]
+
+
+class SFTBatches:
+    """Micro-batches of ``batch_size`` rows: SFT rows, then ``vision_rows_at(m, B, ptx_ratio, 0)`` PTX rows
+    (pre-training text, every token a target) in micro-batch ``m``."""
+
+    def __init__(
+        self,
+        rows: ConversationRows,
+        batch_size: int,
+        ptx: PackedBatches | None = None,
+        ptx_ratio: float = 0.0,
+    ) -> None:
+        if ptx_ratio > 0 and ptx is None:
+            raise K2LabError("ptx_ratio > 0 needs a pre-training stream")
+        self.rows, self.ptx, self.batch_size, self.ptx_ratio = rows, ptx, batch_size, ptx_ratio
+        self.micro = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        from k2lab.vision.mixture import vision_rows_at
+
+        n = vision_rows_at(self.micro, self.batch_size, self.ptx_ratio, 0) if self.ptx_ratio > 0 else 0
+        self.micro += 1
+        parts = [self.rows.take(self.batch_size - n)] if n < self.batch_size else []
+        parts += [self._ptx_row() for _ in range(n)]
+        return Batch(
+            *(torch.cat([getattr(p, name) for p in parts]) for name in ("input_ids", "labels", "segment_ids"))
+        )
+
+    def _ptx_row(self) -> Batch:
+        batch = next(self.ptx)
+        segments = batch.segment_ids if batch.segment_ids is not None else torch.zeros_like(batch.input_ids)
+        return Batch(batch.input_ids, batch.labels, segments)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "micro": self.micro,
+            "ptx_ratio": self.ptx_ratio,
+            "rows": self.rows.state_dict(),
+            "ptx": None if self.ptx is None else self.ptx.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state(self.state_dict(), state, ("ptx_ratio",))
+        self.micro = int(state["micro"])
+        self.rows.load_state_dict(state["rows"])
+        if self.ptx is not None:
+            self.ptx.load_state_dict(state["ptx"])
+
+
+# ---- the trainer's data source ------------------------------------------------------------------------
+class SFTData:
+    """``StageData``'s interface for SFT: one stage, ``SFTBatches`` for training, held-out conversations for
+    validation, and fresh models of the fine-tuned checkpoint's config."""
+
+    def __init__(self, config: TrainConfig, tokenizer: Tokenizer, model: CausalLM) -> None:
+        sft = config.sft
+        assert sft is not None
+        self.config, self.tokenizer, self.model_config = config, tokenizer, model.config
+        self.stages = config.stages()
+        self.index: int | None = None
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+        conversations = load_conversations(sft.data)
+        train, val = split_conversations(conversations, sft.val_fraction)
+        self.train, self.val, self.digest = train, val, conversations_digest(train)
+        encode = dict(seq_len=config.seq_len, overlong=sft.overlong, tool_format=sft.tool_format)
+        self.train_units = encode_conversations(train, tokenizer, **encode)
+        # held-out conversations that all fail to fit a row leave the training ones to validate on
+        self.val_units = encode_conversations(val, tokenizer, **encode) or self.train_units
+        self.corpus = None
+        if sft.ptx_ratio > 0:
+            from k2lab.data import load_corpus
+
+            self.corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+
+    def enter(self, index: int) -> None:
+        from k2lab.train import distributed
+
+        config, sft = self.config, self.config.sft
+        self.index = index
+        rows = ConversationRows(
+            self.train_units, config.seq_len, self.pad_id, config.seed, digest=self.digest
+        )
+        self.batches = SFTBatches(rows, config.batch_size, self._ptx_stream(), sft.ptx_ratio)
+        val = validation_rows(
+            self.val_units, config.seq_len, self.pad_id, config.batch_size, config.eval_batches
+        )
+        self.val_batches = [distributed.local_batch(batch) for batch in val]
+
+    def _ptx_stream(self) -> PackedBatches | None:
+        from k2lab.data import PackedBatches
+
+        if self.corpus is None:
+            return None
+        config = self.config
+        masking = config.document_masking
+        return PackedBatches(
+            self.corpus.train, self.tokenizer, 1, config.seq_len, config.seed, return_segments=masking
+        )
+
+    def steps_for(self, epochs: float) -> int:
+        """Optimizer steps that show the SFT rows ``epochs`` times (PTX rows come on top)."""
+        config = self.config
+        sft_rows = config.batch_size * config.grad_accum * (1 - config.sft.ptx_ratio)
+        return max(1, math.ceil(epochs * self.batches.rows.rows_per_epoch() / max(sft_rows, 1e-9)))
+
+    def describe(self) -> str:
+        return f"(seq_len {self.config.seq_len}, SFT)"
+
+    def summary(self) -> str:
+        """Conversations, held-out ones, rows per epoch, steps and the PTX share, in one line."""
+        rows = self.batches.rows.rows_per_epoch()
+        ptx = f", PTX {self.config.sft.ptx_ratio:.0%} of rows" if self.corpus is not None else ""
+        return (
+            f"{len(self.train_units)} train / {len(self.val_units)} held-out conversations, "
+            f"{rows} rows of {self.config.seq_len + 1} tokens per epoch, {self.config.steps} steps{ptx}"
+        )
+
+    def train_batches(self) -> Iterator[Batch]:
+        from k2lab.train import distributed
+
+        return distributed.local_batches(self.batches)
+
+    def fresh_model(self) -> CausalLM:
+        """A new model of the checkpoint's config (to gather a sharded model into)."""
+        from k2lab.models import build_model
+
+        return build_model(self.model_config)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.index, "sft": self.batches.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.enter(int(state["stage"]))
+        self.batches.load_state_dict(state["sft"])
+
+
+def prepare_sft(config: TrainConfig) -> tuple[TrainConfig, Tokenizer, CausalLM, SFTData]:
+    """The checkpoint's tokenizer and model and the SFT data of ``config.sft``; ``config`` comes back with
+    ``steps`` derived from ``sft.epochs`` when that is set."""
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+    from k2lab.vision.vlm import VisionLanguageModel
+
+    sft = config.sft
+    assert sft is not None
+    directory = Path(sft.init_checkpoint).expanduser()
+    if not (directory / "tokenizer.json").is_file():
+        raise K2LabError(
+            f"checkpoint {directory} has no tokenizer.json; SFT needs a k2lab model directory with its "
+            "tokenizer (k2lab train writes one in runs/NAME/model)"
+        )
+    tokenizer = load_tokenizer(directory / "tokenizer.json")
+    model = load_model(directory)
+    if isinstance(model, VisionLanguageModel):
+        raise K2LabError(f"{directory} is a vision-language model; SFT takes a text model")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise K2LabError(
+            f"{directory}: tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary only "
+            f"{model.config.vocab_size}"
+        )
+    data = SFTData(config, tokenizer, model)
+    data.enter(0)
+    if sft.epochs is not None:
+        config = config.model_copy(update={"steps": data.steps_for(sft.epochs)})
+        data.config = config
+    return config, tokenizer, model, data
+
+
+# ---- the command line's recipe ---------------------------------------------------------------------------
+SFT_DEFAULTS: dict[str, Any] = {
+    "optimizer.lr": 5e-4,  # a quarter of pre-training's: adapt the checkpoint, do not overwrite it
+    "schedule.warmup_steps": 10,
+    "batch_size": 4,
+    "seq_len": 1024,  # agentic conversations with tool declarations run to hundreds of tokens
+    "eval_every": 25,
+    "save_every": 50,
+    "out": "runs/sft",
+    "sample_prompt": "<|im_user|>user<|im_middle|>Hello!<|im_end|><|im_assistant|>assistant<|im_middle|>",
+    "sft.epochs": 3.0,  # only when neither the recipe nor a flag sets steps or epochs
+}
+
+
+def sft_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """``load_train_config`` for SFT: the recipe, then the flags (``None`` = unset), and ``SFT_DEFAULTS`` for
+    whatever neither sets (``sft.epochs`` only when neither gives ``steps``)."""
+    import tomllib
+
+    from k2lab.train.config import load_train_config
+
+    try:
+        table = tomllib.loads(Path(recipe).read_text()) if recipe is not None else {}
+    except (OSError, tomllib.TOMLDecodeError):
+        table = {}  # load_train_config reports it
+
+    def is_set(key: str) -> bool:
+        node: Any = table
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return overrides.get(key) is not None
+            node = node[part]
+        return True
+
+    for key, value in SFT_DEFAULTS.items():
+        if key == "sft.epochs" and is_set("steps"):
+            continue
+        if not is_set(key):
+            overrides[key] = value
+    return load_train_config(recipe, **overrides)
+
+
+# ---- evaluation -----------------------------------------------------------------------------------------
+@torch.no_grad()
+def assistant_loss(model: CausalLM, batches: Sequence[Batch]) -> float:
+    """Mean cross-entropy (nats/token) over every target token of ``batches`` (token-weighted)."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        logits = model(batch.input_ids, segment_ids=batch.segment_ids).logits.float()
+        labels = batch.labels.reshape(-1)
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, reduction="sum"))
+        count += int((labels != IGNORE).sum())
+    return total / max(count, 1)

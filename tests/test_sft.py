@@ -1,0 +1,251 @@
+"""Agentic SFT end to end on a tiny checkpoint: assistant-only labels, packing, PTX mixing, loss going down,
+exact resume after SIGKILL, and one-paragraph errors for malformed trajectories."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.agent.chat import IM_END, normalize_messages, render_assistant_body
+from k2lab.agentic.sft import (
+    ConversationRows,
+    SFTBatches,
+    SFTDataError,
+    assistant_loss,
+    encode_conversations,
+    load_conversations,
+    split_conversations,
+    validation_rows,
+)
+from k2lab.checkpoint import load_model, save_model
+from k2lab.data import PackedBatches, load_corpus, load_tokenizer, train_tokenizer
+from k2lab.train.checkpoint import load_latest_checkpoint
+from k2lab.train.metrics import read_metrics
+
+STEPS, SEQ_LEN, PTX_RATIO = 30, 280, 0.25
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def weather_conversation(city: str, temp: int, think: bool = False) -> dict:
+    """user -> assistant tool call -> tool result -> assistant answer (thinking optional)."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": city}},
+    }
+    first = {"role": "assistant", "content": None, "tool_calls": [call]}
+    if think:
+        first["reasoning_content"] = f"Look up {city}."
+    return {
+        "messages": [
+            {"role": "user", "content": f"Weather in {city}?"},
+            first,
+            {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temp": temp})},
+            {"role": "assistant", "content": f"It is {temp} C in {city}."},
+        ],
+        "tools": [WEATHER],
+    }
+
+
+CONVERSATIONS = [
+    weather_conversation("Paris", 21, think=True),
+    weather_conversation("Rome", 25),
+    weather_conversation("Oslo", 3),
+    weather_conversation("Lima", 18, think=True),
+    weather_conversation("Cairo", 33),
+    weather_conversation("Tokyo", 12),
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "4"}]},
+    weather_conversation("Quito", 15),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    """A random k2-nano checkpoint with a BPE tokenizer, a PTX corpus, trajectories and a recipe."""
+    root = tmp_path_factory.mktemp("sft")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        text = "def add(a, b):\n    return a + b\n# the quick brown fox jumps\n" * (3 + i)
+        (corpus / f"doc{i}.txt").write_text(text + f"Weather in Paris? It is {20 + i} C.\n")
+    tokenizer = train_tokenizer(load_corpus(corpus), 300, use_cache=False)
+    special = dict(
+        pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
+    )
+    model = build_model(load_preset("k2-nano", vocab_size=tokenizer.vocab_size, **special), seed=0)
+    save_model(model, root / "ckpt")
+    tokenizer.save(root / "ckpt" / "tokenizer.json")
+    data = root / "trajectories.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    recipe = root / "recipe.toml"
+    recipe.write_text(
+        f"steps = {STEPS}\nbatch_size = 2\nseq_len = {SEQ_LEN}\neval_every = 10\neval_batches = 2\n"
+        f'save_every = 3\nprecision = "fp32"\nsample_tokens = 4\ndata = "{corpus}"\n'
+        f"[optimizer]\nlr = 0.01\n[schedule]\nwarmup_steps = 2\n[sft]\nptx_ratio = {PTX_RATIO}\n"
+    )
+    return {"root": root, "ckpt": root / "ckpt", "data": data, "recipe": recipe, "corpus": corpus}
+
+
+def sft_command(setup: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "k2lab", "sft", "--checkpoint", str(setup["ckpt"]), "--data", str(setup["data"]),
+        "--recipe", str(setup["recipe"]), "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(setup) -> tuple[Path, dict, float]:
+    """An uninterrupted ``k2lab sft`` run of the recipe, its summary and wall time. A subprocess like the
+    killed and resumed runs: this process's ``torch.set_num_threads`` (conftest) changes CPU kernels' sums."""
+    out = setup["root"] / "reference"
+    start = time.perf_counter()
+    result = subprocess.run(sft_command(setup, out), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out, json.loads((out / "summary.json").read_text()), time.perf_counter() - start
+
+
+def train_batches(setup) -> list:
+    """The training conversations (the hash split's train side), packed once in file order."""
+    tokenizer = load_tokenizer(setup["ckpt"])
+    train, _ = split_conversations(load_conversations(setup["data"]), 0.05)
+    units = encode_conversations(train, tokenizer, SEQ_LEN)
+    return validation_rows(units, SEQ_LEN, tokenizer.pad_id, batch_size=2, max_batches=100)
+
+
+def test_labels_are_exactly_the_assistant_tokens(setup):
+    tokenizer = load_tokenizer(setup["ckpt"])
+    conversations = load_conversations(setup["data"])
+    units = encode_conversations(conversations, tokenizer, 1000)
+    rows = ConversationRows(units, seq_len=600, pad_id=tokenizer.pad_id, shuffle=False)
+    batch = rows.take(3)
+    for row in range(3):
+        segments, labels = batch.segment_ids[row], batch.labels[row]
+        assert segments.max() >= 2  # two conversations and the padding share the row
+        for segment in range(int(segments.max())):  # the last segment is padding
+            positions = (segments == segment).nonzero().flatten()
+            text = tokenizer.decode(labels[positions][labels[positions] != -100].tolist())
+            assert text.endswith(IM_END) and "<|im_user|>" not in text and "<|im_system|>" not in text
+        assert (labels[segments == segments.max()] == -100).all()  # padding: no loss
+    packed = units[: rows.index]  # file order: no label crosses from one conversation into the next
+    assert int((batch.labels != -100).sum()) == sum(int(u.targets[1:].sum()) for u in packed)
+    # conversation by conversation: the decoded targets are the assistant bodies, each closed by <|im_end|>
+    for conversation, unit in zip(conversations, units, strict=True):
+        single = ConversationRows([unit], seq_len=len(unit.ids) - 1, pad_id=tokenizer.pad_id).take(1)
+        labels = single.labels[0]
+        expected = "".join(
+            render_assistant_body(m) + IM_END
+            for m in normalize_messages(conversation.messages)
+            if m["role"] == "assistant"
+        )
+        assert tokenizer.decode(labels[labels != -100].tolist()) == expected
+        assert int((labels != -100).sum()) == int(unit.targets[1:].sum())
+    # a conversation longer than a row is cut to one row (or dropped); the short one fits either way
+    assert {len(u.ids) for u in encode_conversations(conversations, tokenizer, 200)} == {
+        201,
+        len(units[6].ids),
+    }
+    assert len(encode_conversations(conversations, tokenizer, 200, overlong="skip")) == 1
+
+
+def test_ptx_rows_at_the_configured_ratio_and_resumable_stream(setup):
+    tokenizer = load_tokenizer(setup["ckpt"])
+    units = encode_conversations(load_conversations(setup["data"]), tokenizer, SEQ_LEN)
+
+    def stream() -> SFTBatches:
+        ptx = PackedBatches(load_corpus(setup["corpus"]).train, tokenizer, 1, SEQ_LEN, seed=0)
+        return SFTBatches(ConversationRows(units, SEQ_LEN, tokenizer.pad_id, seed=0), 4, ptx, ptx_ratio=0.3)
+
+    batches = stream()
+    ptx_rows = []
+    for _ in range(10):
+        batch = next(batches)
+        assert batch.input_ids.shape == (4, SEQ_LEN)
+        ptx_rows.append(int((batch.labels != -100).all(dim=1).sum()))  # SFT rows always have masked tokens
+    assert sum(ptx_rows) == 12 and set(ptx_rows) == {1, 2}  # ⌊10·4·0.3⌋, spread evenly
+    state = json.loads(json.dumps(batches.state_dict()))
+    expected = [next(batches) for _ in range(6)]  # crosses into the next epoch of conversations
+    resumed = stream()
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, [next(resumed) for _ in range(6)], strict=True):
+        assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.labels, got.labels)
+        assert torch.equal(want.segment_ids, got.segment_ids)
+
+
+def test_sft_lowers_the_assistant_loss(setup, reference):
+    out, summary, seconds = reference
+    batches = train_batches(setup)
+    before = assistant_loss(load_model(setup["ckpt"]), batches)
+    after = assistant_loss(load_model(out / "model"), batches)
+    print(
+        f"assistant loss on the training conversations: {before:.3f} -> {after:.3f} ({STEPS} steps, {seconds:.1f}s)"
+    )
+    assert after < before - 1.0
+    assert summary["steps"] == STEPS and np.isfinite(summary["val_loss"])
+    assert (out / "model" / "tokenizer.json").is_file() and (out / "dashboard.png").is_file()
+    rows = read_metrics(out)
+    assert "val_loss" in rows[9] and rows[-1]["loss"] < rows[0]["loss"]
+    _, state = load_latest_checkpoint(out)
+    # the PTX stream served exactly ⌊30·2·0.25⌋ rows of the pre-training corpus
+    assert state["data"]["sft"]["micro"] == STEPS and state["data"]["sft"]["ptx"]["batches"] == 15
+
+
+@pytest.mark.timeout(200)
+def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(setup, reference):
+    def losses(run: Path) -> list:
+        return [(r["step"], r["loss"]) for r in read_metrics(run)] if (run / "metrics.jsonl").exists() else []
+
+    killed = setup["root"] / "killed"
+    command = sft_command(setup, killed)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(losses(killed)) < 8:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert 8 <= len(losses(killed)) < STEPS, "the kill should land mid-run"
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed" in resumed.stdout
+    assert losses(killed) == losses(reference[0])  # every step, bit for bit
+
+
+def test_malformed_lines_are_named(setup, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(CONVERSATIONS[0]) + "\n\n" + '{"messages": [{"role": "user"\n')
+    command = [sys.executable, "-m", "k2lab", "sft", "-c", str(setup["ckpt"]), "--data", str(bad)]
+    result = subprocess.run(
+        [*command, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "line 3 is not valid JSON" in result.stderr and "Traceback" not in result.stderr
+    cases = {
+        '{"messages": [{"role": "robot", "content": "hi"}]}': "line 1: messages[0].role must be one of",
+        '{"messages": [{"role": "user", "content": "hi"}]}': "line 1 has no assistant message",
+        '["not", "an", "object"]': "line 1 must be a JSON object",
+    }
+    for line, message in cases.items():
+        bad.write_text(line + "\n")
+        with pytest.raises(SFTDataError, match=re.escape(message)):
+            load_conversations(bad)
