@@ -1,0 +1,616 @@
+"""Rephrasing ablation: K2's "10 rephrasings × 1 epoch vs raw text × 10 epochs" at small scale.
+
+A raw subset (``docs`` training documents of ``--data`` or the embedded corpus, each cut to ``doc_chars``
+at a boundary) is trained on twice with the same recipe, seed, tokenizer, token budget and held-out set:
+
+* **raw**: the raw subset, repeated — the step count is chosen so the run sees ``K = n_rephrasings``
+  epochs of it;
+* **rephrased**: ``K`` versions of every document, each seen once — version ``k`` is the document's
+  ``k``-th kept rephrasing (``k2lab.data.rephrase``: chunk-wise autoregressive, style-diverse,
+  fidelity-checked) or, where the fidelity check dropped it or the endpoint failed, the raw text itself
+  (a verified-rephrasing pipeline keeps the source where the rewrite is unfaithful).
+
+Rephrasings come from an OpenAI-compatible endpoint (``base_url``), or from k2lab's own server started in
+this process over ``checkpoint``, or are reused from an existing rephrased corpus (``rephrased``). They
+are cached in ``OUT/rephrased`` (resumable). Both arms train with one tokenizer (BPE on the raw subset,
+``OUT/tokenizer.json``); each arm's data directory holds ``train.jsonl`` and the same raw held-out file, which
+``load_corpus`` puts in validation, so the trainer's validation loss is the loss on raw held-out text.
+
+Measured per arm: the final validation loss on raw held-out documents, and a cloze **QA probe** on
+facts of the raw training documents ("Question: <sentence with a number or name blanked> Answer: <it>"):
+the mean loss of the answer tokens and the share of answers whose every token is the argmax
+(teacher-forced). Outputs: ``OUT/rephrase.{md,json,png}``; runs in ``OUT/runs/{raw,rephrased}``, reused when
+the command is repeated with the same data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from rich.console import Console
+from rich.table import Table
+
+from k2lab.data.corpus import Document, load_corpus, stable_rank
+from k2lab.data.rephrase import (
+    _NUMBER,
+    _SENTENCE_END,
+    DEFAULT_STYLES,
+    STOPWORDS,
+    RephraseSettings,
+    kept_rephrasings,
+    rephrase_corpus,
+    split_chunks,
+)
+from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.train import ablation_common as common
+from k2lab.train.ablation_common import AblationSettings, PlannedRun, fmt
+from k2lab.train.config import TrainConfig
+from k2lab.train.metrics import read_metrics
+
+ARMS = ("raw", "rephrased")
+COLORS = {"raw": "tab:gray", "rephrased": "tab:red"}
+PROBE_FILE = "probe.json"
+
+# k2-mini on 32 documents × 1000 characters of the embedded corpus, 4 rephrasings (the K2 recipe used 10):
+# 2 runs of ~100 steps × 4×128 tokens side by side (~2 min on 2 CPU cores), after the rephrasing itself
+# (~5 min through k2lab's server over a k2-mini checkpoint on 2 CPU cores; it depends on the endpoint).
+DEFAULT_RECIPE: dict[str, Any] = {
+    "preset": "k2-mini",
+    "vocab_size": 512,
+    "steps": 100,  # replaced by the token budget unless given
+    "batch_size": 4,
+    "seq_len": 128,
+    "eval_batches": 8,
+    "sample_tokens": 0,
+    "precision": "fp32",
+    "schedule": {"kind": "wsd", "warmup_steps": 10, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
+}
+EVAL_POINTS = 5
+
+
+class RephraseAblationConfig(AblationSettings):
+    """The ablation: the raw subset, the rephrasing source and settings, the base recipe."""
+
+    data: str | None = None
+    docs: int = Field(default=32, gt=0, description="Raw training documents in the subset.")
+    doc_chars: int = Field(default=1000, gt=0, description="Each document is cut to this many characters.")
+    heldout_docs: int = Field(default=8, gt=0, description="Raw held-out documents for validation.")
+    n_rephrasings: int = Field(default=4, gt=0, description="K: rephrasings per document = raw epochs.")
+    steps: int | None = Field(default=None, gt=0, description="Steps per arm; None: K raw epochs' tokens.")
+    rephrased: str | None = None
+    base_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    checkpoint: str | None = None
+    chunk_chars: int = Field(default=400, gt=0)
+    tail_chars: int = Field(default=300, ge=0)
+    styles: list[str] = Field(default_factory=lambda: list(DEFAULT_STYLES))
+    fidelity_threshold: float = Field(default=0.5, ge=0, le=1)
+    concurrency: int = Field(default=8, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0)
+    probe_items: int = Field(default=64, ge=0)
+    out: str = "runs/rephrase"
+
+
+def rephrase_ablation_config(
+    recipe: str | os.PathLike[str] | None = None,
+    out: str | None = None,
+    keep_weights: bool = False,
+    threads: int | None = None,
+    jobs: int | None = None,
+    ablation: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> RephraseAblationConfig:
+    """The ablation from ``DEFAULT_RECIPE``, ``recipe`` (TOML) and ``TrainConfig`` overrides (dotted keys,
+    None ignored); ``ablation`` holds this ablation's own settings (None values ignored). ``jobs``
+    defaults to one worker process per arm."""
+    steps = overrides.pop("steps", None)
+    base = common.base_recipe(DEFAULT_RECIPE, recipe, eval_points=EVAL_POINTS, **overrides)
+    own = {key: value for key, value in (ablation or {}).items() if value is not None}
+    try:
+        return RephraseAblationConfig(
+            base=base, out=out or "runs/rephrase", keep_weights=keep_weights, threads=threads,
+            jobs=jobs if jobs is not None else len(ARMS), steps=steps, **own,
+        )  # fmt: skip
+    except ValueError as error:
+        raise K2LabError(f"invalid rephrasing ablation setting: {error}") from error
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+def _cut_doc(document: Document, chars: int) -> Document:
+    return Document(document.path, split_chunks(document.text, chars)[0])
+
+
+def select_raw(ablation: RephraseAblationConfig) -> tuple[list[Document], list[Document]]:
+    """The raw training subset and held-out documents: a deterministic sample, each cut to ``doc_chars``."""
+    corpus = load_corpus(ablation.data)
+    if not corpus.val:
+        raise K2LabError(f"corpus {corpus.name} has no held-out documents (it needs at least two files)")
+
+    def pick(docs: list[Document], count: int) -> list[Document]:
+        ranked = sorted((d for d in docs if d.text.strip()), key=lambda d: stable_rank(d.path, "sample"))
+        return [_cut_doc(d, ablation.doc_chars) for d in ranked[:count]]
+
+    return pick(corpus.train, ablation.docs), pick(corpus.val, ablation.heldout_docs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(checkpoint: str | Path, max_batch: int = 16) -> Iterator[tuple[str, str]]:
+    """k2lab's OpenAI-compatible server over ``checkpoint`` on loopback in this process: (base_url, model)."""
+    import uvicorn
+
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+    from k2lab.serve import Engine
+    from k2lab.serve.server import build_app
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise K2LabError(f"{checkpoint} has no tokenizer.json: the server needs one to render chats")
+    model = load_model(checkpoint)
+    engine = Engine(getattr(model, "language_model", model), max_batch=max_batch).start()
+    name = checkpoint.resolve().name
+    port = free_port()
+    app = build_app(engine, load_tokenizer(checkpoint / "tokenizer.json"), name)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started and time.time() < deadline and thread.is_alive():
+        time.sleep(0.05)
+    try:
+        if not server.started:
+            raise K2LabError(f"k2lab's server over {checkpoint} did not start")
+        yield f"http://127.0.0.1:{port}/v1", name
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+
+
+def rephrase_settings(ablation: RephraseAblationConfig, base_url: str, model: str) -> RephraseSettings:
+    return RephraseSettings(
+        base_url=base_url, model=model, api_key=ablation.api_key, n_rephrasings=ablation.n_rephrasings,
+        chunk_chars=ablation.chunk_chars, tail_chars=ablation.tail_chars, styles=tuple(ablation.styles),
+        fidelity_threshold=ablation.fidelity_threshold, concurrency=ablation.concurrency,
+        max_tokens=ablation.max_tokens, seed=ablation.base.seed,
+    )  # fmt: skip
+
+
+def produce_rephrasings(ablation: RephraseAblationConfig, docs: list[Document], console: Console) -> Path:
+    """The rephrased corpus directory: ``rephrased`` as given, else ``OUT/rephrased`` filled (resumably)
+    through ``base_url`` or a local server over ``checkpoint``."""
+    if ablation.rephrased:
+        if not (Path(ablation.rephrased) / "manifest.json").is_file():
+            raise K2LabError(
+                f"{ablation.rephrased} has no manifest.json (not a `k2lab data rephrase` output)"
+            )
+        return Path(ablation.rephrased)
+    target = Path(ablation.out) / "rephrased"
+    if ablation.base_url:
+        server = contextlib.nullcontext((ablation.base_url, ablation.model or "default"))
+    elif ablation.checkpoint:
+        server = local_server(ablation.checkpoint, max_batch=max(ablation.concurrency, 1))
+    else:
+        raise K2LabError("give --base-url (an OpenAI-compatible endpoint), --checkpoint or --rephrased")
+    with server as (base_url, model):
+        console.print(f"rephrasing {len(docs)} documents × {ablation.n_rephrasings} through {base_url}")
+        settings = rephrase_settings(ablation, base_url, model)
+        report = rephrase_corpus(docs, target, settings)
+    console.print(
+        f"rephrasing: {report.done} done, {report.skipped} already done, {report.failed} failed; "
+        f"{report.kept} kept, {report.dropped} dropped by the fidelity check ({report.seconds:.0f}s)"
+    )
+    return target
+
+
+def arm_versions(
+    docs: list[Document], rephrased: Path, k: int, threshold: float | None = None
+) -> tuple[list[Document], dict[str, Any]]:
+    """The rephrased arm's documents: ``k`` versions per raw document (kept rephrasings, then raw text);
+    ``threshold`` re-decides the fidelity verdicts from the recorded scores."""
+    kept = kept_rephrasings(rephrased, threshold)
+    manifest = json.loads((rephrased / "manifest.json").read_text())["documents"]
+    versions, used, scores = [], 0, []
+    for document in docs:
+        texts = [text for _, text in kept.get(document.path, [])][:k]
+        used += len(texts)
+        versions += [Document(f"{document.path}#r{i}", text) for i, text in enumerate(texts)]
+        versions += [Document(f"{document.path}#raw{i}", document.text) for i in range(len(texts), k)]
+        entry = manifest.get(document.path, {})
+        scores += [r["score"] for r in entry.get("rephrasings", [])]
+    stats = {
+        "rephrased_dir": str(rephrased),
+        "slots": k * len(docs),
+        "rephrased_slots": used,
+        "kept_fraction": used / max(1, k * len(docs)),
+        "mean_fidelity": sum(scores) / len(scores) if scores else math.nan,
+        "failed_documents": sum(manifest.get(d.path, {}).get("status") == "failed" for d in docs),
+        "missing_documents": sum(d.path not in manifest for d in docs),
+    }
+    return versions, stats
+
+
+def _jsonl(docs: list[Document]) -> str:
+    return "".join(json.dumps({"text": d.text, "source": d.path}) + "\n" for d in docs)
+
+
+def val_file_name() -> str:
+    """A held-out file name that ``load_corpus`` puts in validation next to ``train.jsonl`` (lower rank)."""
+    train_rank = stable_rank("train.jsonl", "split")
+    return next(
+        name
+        for name in (f"heldout-{i}.jsonl" for i in range(1000))
+        if stable_rank(name, "split") < train_rank
+    )
+
+
+def write_arm(out: Path, arm: str, train: list[Document], heldout: list[Document]) -> Path:
+    """``OUT/data/{arm}-{hash}/`` with ``train.jsonl`` and the held-out file (named by content, so a run
+    recipe changes exactly when its data does)."""
+    train_text, heldout_text = _jsonl(train), _jsonl(heldout)
+    digest = hashlib.sha256((train_text + "\0" + heldout_text).encode()).hexdigest()[:12]
+    folder = out / "data" / f"{arm}-{digest}"
+    if not folder.is_dir():
+        atomic_write_text(folder / "train.jsonl", train_text)
+        atomic_write_text(folder / val_file_name(), heldout_text)
+    return folder
+
+
+def shared_tokenizer(raw_dir: Path, out: Path, vocab_size: int) -> tuple[Path, Any]:
+    """A BPE trained on the raw subset, saved to ``OUT/tokenizer.json`` (both arms use it)."""
+    from k2lab.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(load_corpus(raw_dir), vocab_size)
+    path = out / "tokenizer.json"
+    tokenizer.save(path)
+    return path, tokenizer
+
+
+def count_tokens(docs: list[Document], tokenizer) -> int:
+    """Tokens of ``docs`` in the packed stream (ids + one EOS per document)."""
+    return sum(len(ids) + 1 for ids in tokenizer.encode_batch([d.text for d in docs]))
+
+
+# ---- the QA probe ----------------------------------------------------------------------------------------
+def probe_items(docs: list[Document], limit: int) -> list[tuple[str, str]]:
+    """Cloze questions on facts of ``docs``: a sentence with its last number or name blanked, and that answer.
+
+    Round-robin over the documents (first usable sentences first), at most ``limit`` items.
+    """
+    per_doc = []
+    for document in docs:
+        items = []
+        starts = [0, *(m.end() for m in _SENTENCE_END.finditer(document.text))]
+        for begin, end in zip(starts, [*starts[1:], len(document.text)], strict=True):
+            sentence = " ".join(document.text[begin:end].split())
+            answer = _fact(sentence)
+            if answer and 20 <= len(sentence) <= 300:
+                cut = sentence.rfind(answer)
+                question = sentence[:cut] + "___" + sentence[cut + len(answer) :]
+                items.append((f"Question: fill in the blank. {question}\nAnswer:", f" {answer}"))
+        per_doc.append(items)
+    merged = [item for group in _round_robin(per_doc) for item in group]
+    return merged[:limit]
+
+
+def _round_robin(groups: list[list[tuple[str, str]]]) -> Iterator[list[tuple[str, str]]]:
+    for index in range(max((len(g) for g in groups), default=0)):
+        yield [g[index] for g in groups if index < len(g)]
+
+
+def _fact(sentence: str) -> str | None:
+    """The sentence's last number, else its last capitalised non-initial word (not a stopword)."""
+    numbers = _NUMBER.findall(sentence)
+    if numbers:
+        return numbers[-1]
+    words = sentence.split()[1:]
+    names = [w.strip(".,;:!?()\"'") for w in words if w[:1].isupper() and w.lower() not in STOPWORDS]
+    names = [n for n in names if len(n) >= 3]
+    return names[-1] if names else None
+
+
+@torch.no_grad()
+def run_probe(model_dir: Path, items: list[tuple[str, str]]) -> dict[str, float]:
+    """Mean answer-token loss and exact-argmax accuracy of the model in ``model_dir`` on ``items``."""
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+
+    if not items:
+        return {"probe_loss": math.nan, "probe_accuracy": math.nan, "probe_items": 0}
+    model = load_model(model_dir).eval()
+    model = getattr(model, "language_model", model)
+    tokenizer = load_tokenizer(model_dir / "tokenizer.json")
+    limit = model.config.max_position_embeddings
+    losses, correct = [], 0
+    for question, answer in items:
+        answer_ids = tokenizer.encode(answer)
+        ids = ([tokenizer.bos_id] + tokenizer.encode(question) + answer_ids)[-limit:]
+        logits = model(torch.tensor([ids[:-1]])).logits[0, -len(answer_ids) :].float()
+        target = torch.tensor(answer_ids)
+        losses.append(float(torch.nn.functional.cross_entropy(logits, target)))
+        correct += bool((logits.argmax(-1) == target).all())
+    return {
+        "probe_loss": sum(losses) / len(losses),
+        "probe_accuracy": correct / len(items),
+        "probe_items": len(items),
+    }
+
+
+def probe_run(config: TrainConfig, items: list[tuple[str, str]], keep_weights: bool) -> dict[str, float]:
+    """The probe of a finished run (cached in ``probe.json`` by items); drops its weights unless kept."""
+    run_dir = Path(config.out)
+    key = hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    cache = run_dir / PROBE_FILE
+    if cache.is_file():
+        cached = json.loads(cache.read_text())
+        if cached.get("items_sha256") == key:
+            return cached["scores"]
+    if not (run_dir / "model").is_dir():
+        return {"probe_loss": math.nan, "probe_accuracy": math.nan, "probe_items": 0}
+    scores = run_probe(run_dir / "model", items)
+    common.write_json(cache, {"items_sha256": key, "scores": scores})
+    if not keep_weights:
+        for name in ("checkpoints", "model"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    return scores
+
+
+# ---- the ablation ----------------------------------------------------------------------------------------
+def plan_runs(
+    ablation: RephraseAblationConfig, dirs: dict[str, Path], tokenizer_path: Path, raw_tokens: int
+) -> list[TrainConfig]:
+    """One recipe per arm: same everything but the data directory and the run directory."""
+    base = ablation.base
+    tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
+    steps = ablation.steps or max(1, round(ablation.n_rephrasings * raw_tokens / tokens_per_step))
+    eval_every = max(1, steps // EVAL_POINTS)
+    warmup = min(base.schedule.warmup_steps, max(0, steps // 5))
+    schedule = base.schedule.model_copy(update={"warmup_steps": warmup})
+    return [
+        common.with_updates(
+            base,
+            data=str(dirs[arm]),
+            data_max_bytes=None,
+            tokenizer=str(tokenizer_path),
+            steps=steps,
+            eval_every=eval_every,
+            save_every=steps,
+            schedule=schedule,
+            out=str(Path(ablation.out) / "runs" / arm),
+        )  # fmt: skip
+        for arm in ARMS
+    ]
+
+
+def run_rephrase_ablation(ablation: RephraseAblationConfig, console: Console | None = None) -> dict[str, Any]:
+    """Rephrase (or reuse), train both arms (or reuse), probe, write OUT/rephrase.{json,md,png}."""
+    console = console or Console()
+    out = Path(ablation.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    raw, heldout = select_raw(ablation)
+    rephrase_start = time.perf_counter()
+    rephrased_dir = produce_rephrasings(ablation, raw, console)
+    rephrase_seconds = time.perf_counter() - rephrase_start
+    versions, stats = arm_versions(raw, rephrased_dir, ablation.n_rephrasings, ablation.fidelity_threshold)
+    stats["seconds"] = rephrase_seconds
+    dirs = {
+        "raw": write_arm(out, "raw", raw, heldout),
+        "rephrased": write_arm(out, "rephrased", versions, heldout),
+    }
+    vocab = ablation.base.vocab_size or 512
+    tokenizer_path, tokenizer = shared_tokenizer(dirs["raw"], out, vocab)
+    tokens = {"raw": count_tokens(raw, tokenizer), "rephrased": count_tokens(versions, tokenizer)}
+    configs = plan_runs(ablation, dirs, tokenizer_path, tokens["raw"])
+    plan = [
+        PlannedRun(c, f"{arm}: {c.steps} steps on {Path(c.data).name} → {c.out}", arm)
+        for arm, c in zip(ARMS, configs, strict=True)
+    ]
+    items = probe_items(raw, ablation.probe_items)
+    training = ablation.model_copy(update={"keep_weights": True})  # the probe needs the weights
+
+    def report(index: int, summary: dict, reused: bool) -> None:
+        console.print(
+            f"[{index + 1}/{len(plan)}] {ARMS[index]}: final val loss {summary.get('val_loss', math.nan):.4f}"
+            f"{' (reused)' if reused else ''}; elapsed {time.perf_counter() - start:.0f}s"
+        )
+
+    outcomes, per_run = common.train_runs(plan, training, console, report)
+    runs = [
+        summarize_run(
+            arm, config, summary, reused, tokens[arm], probe_run(config, items, ablation.keep_weights)
+        )
+        for arm, config, (summary, reused) in zip(ARMS, configs, outcomes, strict=True)
+    ]
+    results = analyse(ablation, configs[0], runs, stats, tokens, len(raw), len(heldout))
+    common.record_times(results, runs, ablation, per_run, start)
+    paths = common.write_outputs(results, out, "rephrase", markdown_report, plot_rephrase)
+    print_summary(results, console)
+    console.print("wrote " + ", ".join(map(str, paths)))
+    return results
+
+
+def summarize_run(
+    arm: str, config: TrainConfig, summary: dict, reused: bool, arm_tokens: int, probe: dict[str, float]
+) -> dict[str, Any]:
+    """One arm's figures from its metrics and probe."""
+    records = read_metrics(config.out)
+    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
+    val = [(r["step"], float(r["val_loss"])) for r in records if "val_loss" in r]
+    return {
+        "arm": arm,
+        "run_dir": config.out,
+        "data": config.data,
+        "steps": len(records),
+        "tokens": len(records) * tokens_per_step,
+        "data_tokens": arm_tokens,
+        "epochs": len(records) * tokens_per_step / max(1, arm_tokens),
+        "first_loss": float(records[0]["loss"]) if records else math.nan,
+        "loss": [float(r["loss"]) for r in records],
+        "final_val_loss": val[-1][1] if val else math.nan,
+        "val_curve": [{"step": s, "val_loss": v} for s, v in val],
+        "unigram_baseline": summary.get("unigram_baseline", math.nan),
+        **probe,
+        "seconds": summary.get("seconds", math.nan),
+        "cpu_seconds": summary.get("cpu_seconds", math.nan),
+        "reused": reused,
+    }
+
+
+def analyse(
+    ablation: RephraseAblationConfig,
+    config: TrainConfig,
+    runs: list[dict[str, Any]],
+    stats: dict[str, Any],
+    tokens: dict[str, int],
+    n_docs: int,
+    n_heldout: int,
+) -> dict[str, Any]:
+    """Settings, rephrasing statistics, the runs, and the fairness checks."""
+    settings = {
+        **common.recipe_settings(config),
+        "data": ablation.data or "embedded stdlib corpus",
+        "docs": n_docs,
+        "heldout_docs": n_heldout,
+        "doc_chars": ablation.doc_chars,
+        "n_rephrasings": ablation.n_rephrasings,
+        "styles": ablation.styles,
+        "chunk_chars": ablation.chunk_chars,
+        "fidelity_threshold": ablation.fidelity_threshold,
+        "source": ablation.rephrased or ablation.base_url or f"k2lab server over {ablation.checkpoint}",
+        "raw_tokens": tokens["raw"],
+        "rephrased_tokens": tokens["rephrased"],
+    }
+    return {
+        "settings": settings,
+        "rephrasing": stats,
+        "runs": runs,
+        "same_tokens": len({run["tokens"] for run in runs}) == 1,
+        "same_first_loss": len({run["first_loss"] for run in runs}) == 1,
+    }
+
+
+# ---- outputs ---------------------------------------------------------------------------------------------
+def arm_label(results: dict[str, Any], run: dict[str, Any]) -> str:
+    k = results["settings"]["n_rephrasings"]
+    return f"raw × {k} epochs" if run["arm"] == "raw" else f"{k} rephrasings × 1 epoch"
+
+
+def table_header() -> list[str]:
+    return [
+        "arm", "data tokens", "epochs seen", "final val loss (raw held-out)", "QA probe loss",
+        "QA probe accuracy", "training min",
+    ]  # fmt: skip
+
+
+def table_rows(results: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            arm_label(results, run),
+            f"{run['data_tokens']:,}",
+            fmt(run["epochs"], ".2f"),
+            fmt(run["final_val_loss"], ".4f"),
+            fmt(run["probe_loss"], ".3f"),
+            fmt(run["probe_accuracy"], ".3f"),
+            fmt(run["seconds"] / 60, ".1f"),
+        ]  # fmt: skip
+        for run in results["runs"]
+    ]
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """``rephrase.md``: the settings, the rephrasing statistics and the comparison table."""
+    s, r = results["settings"], results["rephrasing"]
+    fair = "equal" if results["same_first_loss"] else "not equal (different first batches)"
+    lines = [
+        f"# Rephrasing ablation: {s['preset']}, {s['steps']} steps × {s['tokens_per_step']:,} tokens "
+        f"({s['tokens']:,} tokens per arm)",
+        "",
+        f"Raw subset: {s['docs']} documents of {s['data']} (≤ {s['doc_chars']} characters each, "
+        f"{s['raw_tokens']:,} tokens); validation on {s['heldout_docs']} raw held-out documents. "
+        f"Same seed ({s['seed']}), tokenizer, lr schedule and token budget for both arms; step-1 losses {fair}.",
+        "",
+        f"Rephrasings: {s['n_rephrasings']} per document from {s['source']}, styles {', '.join(s['styles'])}, "
+        f"chunks of ≤ {s['chunk_chars']} characters; fidelity threshold {s['fidelity_threshold']:g}. "
+        f"{r['rephrased_slots']} of {r['slots']} slots hold a kept rephrasing ({100 * r['kept_fraction']:.0f} %; "
+        f"the rest repeat the raw text); mean fidelity score {fmt(r['mean_fidelity'])}; "
+        f"{r['failed_documents']} documents failed at the endpoint. Rephrased arm: {s['rephrased_tokens']:,} tokens.",
+        "",
+        "| " + " | ".join(table_header()) + " |",
+        "|---|" + "---|" * (len(table_header()) - 1),
+        *("| " + " | ".join(row) + " |" for row in table_rows(results)),
+        "",
+        "The QA probe is a cloze on facts (numbers, names) of the raw training documents: mean loss of the answer "
+        "tokens, and the share of answers whose every token is the argmax (teacher-forced).",
+        "",
+        common.timing_note(results, len(results["runs"])),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_rephrase(results: dict[str, Any], target: Path) -> Path:
+    """``rephrase.png``: training and validation loss vs step per arm, and the probe per arm."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    s, runs = results["settings"], results["runs"]
+    figure = Figure(figsize=(13, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    figure.suptitle(
+        f"Rephrasing ablation: {s['preset']}, {s['tokens']:,} tokens per arm, "
+        f"{s['n_rephrasings']} rephrasings × 1 epoch vs raw × {s['n_rephrasings']} epochs"
+    )
+    loss_ax, val_ax, probe_ax = figure.subplots(1, 3)
+    for run in runs:
+        color, label = COLORS[run["arm"]], arm_label(results, run)
+        loss_ax.plot(range(1, len(run["loss"]) + 1), run["loss"], color=color, alpha=0.7, label=label)
+        curve = run["val_curve"]
+        val_ax.plot(
+            [p["step"] for p in curve], [p["val_loss"] for p in curve], color=color, marker="o", label=label
+        )
+    labels = [arm_label(results, run) for run in runs]
+    probe = [run["probe_loss"] if run["probe_loss"] is not None else math.nan for run in runs]
+    probe_ax.bar(labels, probe, color=[COLORS[run["arm"]] for run in runs])
+    loss_ax.set_title("training loss (on each arm's own data)", fontsize=10)
+    val_ax.set_title("validation loss on raw held-out text", fontsize=10)
+    probe_ax.set_title("QA probe: answer-token loss (lower is better)", fontsize=10)
+    for ax in (loss_ax, val_ax):
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats/token")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    probe_ax.set_ylabel("nats/token")
+    return save_figure_atomically(figure, target)
+
+
+def print_summary(results: dict[str, Any], console: Console) -> None:
+    """The comparison as a rich table."""
+    s = results["settings"]
+    table = Table(title=f"rephrasing ablation: {s['preset']}, {s['tokens']:,} tokens per arm")
+    for index, column in enumerate(table_header()):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    for row in table_rows(results):
+        table.add_row(*row)
+    console.print(table)
