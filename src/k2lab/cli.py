@@ -1094,6 +1094,235 @@ def factory_generate(
     console.print(f"wrote {len(result.kept)} trajectories to {out} (summary: {summary})", highlight=False)
 
 
+recipe_app = typer.Typer(help="End-to-end recipes that chain k2lab's stages.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("agentic-mini")
+def recipe_agentic_mini(
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Run directory (one subdirectory per stage).")
+    ] = Path("runs/agentic-mini"),
+    base: Annotated[
+        Path | None, typer.Option("--base", help="Trained k2lab model dir (tokenizer.json); else pre-train.")
+    ] = None,
+    pretrain_steps: Annotated[int, typer.Option(min=1, help="Pre-training steps without --base.")] = 250,
+    factory_n: Annotated[int, typer.Option(min=1, help="Factory tasks rolled out for SFT data.")] = 1500,
+    sft_steps: Annotated[int, typer.Option(min=1, help="SFT optimizer steps.")] = 240,
+    rl_iterations: Annotated[int, typer.Option(min=1, help="RL iterations.")] = 6,
+    eval_n: Annotated[int, typer.Option(min=1, help="Held-out evaluation tasks.")] = 200,
+    eval_seed: Annotated[
+        int, typer.Option(help="Factory seed of the held-out tasks (not used in training).")
+    ] = 7,
+    eval_batch_size: Annotated[int, typer.Option(min=1, help="Rows per batched generate call.")] = 32,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Pre-trained mini model -> factory data -> SFT -> RL -> held-out evaluation (CPU, ~30 min).
+
+    Every stage is reused when complete, so a killed run resumes. Writes report.json, report.md and
+    agentic_mini.png in OUT.
+    """
+    from k2lab.agentic.recipe import RecipeConfig, print_report, run_recipe
+
+    config = RecipeConfig(
+        out=out,
+        base=base,
+        pretrain_steps=pretrain_steps,
+        factory_n=factory_n,
+        sft_steps=sft_steps,
+        rl_iterations=rl_iterations,
+        eval_n=eval_n,
+        eval_seed=eval_seed,
+        eval_batch_size=eval_batch_size,
+        threads=threads,
+    )
+    try:
+        report = run_recipe(config, log=lambda text: console.print(text, highlight=False, markup=False))
+    except ValueError as error:
+        raise K2LabError(str(error)) from error
+    print_report(report, console)
+    console.print(f"reports: {out / 'report.md'}, {out / 'report.json'}, {out / 'agentic_mini.png'}")
+
+
+mopd_app = typer.Typer(
+    help="K3's multi-effort RL (3 domains x 3 effort levels = 9 experts) merged by multi-teacher "
+    "on-policy distillation.",
+    no_args_is_help=True,
+)
+app.add_typer(mopd_app, name="mopd")
+
+
+def _mopd_budgets(text: str) -> dict[str, int]:
+    from k2lab.agentic.effort import EFFORTS
+
+    values = [int(x) for x in text.split(",") if x.strip()]
+    if len(values) != len(EFFORTS):
+        raise K2LabError(f"--budgets needs {len(EFFORTS)} comma-separated token budgets (low,high,max)")
+    return dict(zip(EFFORTS, values, strict=True))
+
+
+@mopd_app.command("experts")
+def mopd_experts(
+    checkpoint: Annotated[
+        Path, typer.Option("--checkpoint", "-c", help="SFT model directory with tokenizer.json.")
+    ],
+    out: Annotated[Path, typer.Option(help="Experts directory (one RL run per domain-effort).")],
+    iterations: Annotated[int, typer.Option(min=1, help="RL iterations per expert.")] = 10,
+    domains: Annotated[
+        str, typer.Option(help="Comma-separated environments.")
+    ] = "arithmetic,instruction,coding",
+    budgets: Annotated[str, typer.Option(help="Token budgets of low,high,max effort.")] = "16,48,128",
+    group: Annotated[int, typer.Option(min=2, help="K responses per prompt.")] = 4,
+    prompts: Annotated[int, typer.Option(min=1, help="New prompts per iteration.")] = 2,
+    updates: Annotated[int, typer.Option(min=1, help="Optimizer steps per iteration.")] = 2,
+    budget_penalty: Annotated[float, typer.Option(help="λ of the token-budget penalty.")] = 0.1,
+    lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 1e-3,
+    seed: Annotated[int, typer.Option(help="Seed of the first expert (expert i uses seed + i).")] = 0,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N iterations.")] = 1,
+    keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept per expert.")] = 2,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Train the nine effort experts by RL from one SFT checkpoint (skips finished ones, resumes the rest)."""
+    import torch
+
+    from k2lab.agentic.effort import expert_specs, train_experts
+    from k2lab.agentic.rl import RLConfig
+    from k2lab.optim.grouping import OptimizerConfig
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    specs = expert_specs([d.strip() for d in domains.split(",") if d.strip()], _mopd_budgets(budgets))
+    config = RLConfig(
+        iterations=iterations,
+        group_size=group,
+        groups_per_iteration=prompts,
+        updates_per_iteration=updates,
+        budget_penalty=budget_penalty,
+        optimizer=OptimizerConfig(lr=lr),
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+        seed=seed,
+    )
+    train_experts(checkpoint, out, config, specs, log=lambda text: console.print(text, highlight=False))
+    console.print(f"experts: {out / 'experts.json'}")
+
+
+@mopd_app.command("distill")
+def mopd_distill(
+    experts: Annotated[Path, typer.Option(help="Experts directory from `k2lab mopd experts`.")],
+    student: Annotated[Path, typer.Option(help="Student's starting model (the SFT checkpoint).")],
+    out: Annotated[Path, typer.Option(help="Run directory (metrics, checkpoints, OUT/model).")],
+    steps: Annotated[int, typer.Option(min=1, help="Distillation steps.")] = 20,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts per step (cells round-robin).")] = 9,
+    temperature: Annotated[float, typer.Option(help="Student sampling temperature.")] = 1.0,
+    lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 1e-3,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N steps.")] = 1,
+    keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept.")] = 3,
+    seed: Annotated[int, typer.Option(help="Run seed (prompts and sampling).")] = 0,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Multi-teacher on-policy distillation: per-token reward log π_teacher − log π_student (exact resume)."""
+    import torch
+
+    from k2lab.agentic.mopd import MOPDConfig, run_mopd
+    from k2lab.optim.grouping import OptimizerConfig
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    config = MOPDConfig(
+        steps=steps,
+        prompts_per_step=prompts,
+        temperature=temperature,
+        optimizer=OptimizerConfig(lr=lr),
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+        seed=seed,
+    )
+
+    def show(m: dict) -> None:
+        console.print(
+            f"step {m['step']}: loss {m['loss']} reverse KL {m['reverse_kl']} reward {m['mean_reward']} "
+            f"tokens {m['trained_tokens']} ({m['seconds']} s)",
+            highlight=False,
+        )
+
+    run_mopd(experts, student, out, config, on_step=show)
+    console.print(f"student: {out / 'model'}")
+
+
+@mopd_app.command("report")
+def mopd_report_command(
+    experts: Annotated[Path, typer.Option(help="Experts directory.")],
+    distill: Annotated[Path, typer.Option(help="Distillation run directory.")],
+    out: Annotated[Path | None, typer.Option(help="Report directory (default DISTILL/report).")] = None,
+    episodes: Annotated[int, typer.Option(min=1, help="Held-out prompts per cell.")] = 4,
+    baseline_steps: Annotated[
+        int | None, typer.Option(min=1, help="SFT-baseline steps (default: the distillation's).")
+    ] = None,
+    temperature: Annotated[float, typer.Option(help="Evaluation temperature (0 = greedy).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Held-out seed namespace.")] = 1,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+) -> None:
+    """Per cell: MOPD student vs its teacher (goal ≥ 90 %) and vs an SFT-on-teacher-samples baseline."""
+    import torch
+
+    from k2lab.agentic.mopd import markdown_table, mopd_report
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    report = mopd_report(
+        experts, distill, out, episodes, baseline_steps, temperature, seed,
+        log=lambda text: console.print(text, highlight=False),
+    )  # fmt: skip
+    console.print(markdown_table(report["cells"]), highlight=False)
+    console.print(f"goal met on {report['cells_met']}/{len(report['cells'])} cells")
+    target = out or distill / "report"
+    console.print(f"reports: {target / 'report.md'}, {target / 'report.json'}, {target / 'report.png'}")
+
+
+PARL_ABLATION_HELP = (
+    "PARL's reward terms on wide tasks (K2.5 Agent Swarm): full reward vs without r_parallel vs without "
+    "r_finish vs a single agent without sub-agents.\n\n"
+    "Trains the compact orchestrator (a categorical policy over orchestration actions) with frozen procedural "
+    "sub-agents for each arm and seed (~1 min on 2 CPU cores by default) and compares held-out success, "
+    "CriticalSteps, total tokens (cost) and training iterations to a target success.\n\n"
+    "Writes OUT/parl.md, OUT/parl.json and OUT/parl.png; runs live in OUT/runs/ARM/seedS and resume or are "
+    "reused when the command is repeated."
+)
+
+
+@ablate_app.command("parl", help=PARL_ABLATION_HELP)
+def ablate_parl(
+    out: Annotated[str, typer.Option(help="Output directory.")] = "runs/parl",
+    iterations: Annotated[int | None, typer.Option(help="Training iterations per run (default 40).")] = None,
+    seeds: Annotated[str, typer.Option(help="Comma-separated seeds (tasks, sampling).")] = "0,1,2",
+    arms: Annotated[
+        str | None, typer.Option(help="Comma-separated subset of full,no_parallel,no_finish,single_agent.")
+    ] = None,
+    target: Annotated[float, typer.Option(help="Held-out success for 'time to target'.")] = 0.9,
+    eval_tasks: Annotated[
+        int | None, typer.Option(help="Held-out tasks per evaluation (default 32).")
+    ] = None,
+    solo_prior: Annotated[
+        float | None, typer.Option(help="Initial logit of working alone (single-agent start, default 4.5).")
+    ] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Smoke run: 4 iterations, 1 seed, 8 tasks.")] = False,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
+) -> None:
+    from k2lab.swarm.ablation import ARMS, ParlAblationSettings, run_parl_ablation
+    from k2lab.swarm.parl import ParlConfig
+
+    base: dict[str, object] = {"iterations": 4, "eval_tasks": 8, "group_size": 4} if quick else {}
+    chosen = {"iterations": iterations, "eval_tasks": eval_tasks, "solo_prior": solo_prior}
+    base.update({k: v for k, v in chosen.items() if v is not None})
+    seed_list = [int(s) for s in seeds.split(",") if s.strip()][: 1 if quick else None]
+    settings = ParlAblationSettings(
+        out=out, base=ParlConfig(**base), seeds=seed_list, target=target, threads=threads,
+        arms=[a.strip() for a in arms.split(",") if a.strip()] if arms else list(ARMS),
+    )  # fmt: skip
+    run_parl_ablation(settings, console)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
     err = Console(stderr=True)

@@ -569,10 +569,11 @@ def run_rl(
     resume: bool = True,
     threads: int | None = None,
     on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    env: Environment | None = None,
 ) -> list[dict[str, Any]]:
     """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
     ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
-    False refuses to run over them instead)."""
+    False refuses to run over them instead). ``env`` replaces the mixture of ``config.envs``."""
     from k2lab.checkpoint import load_model, save_model
     from k2lab.data import load_tokenizer
     from k2lab.errors import K2LabError
@@ -593,7 +594,7 @@ def run_rl(
         critic_model = load_model(checkpoint).eval()
     elif config.critic != "none":
         critic_model = load_model(config.critic).eval()
-    trainer = RLTrainer(model, tokenizer, config, out, critic_model=critic_model)
+    trainer = RLTrainer(model, tokenizer, config, out, env=env, critic_model=critic_model)
     history = trainer.run(on_iteration=on_iteration)
     save_model(model, out / "model")
     tokenizer.save(out / "model" / "tokenizer.json")

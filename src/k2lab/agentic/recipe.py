@@ -1,0 +1,381 @@
+"""``k2lab recipe agentic-mini``: pre-trained mini model -> factory data -> SFT -> RL -> evaluation, on CPU.
+
+Stages, each in its own subdirectory of ``out`` and skipped when its ``done.json`` exists (so a killed run
+resumes; SFT and RL also resume from their own checkpoints mid-stage):
+
+* ``base``: the ``--base`` model directory, or k2-mini pre-trained with the demo recipe (fewer steps);
+* ``factory``: ``factory_n`` trajectories from the agentic data factory (seed ``factory_seed``);
+* ``sft``: the base fine-tuned on the kept trajectories (``TrainConfig.sft``);
+* ``rl``: ``run_rl`` from the SFT model on the factory's tool tasks, no-tool tasks over-sampled and given a
+  token budget so the budget penalty applies;
+* ``eval``: base, SFT and RL on ``eval_n`` held-out tasks (seeds ``eval_seed * 1_000_003 + i``, a factory
+  seed no training stage uses; RL draws hashed task seeds), batched greedy decoding
+  (``k2lab.agentic.evaluate``).
+
+Outputs in ``out``: ``report.json``, ``report.md``, ``agentic_mini.png`` and per-stage wall times.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k2lab.agentic.env import Episode
+from k2lab.agentic.tasks import ToolTaskEnvironment
+from k2lab.fsutil import atomic_write_text
+
+__all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
+
+STAGES = ("base", "factory", "sft", "rl", "eval")
+EVALUATED = ("base", "sft", "rl")
+
+
+@dataclass
+class RecipeConfig:
+    """Sizes of every stage (defaults: about 30 minutes on 2 CPU cores with an existing base)."""
+
+    out: Path = Path("runs/agentic-mini")
+    base: Path | None = None
+    pretrain_recipe: Path = Path("recipes/k2-mini-demo.toml")
+    pretrain_steps: int = 250
+    factory_n: int = 1500
+    factory_seed: int = 0
+    sft_steps: int = 240
+    sft_batch_size: int = 4
+    sft_seq_len: int = 1024
+    sft_lr: float = 1e-3
+    rl_iterations: int = 6
+    rl_groups: int = 2
+    rl_group_size: int = 4
+    rl_lr: float = 2e-4
+    rl_no_tool_fraction: float = 0.3
+    budget_penalty: float = 0.5
+    no_tool_budget: int = 24
+    max_new_tokens: int = 128
+    max_turns: int = 8
+    eval_n: int = 200
+    eval_seed: int = 7
+    eval_batch_size: int = 32
+    threads: int | None = None
+    seed: int = 0
+    pretrain_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+class RecipeToolTasks(ToolTaskEnvironment):
+    """The factory's tool tasks with at most ``max_turns`` assistant turns and a token budget on the tasks
+    that need no tool (the budget penalty of RL applies to them)."""
+
+    def __init__(self, no_tool_fraction: float = 0.15, max_turns: int = 8, no_tool_budget: int = 24) -> None:
+        super().__init__(no_tool_fraction=no_tool_fraction)
+        self.max_turns, self.no_tool_budget = max_turns, no_tool_budget
+
+    def reset(self, seed: int) -> Episode:
+        episode = super().reset(seed)
+        episode.max_turns = min(episode.max_turns, self.max_turns)
+        if not episode.needs_tools:
+            episode.token_budget = self.no_tool_budget
+        return episode
+
+
+def eval_seeds(config: RecipeConfig) -> list[int]:
+    """The held-out task seeds (the factory's numbering for a seed no training stage uses)."""
+    if config.eval_seed == config.factory_seed:
+        raise ValueError("eval_seed must differ from factory_seed (held-out tasks)")
+    return [config.eval_seed * 1_000_003 + i for i in range(config.eval_n)]
+
+
+# ------------------------------------------------------------------------------------------ stages
+
+
+def _stage(out: Path, name: str, work: Callable[[Path], dict[str, Any]], log: Callable[[str], None]) -> dict:
+    """Run ``work(dir)`` unless ``dir/done.json`` exists; the stage's record (with its wall time)."""
+    directory = out / name
+    done = directory / "done.json"
+    if done.is_file():
+        record = json.loads(done.read_text())
+        log(f"[{name}] complete, reused ({record['seconds']:.0f} s when it ran)")
+        return record | {"reused": True}
+    directory.mkdir(parents=True, exist_ok=True)
+    log(f"[{name}] running")
+    started = time.perf_counter()
+    record = work(directory)
+    record["seconds"] = round(time.perf_counter() - started, 2)
+    atomic_write_text(done, json.dumps(record, indent=2) + "\n")
+    log(f"[{name}] done in {record['seconds']:.0f} s")
+    return record | {"reused": False}
+
+
+def stage_base(config: RecipeConfig, directory: Path) -> dict[str, Any]:
+    """The base model: ``--base`` as given, or a short pre-training run of the demo recipe."""
+    if config.base is not None:
+        if not (config.base / "tokenizer.json").is_file():
+            raise ValueError(f"--base {config.base} is not a k2lab model directory with tokenizer.json")
+        return {"model": str(config.base), "pretrained_here": False}
+    from k2lab.train.config import load_train_config
+    from k2lab.train.trainer import run_training
+
+    overrides = {"steps": config.pretrain_steps, "out": str(directory), "save_every": 50, "keep_last": 1}
+    train = load_train_config(config.pretrain_recipe, **(overrides | config.pretrain_overrides))
+    summary = run_training(train, resume=True)
+    return {
+        "model": str(directory / "model"),
+        "pretrained_here": True,
+        "steps": train.steps,
+        **_floats(summary),
+    }
+
+
+def stage_factory(config: RecipeConfig, directory: Path) -> dict[str, Any]:
+    """Factory trajectories (seed ``factory_seed``)."""
+    from k2lab.agentic.factory import FactoryConfig, generate
+
+    result = generate(FactoryConfig(n=config.factory_n, seed=config.factory_seed))
+    path = directory / "trajectories.jsonl"
+    result.write(path)
+    return {"data": str(path), "episodes": config.factory_n, "kept": len(result.kept)}
+
+
+def stage_sft(config: RecipeConfig, directory: Path, base: str, data: str) -> dict[str, Any]:
+    """SFT of the base on the trajectories (resumes from its checkpoints)."""
+    from k2lab.agentic.sft import sft_train_config
+    from k2lab.train.trainer import run_training
+
+    every = max(1, config.sft_steps // 4)
+    train = sft_train_config(
+        None,
+        out=str(directory),
+        steps=config.sft_steps,
+        batch_size=config.sft_batch_size,
+        seq_len=config.sft_seq_len,
+        eval_every=max(1, config.sft_steps // 2),
+        eval_batches=2,
+        save_every=every,
+        keep_last=1,
+        sample_tokens=0,
+        seed=config.seed,
+        **{"sft.init_checkpoint": base, "sft.data": data, "optimizer.lr": config.sft_lr},
+    )
+    summary = run_training(train, resume=True)
+    return {"model": str(directory / "model"), "steps": train.steps, **_floats(summary)}
+
+
+def rl_config(config: RecipeConfig) -> Any:
+    """The ``RLConfig`` of the RL stage."""
+    from k2lab.agentic.rl import RLConfig
+    from k2lab.optim.grouping import OptimizerConfig
+
+    return RLConfig(
+        iterations=config.rl_iterations,
+        groups_per_iteration=config.rl_groups,
+        group_size=config.rl_group_size,
+        envs=["tools"],
+        max_new_tokens=config.max_new_tokens,
+        temperature_start=0.8,
+        temperature_floor=0.5,
+        temperature_decay=0.9,
+        budget_penalty=config.budget_penalty,
+        updates_per_iteration=1,
+        optimizer=OptimizerConfig(lr=config.rl_lr),
+        checkpoint_every=1,
+        keep_checkpoints=1,
+        seed=config.seed + 1,
+    )
+
+
+def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str, Any]:
+    """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
+    from k2lab.agentic.rl import run_rl
+
+    env = RecipeToolTasks(config.rl_no_tool_fraction, config.max_turns, config.no_tool_budget)
+    history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
+    last = history[-1] if history else {}
+    return {
+        "model": str(directory / "model"),
+        "iterations": config.rl_iterations,
+        "metrics": str(directory / "metrics.jsonl"),
+        "last_mean_reward": last.get("mean_reward"),
+    }
+
+
+def stage_eval(config: RecipeConfig, directory: Path, models: dict[str, str], log: Callable) -> dict:
+    """Every model on the held-out tasks (one file per model, reused when present)."""
+    reports = {}
+    for name, path in models.items():
+        target = directory / f"{name}.json"
+        if not target.is_file():
+            report = evaluate_model(config, path)
+            atomic_write_text(target, json.dumps(report, indent=2) + "\n")
+            log(f"[eval] {name}: success {report['success']:.3f} in {report['seconds']:.0f} s")
+        reports[name] = str(target)
+    return {"reports": reports, "seeds": [eval_seeds(config)[0], eval_seeds(config)[-1]]}
+
+
+def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
+    """One model directory on the held-out tasks."""
+    from k2lab.agentic.evaluate import evaluate_policy
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+
+    model = load_model(path).eval()
+    tokenizer = load_tokenizer(Path(path) / "tokenizer.json")
+    env = RecipeToolTasks(max_turns=config.max_turns, no_tool_budget=config.no_tool_budget)
+    return evaluate_policy(
+        model, tokenizer, env, eval_seeds(config), config.eval_batch_size, config.max_new_tokens
+    )
+
+
+def _floats(summary: dict[str, Any] | None) -> dict[str, float]:
+    return {k: float(v) for k, v in (summary or {}).items() if isinstance(v, int | float)}
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run (or resume) every stage and write the reports; returns ``report.json``'s content."""
+    import torch
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    eval_seeds(config)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict[str, dict[str, Any]] = {}
+    records["base"] = _stage(out, "base", lambda d: stage_base(config, d), log)
+    records["factory"] = _stage(out, "factory", lambda d: stage_factory(config, d), log)
+    records["sft"] = _stage(
+        out, "sft", lambda d: stage_sft(config, d, records["base"]["model"], records["factory"]["data"]), log
+    )
+    records["rl"] = _stage(out, "rl", lambda d: stage_rl(config, d, records["sft"]["model"]), log)
+    models = {name: records[name]["model"] for name in EVALUATED}
+    records["eval"] = _stage(out, "eval", lambda d: stage_eval(config, d, models, log), log)
+    return write_reports(config, out, records)
+
+
+def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """report.json, report.md and agentic_mini.png from the stage records."""
+    evaluations = {}
+    for name, path in records["eval"]["reports"].items():
+        report = json.loads(Path(path).read_text())
+        report.pop("episodes", None)
+        evaluations[name] = report
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "stages": {name: records[name] for name in STAGES},
+        "seconds": {name: records[name]["seconds"] for name in STAGES},
+        "total_seconds": round(sum(records[name]["seconds"] for name in STAGES), 2),
+        "evaluation": evaluations,
+        "acceptance": acceptance(evaluations),
+    }
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out / "report.md", markdown(report))
+    plot(evaluations, Path(records["rl"]["metrics"]), out / "agentic_mini.png")
+    return report
+
+
+def acceptance(evaluations: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """The goals: SFT above base, RL above SFT (point estimates), fewer no-tool calls after RL."""
+    base, sft, rl = (evaluations[name] for name in EVALUATED)
+    return {
+        "sft_above_base": sft["success"] > base["success"],
+        "rl_above_sft": rl["success"] > sft["success"],
+        "rl_fewer_no_tool_calls_than_sft": (rl["no_tool_calls"] or 0) < (sft["no_tool_calls"] or 0),
+    }
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    """Stage, success ± CI, tool calls on no-tool tasks, tokens/task, wall time."""
+    rows = []
+    for name, result in report["evaluation"].items():
+        low, high = result["ci95"]
+        rows.append(
+            [
+                name,
+                f"{result['success']:.3f} [{low:.3f}, {high:.3f}] ({result['successes']}/{result['tasks']})",
+                f"{_fmt(result['no_tool_calls'])} (n={result['no_tool_tasks']})",
+                _fmt(result["tokens_per_task"], 1),
+                f"{report['seconds'][name]:.0f}",
+            ]
+        )
+    return rows
+
+
+HEADER = ["stage", "success [95% Wilson CI]", "tool calls on no-tool tasks", "tokens/task", "stage wall s"]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """report.md: the table, per-domain success, stage times and the acceptance checks."""
+    lines = ["# agentic-mini", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(report)]
+    domains = sorted({d for r in report["evaluation"].values() for d in r["domains"]})
+    lines += ["", "## success per domain", "", "| domain | " + " | ".join(report["evaluation"]) + " |"]
+    lines.append("|" + "---|" * (1 + len(report["evaluation"])))
+    for domain in domains:
+        cells = [_domain_cell(r["domains"].get(domain)) for r in report["evaluation"].values()]
+        lines.append(f"| {domain} | " + " | ".join(cells) + " |")
+    lines += ["", "## wall time per stage (s)", ""]
+    lines += [f"- {name}: {seconds:.0f}" for name, seconds in report["seconds"].items()]
+    lines += [f"- total: {report['total_seconds']:.0f}", "", "## acceptance", ""]
+    lines += [f"- {name}: {'yes' if ok else 'no'}" for name, ok in report["acceptance"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _domain_cell(row: dict[str, Any] | None) -> str:
+    return "–" if row is None else f"{row['success']:.2f} (n={row['tasks']})"
+
+
+def print_report(report: dict[str, Any], console: Any) -> None:
+    """The table as rich output."""
+    from rich.table import Table
+
+    table = Table(title="agentic-mini: held-out tool tasks")
+    for column in HEADER:
+        table.add_column(column)
+    for row in table_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    times = ", ".join(f"{k} {v:.0f} s" for k, v in report["seconds"].items())
+    console.print(f"wall time: {times}; total {report['total_seconds']:.0f} s", highlight=False)
+
+
+def plot(evaluations: dict[str, dict[str, Any]], metrics: Path, png: Path) -> Path:
+    """Success with CIs per stage, and the RL curves (reward, success, tool calls, tokens per task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    figure, axes = plt.subplots(1, 5, figsize=(20, 3.8))
+    names = list(evaluations)
+    values = [evaluations[n]["success"] for n in names]
+    errors = [  # clamped: at p = 0 or 1 the interval's end equals p up to rounding
+        [max(0.0, v - evaluations[n]["ci95"][0]) for n, v in zip(names, values, strict=True)],
+        [max(0.0, evaluations[n]["ci95"][1] - v) for n, v in zip(names, values, strict=True)],
+    ]
+    axes[0].bar(names, values, yerr=errors, capsize=6, color=["#999", "#4c72b0", "#dd8452"][: len(names)])
+    axes[0].set_title("held-out success (95% Wilson CI)")
+    axes[0].set_ylim(0, 1)
+    panels = (
+        ("mean_reward", "RL mean reward"),
+        ("success", "RL success"),
+        ("tool_calls_per_task", "RL tool calls / task"),
+        ("tokens_per_task", "RL tokens / task"),
+    )
+    for axis, (key, title) in zip(axes[1:], panels, strict=True):
+        points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+        axis.set_title(title)
+        axis.set_xlabel("iteration")
+    figure.tight_layout()
+    figure.savefig(png, dpi=80)
+    plt.close(figure)
+    return png

@@ -1,0 +1,157 @@
+"""`k2lab recipe agentic-mini`: the batched evaluator, the Wilson interval, a tiny end-to-end run, reuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.agentic.evaluate import episode_summary, evaluate_policy, play_batched, wilson_interval
+from k2lab.agentic.recipe import RecipeConfig, RecipeToolTasks, eval_seeds, run_recipe
+from k2lab.agentic.rollout import LocalPolicy, run_episode
+from k2lab.checkpoint import save_model
+
+from .conftest import randomize
+
+
+def biased_nano(tokenizer) -> torch.nn.Module:
+    """A random k2-nano whose <|im_end|> logit is boosted, so greedy turns end early (a wrong answer, a
+    malformed reply) or run out of tokens: a mix of outcomes for the evaluator to reproduce."""
+    model = randomize(build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=8192)))
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.special_tokens["<|im_end|>"]] *= 3.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, small_tokenizer):
+    directory = tmp_path_factory.mktemp("base")
+    save_model(biased_nano(small_tokenizer), directory)
+    small_tokenizer.save(directory / "tokenizer.json")
+    return directory
+
+
+# ---- statistics
+
+
+def test_wilson_interval_hand_computed():
+    # 8/10, z = 1.96: centre (0.8 + z²/20) / (1 + z²/10) = 0.71674, half-width 0.22658
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.49016, abs=1e-4)
+    assert high == pytest.approx(0.94332, abs=1e-4)
+    # 0/20: [0, z² / (n + z²)]
+    assert wilson_interval(0, 20) == pytest.approx((0.0, 3.84146 / 23.84146), abs=1e-4)
+    # 5/10 is symmetric around 0.5
+    low, high = wilson_interval(5, 10)
+    assert 0.5 - low == pytest.approx(high - 0.5) and low == pytest.approx(0.23659, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+# ---- the batched evaluator
+
+
+def test_batched_evaluation_matches_one_at_a_time(small_tokenizer):
+    model = biased_nano(small_tokenizer).eval()
+    env = RecipeToolTasks(no_tool_fraction=0.3, max_turns=4)
+    seeds = list(range(6))
+    batched = play_batched(model, small_tokenizer, env, seeds, batch_size=4, max_new_tokens=16)
+    policy = LocalPolicy(model, small_tokenizer, temperature=0.0, max_new_tokens=16)
+    single = [run_episode(env, policy, seed).episode for seed in seeds]
+    assert [episode_summary(e) for e in batched] == [episode_summary(e) for e in single]
+    assert [e.messages for e in batched] == [e.messages for e in single]
+    assert len({episode_summary(e)["reason"] for e in single}) > 1  # a real mix of outcomes
+
+
+def test_evaluate_policy_report(small_tokenizer):
+    model = biased_nano(small_tokenizer).eval()
+    env = RecipeToolTasks(no_tool_fraction=0.5, max_turns=2, no_tool_budget=8)
+    report = evaluate_policy(model, small_tokenizer, env, range(8), batch_size=8, max_new_tokens=8)
+    assert report["tasks"] == 8 and len(report["episodes"]) == 8
+    assert report["ci95"] == pytest.approx(list(wilson_interval(report["successes"], 8)))
+    assert report["no_tool_tasks"] == sum(not e["needs_tools"] for e in report["episodes"])
+    assert sum(d["tasks"] for d in report["domains"].values()) == 8
+    assert 0 < report["tokens_per_task"] <= 8 * 2
+
+
+def test_recipe_env_caps_turns_and_budgets_no_tool_tasks():
+    env = RecipeToolTasks(no_tool_fraction=1.0, max_turns=3, no_tool_budget=11)
+    episode = env.reset(1)
+    assert not episode.needs_tools and episode.token_budget == 11 and episode.max_turns <= 3
+    with pytest.raises(ValueError):
+        eval_seeds(RecipeConfig(eval_seed=0, factory_seed=0))
+
+
+# ---- end to end
+
+
+def tiny_config(out, base) -> RecipeConfig:
+    return RecipeConfig(
+        out=out,
+        base=base,
+        factory_n=12,
+        sft_steps=2,
+        sft_batch_size=1,
+        sft_seq_len=3072,
+        rl_iterations=1,
+        rl_groups=1,
+        rl_group_size=2,
+        max_new_tokens=8,
+        max_turns=2,
+        eval_n=20,
+        eval_batch_size=10,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, base_dir):
+    out = tmp_path_factory.mktemp("recipe") / "run"
+    messages: list[str] = []
+    report = run_recipe(tiny_config(out, base_dir), log=messages.append)
+    return out, report, messages
+
+
+def test_tiny_end_to_end_run_writes_every_output(tiny_run):
+    out, report, messages = tiny_run
+    for name in (
+        "report.json",
+        "report.md",
+        "agentic_mini.png",
+        "rl/metrics.jsonl",
+        "sft/model/tokenizer.json",
+    ):
+        assert (out / name).is_file(), name
+    assert not any("reused" in line for line in messages)
+    assert set(report["evaluation"]) == {"base", "sft", "rl"}
+    assert all(r["tasks"] == 20 for r in report["evaluation"].values())
+    assert set(report["seconds"]) == {"base", "factory", "sft", "rl", "eval"}
+    assert set(report["acceptance"]) == {"sft_above_base", "rl_above_sft", "rl_fewer_no_tool_calls_than_sft"}
+    text = (out / "report.md").read_text()
+    assert "success [95% Wilson CI]" in text and "| rl |" in text
+    assert json.loads((out / "report.json").read_text())["evaluation"]["rl"]["tasks"] == 20
+
+
+def test_second_invocation_reuses_every_stage(tiny_run, base_dir):
+    out, report, _ = tiny_run
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/done.json")}
+    assert len(stamps) == 5
+    again: list[str] = []
+    second = run_recipe(tiny_config(out, base_dir), log=again.append)
+    assert sum("reused" in line for line in again) == 5
+    assert all(second["stages"][name]["reused"] for name in ("base", "factory", "sft", "rl", "eval"))
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/done.json")} == stamps
+    assert second["evaluation"] == report["evaluation"]
+
+
+def test_cli_resumes_a_finished_run(tiny_run, base_dir, capsys):
+    from k2lab.cli import main
+
+    out, _, _ = tiny_run
+    args = ["recipe", "agentic-mini", "--out", str(out), "--base", str(base_dir), "--eval-n", "20"]
+    try:
+        main(args)
+    except SystemExit as exit_:
+        assert exit_.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "reused" in printed and "agentic-mini" in printed and "tokens/task" in printed
