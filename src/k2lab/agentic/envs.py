@@ -124,7 +124,7 @@ def run_tool_calls(
     """
     for call in message.get("tool_calls") or []:
         episode.tool_calls += 1
-        name, arguments, problem = _call_parts(call)
+        name, arguments, problem = tool_call_parts(call)
         if problem:
             episode.finish(False, "malformed tool call", reward=0.0, problem=problem)
             return False
@@ -139,7 +139,7 @@ def run_tool_calls(
     return True
 
 
-def _call_parts(call: object) -> tuple[str, dict[str, Any], str | None]:
+def tool_call_parts(call: object) -> tuple[str, dict[str, Any], str | None]:
     """(name, arguments, problem) of one OpenAI tool call."""
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):

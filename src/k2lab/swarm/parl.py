@@ -1,0 +1,444 @@
+"""PARL (K2.5): train only the orchestrator; sub-agents are frozen and their outputs are observations.
+
+Reward of a finished episode y of task x at training iteration i::
+
+    r_PARL(x, y) = λ1(i) · r_parallel + λ2(i) · r_finish + r_perf(x, y)
+
+    r_parallel = min(1, subagents_created / target)         (against serial collapse)
+    r_finish   = finished_subtasks / assigned_subtasks       (against spurious fan-out; 0 with none assigned)
+    r_perf     = 1[final answer exact]                       (the task's verifier)
+
+    λk(i) = λk(0) · max(0, 1 − i / (anneal_fraction · iterations))      (linear annealing to 0)
+
+so after ``anneal_fraction`` of training only task quality is rewarded. The update is K1.5's group
+objective from ``k2lab.agentic.rl`` (``k15_loss``, ``sequence_log_ratio``) on the orchestrator's own
+generated tokens only — sub-agent messages and tool results are observations, never trained on::
+
+    L(θ) = mean_groups (1/K) Σ_j ( r_j − r̄ − τ · Σ_{t ∈ orchestrator tokens of y_j} (log π_θ − log π_old) )²
+
+minimised with Adam for ``updates_per_iteration`` steps per iteration; the optimizer holds only the
+orchestrator's parameters, and a sub-agent model (when the workers are a ``LocalPolicy``) is put in eval
+mode with ``requires_grad=False``.
+
+Two orchestrators share the trainer:
+
+* ``LMOrchestrator`` — the language-model path: a ``LocalPolicy`` over a ``CausalLM`` calls the tools in K2's
+  chat format; its turns' completion ids are trained on (tested end-to-end on a tiny random model).
+* ``CompactOrchestrator`` — the compact path **used by ``k2lab ablate parl``**: a categorical policy
+  θ[state, action] over discrete orchestration actions, with state = (turn t, bucket of shards still
+  missing) and actions "query one shard myself" or "fan out (w, c)": create w sub-agents and give each c of
+  the missing shards (wrapping around when w·c exceeds them). When no shard is missing it answers with
+  the sum (a procedural aggregator). Each decision is one "token" (prompt id = state, completion id =
+  action), trained by the same group-relative objective; sub-agents are the procedural frozen
+  ``ShardWorker``.
+
+Checkpoints are atomic (``save_training_checkpoint``) and a restarted trainer resumes to the same metrics:
+every task and sampling seed is derived from (seed, iteration, group, member).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from k2lab.agentic.env import Episode
+from k2lab.agentic.rl import _chunk_logprobs, derive_seed, k15_loss, sequence_log_ratio
+from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
+from k2lab.swarm.runtime import SwarmEnv, swarm_metrics
+from k2lab.swarm.tasks import parse_facts, split_seeds
+from k2lab.train.checkpoint import (
+    capture_rng_state,
+    load_latest_checkpoint,
+    restore_rng_state,
+    save_training_checkpoint,
+)
+
+__all__ = [
+    "CompactOrchestrator",
+    "LMOrchestrator",
+    "ParlConfig",
+    "ParlTrainer",
+    "evaluate",
+    "lambda_at",
+    "make_env",
+    "parl_reward",
+    "r_finish",
+    "r_parallel",
+]
+
+METRICS = "metrics.jsonl"
+WIDTHS = (2, 3, 4, 6, 8)
+CHUNKS = (1, 2, 3, 6)
+BUCKETS = (2, 5, 8, 12)  # remaining shards ≤ 2, ≤ 5, ≤ 8, ≤ 12, more
+
+
+class ParlConfig(BaseModel):
+    """PARL hyper-parameters (equations in the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: int = Field(default=40, ge=1)
+    groups_per_iteration: int = Field(default=4, ge=1)
+    group_size: int = Field(default=8, ge=2)
+    tau: float = Field(default=0.5, gt=0)
+    lr: float = Field(default=0.05, gt=0)
+    updates_per_iteration: int = Field(default=4, ge=1)
+    lambda_parallel: float = Field(default=0.5, ge=0)
+    lambda_finish: float = Field(default=0.5, ge=0)
+    anneal_fraction: float = Field(default=0.5, gt=0, le=1)
+    subagent_target: int = Field(default=4, ge=1)
+    max_turns: int = Field(default=3, ge=2, description="B_main: orchestrator turns per episode.")
+    sub_max_steps: int = Field(default=4, ge=1, description="Steps per sub-agent run.")
+    min_shards: int = Field(default=2, ge=1)
+    max_shards: int = Field(default=24, ge=1)
+    single_agent: bool = False
+    solo_prior: float = Field(
+        default=4.5, description="Initial logit of 'query myself' (single-agent start)."
+    )
+    eval_every: int = Field(default=2, ge=1)
+    eval_tasks: int = Field(default=32, ge=1)
+    checkpoint_every: int = Field(default=5, ge=1)
+    keep_checkpoints: int | None = Field(default=2, ge=1)
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------ rewards
+
+
+def lambda_at(iteration: int, start: float, iterations: int, anneal_fraction: float) -> float:
+    """λ(i) = λ(0) · max(0, 1 − i / (anneal_fraction · iterations))."""
+    return start * max(0.0, 1.0 - iteration / (anneal_fraction * iterations))
+
+
+def r_parallel(subagents: int, target: int) -> float:
+    """min(1, subagents / target)."""
+    return min(1.0, subagents / target)
+
+
+def r_finish(finished: int, assigned: int) -> float:
+    """finished / assigned subtasks (0 when none was assigned)."""
+    return finished / assigned if assigned else 0.0
+
+
+def parl_reward(episode: Episode, lambda1: float, lambda2: float, target: int) -> dict[str, float]:
+    """r = λ1 · r_parallel + λ2 · r_finish + r_perf, with its terms."""
+    m = swarm_metrics(episode)
+    terms = {
+        "r_perf": float(m["success"]),
+        "r_parallel": r_parallel(m["subagents"], target),
+        "r_finish": r_finish(m["finished"], m["assigned"]),
+    }
+    terms["reward"] = lambda1 * terms["r_parallel"] + lambda2 * terms["r_finish"] + terms["r_perf"]
+    return terms
+
+
+# ------------------------------------------------------------------------------------------ orchestrators
+
+
+class LMOrchestrator:
+    """The language-model path: a ``LocalPolicy`` orchestrator whose completion ids are trained on."""
+
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any, temperature: float = 1.0, max_new_tokens: int = 64
+    ):
+        self.model = model
+        self.policy = LocalPolicy(model, tokenizer, temperature, max_new_tokens)
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def turn_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
+        """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1), 8 turns per forward."""
+        return [lp for s in range(0, len(turns), 8) for lp in _chunk_logprobs(self.model, turns[s : s + 8])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
+
+
+class CompactOrchestrator(torch.nn.Module):
+    """The compact path (used by the ablation): π_θ(a | s) = softmax(θ[s])_a over orchestration actions.
+
+    s = min(t, B_main − 1) · 5 + bucket(missing shards); a ∈ {solo} ∪ {fan(w, c): w ∈ WIDTHS, c ∈ CHUNKS}
+    (only solo for the single-agent baseline). ``greedy`` takes argmax_a instead of sampling. θ starts at 0
+    except θ[·, solo] = ``solo_prior``: a start from a single-agent checkpoint, which prefers working alone.
+    """
+
+    def __init__(self, max_turns: int = 6, single_agent: bool = False, solo_prior: float = 0.0) -> None:
+        super().__init__()
+        self.actions = [(0, 0)] + ([] if single_agent else [(w, c) for w in WIDTHS for c in CHUNKS])
+        self.max_turns, self.greedy = max_turns, False
+        logits = torch.zeros(max_turns * (len(BUCKETS) + 1), len(self.actions))
+        logits[:, 0] = solo_prior
+        self.logits = torch.nn.Parameter(logits)
+
+    @classmethod
+    def from_config(cls, config: ParlConfig) -> CompactOrchestrator:
+        return cls(config.max_turns, config.single_agent, config.solo_prior)
+
+    @property
+    def policy(self) -> CompactOrchestrator:
+        """The orchestrator is its own ``Policy``."""
+        return self
+
+    def state_of(self, messages: list[dict[str, Any]]) -> tuple[int, str, list[str], dict[str, int]]:
+        """(state index, product, missing shards, facts gathered) of the conversation so far."""
+        question = next(m["content"] for m in messages if m["role"] == "user")
+        product = re.search(r"product (\w+)", question).group(1)  # type: ignore[union-attr]
+        shards = re.findall(r"\bs\d{2}\b", question.split(". Each")[0])
+        facts = parse_facts(" ".join(m.get("content") or "" for m in messages if m["role"] == "tool"))
+        missing = [s for s in shards if s not in facts]
+        turn = min(sum(m["role"] == "assistant" for m in messages), self.max_turns - 1)
+        bucket = sum(len(missing) > b for b in BUCKETS)
+        return turn * (len(BUCKETS) + 1) + bucket, product, missing, facts
+
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        return [self.state_of(messages)[0]]
+
+    def respond(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
+    ) -> tuple[dict[str, Any], list[int]]:
+        state, product, missing, facts = self.state_of(messages)
+        if not missing:
+            return {"role": "assistant", "content": f"The total is {sum(facts.values())}"}, []
+        with torch.no_grad():
+            logits = self.logits[state]
+            if self.greedy:
+                action = int(logits.argmax())
+            else:
+                generator = torch.Generator().manual_seed(seed)
+                action = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        turn = sum(m["role"] == "assistant" for m in messages)
+        return _action_message(self.actions[action], product, missing, turn), [action]
+
+    def turn_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
+        """log π_θ(a | s) per turn (prompt id s, completion id a)."""
+        log_probs = self.logits.log_softmax(-1)
+        return [log_probs[t.prompt_ids[0], t.completion_ids] for t in turns]
+
+
+def _call(tool: str, call_id: str, **arguments: Any) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": tool, "arguments": json.dumps(arguments)}}
+
+
+def _action_message(action: tuple[int, int], product: str, missing: list[str], turn: int) -> dict[str, Any]:
+    """Solo: one ``query_shard``. fan(w, c): w ``create_subagent`` + w ``assign_task`` calls in one turn."""
+    width, chunk = action
+    if width == 0:
+        calls = [_call("query_shard", f"q{turn}", shard=missing[0], key=product)]
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+    calls = []
+    for i in range(width):
+        name = f"a{turn}_{i}"
+        part = [missing[(i * chunk + k) % len(missing)] for k in range(min(chunk, len(missing)))]
+        prompt = "You query regional shards and report every fact as sNN=value."
+        calls.append(
+            _call("create_subagent", f"c{turn}_{i}", name=name, system_prompt=prompt, tools=["query_shard"])
+        )
+        task = f"Report key={product} shards={','.join(part)}"
+        calls.append(_call("assign_task", f"t{turn}_{i}", agent=name, task=task))
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def make_env(config: ParlConfig, workers: Any = None, **kwargs: Any) -> SwarmEnv:
+    """The ``SwarmEnv`` of ``config`` (frozen ``workers``: default the procedural ``ShardWorker``)."""
+    return SwarmEnv(
+        workers, config.max_turns, config.sub_max_steps, config.min_shards, config.max_shards,
+        allow_subagents=not config.single_agent, **kwargs,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def evaluate(env: SwarmEnv, orchestrator: Any, seeds: Sequence[int], sample_seed: int = 0) -> dict[str, Any]:
+    """Held-out means of success, CriticalSteps, total tokens, tool calls, sub-agents, unfinished subtasks
+    (the compact orchestrator greedy), and the success on wide tasks (shards ≥ B_main: serially impossible)."""
+    greedy = getattr(orchestrator, "greedy", None)
+    if greedy is not None:
+        orchestrator.greedy = True
+    try:
+        rows = [
+            swarm_metrics(run_episode(env, orchestrator.policy, s, sample_seed=sample_seed).episode)
+            for s in seeds
+        ]
+    finally:
+        if greedy is not None:
+            orchestrator.greedy = greedy
+    keys = ("success", "critical_steps", "total_tokens", "tool_calls", "subagents", "unfinished")
+    result = {k: _mean([float(r[k]) for r in rows]) for k in keys}
+    wide = [float(r["success"]) for r in rows if r["shards"] >= env.max_turns]
+    result["wide_success"] = _mean(wide)
+    return result
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return round(sum(values) / len(values), 6) if values else None
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+
+class ParlTrainer:
+    """Train ``orchestrator`` (``CompactOrchestrator`` or ``LMOrchestrator``) on ``env`` with frozen workers.
+
+    ``run()`` trains (resuming from ``out_dir/checkpoints`` when there are any) and appends one line per
+    iteration to ``out_dir/metrics.jsonl`` (with an ``eval`` entry every ``eval_every`` iterations and at
+    the end).
+    """
+
+    def __init__(self, orchestrator: Any, env: SwarmEnv, config: ParlConfig, out_dir: str | Path) -> None:
+        self.orchestrator, self.env, self.config = orchestrator, env, config
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        frozen = getattr(env.workers, "model", None)
+        if isinstance(frozen, torch.nn.Module):
+            frozen.eval().requires_grad_(False)
+        self.optimizer = torch.optim.Adam(list(orchestrator.parameters()), lr=config.lr)
+        self.iteration = 0
+        self._resume()
+
+    # ---- persistence
+    def _state(self) -> dict[str, Any]:
+        return {
+            "iteration": self.iteration,
+            "orchestrator": self.orchestrator.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": capture_rng_state(),
+            "config": self.config.model_dump(mode="json"),
+        }
+
+    def _resume(self) -> None:
+        latest = load_latest_checkpoint(self.out)
+        if latest is None:
+            (self.out / METRICS).unlink(missing_ok=True)
+            return
+        _, state = latest
+        self.orchestrator.load_state_dict(state["orchestrator"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng_state(state["rng"])
+        self.iteration = int(state["iteration"])
+        path = self.out / METRICS
+        if path.is_file():
+            lines = [x for x in path.read_text().splitlines() if x.strip()]
+            path.write_text("".join(x + "\n" for x in lines if json.loads(x)["iteration"] < self.iteration))
+
+    def history(self) -> list[dict[str, Any]]:
+        path = self.out / METRICS
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+    # ---- the loop
+    def run(
+        self, iterations: int | None = None, on_iteration: Callable[[dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Train until ``iterations`` (default ``config.iterations``); returns this call's metrics."""
+        total, done = iterations or self.config.iterations, []
+        while self.iteration < total:
+            metrics = self.train_iteration()
+            done.append(metrics)
+            if self.iteration % self.config.checkpoint_every == 0 or self.iteration == total:
+                save_training_checkpoint(
+                    self.out, self.iteration, self._state(), self.config.keep_checkpoints
+                )
+            if on_iteration is not None:
+                on_iteration(metrics)
+        return done
+
+    def lambdas(self, iteration: int) -> tuple[float, float]:
+        c = self.config
+        return (
+            lambda_at(iteration, c.lambda_parallel, c.iterations, c.anneal_fraction),
+            lambda_at(iteration, c.lambda_finish, c.iterations, c.anneal_fraction),
+        )
+
+    def train_iteration(self) -> dict[str, Any]:
+        """Roll out G groups of K, reward them, ``updates_per_iteration`` optimizer steps; log the metrics."""
+        started, i, c = time.perf_counter(), self.iteration, self.config
+        lambda1, lambda2 = self.lambdas(i)
+        groups = [self._roll_group(i, g) for g in range(c.groups_per_iteration)]
+        terms = [[parl_reward(r.episode, lambda1, lambda2, c.subagent_target) for r in g] for g in groups]
+        loss = self._update(groups, [[t["reward"] for t in ts] for ts in terms], i)
+        self.iteration += 1
+        metrics = self._metrics(i, lambda1, lambda2, groups, terms, loss)
+        if self.iteration % c.eval_every == 0 or self.iteration == c.iterations:
+            seeds = split_seeds("heldout", c.eval_tasks, c.seed)
+            metrics["eval"] = evaluate(self.env, self.orchestrator, seeds, derive_seed(c.seed, "eval"))
+        metrics["seconds"] = round(time.perf_counter() - started, 4)
+        with open(self.out / METRICS, "a") as handle:
+            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+        return metrics
+
+    def _roll_group(self, iteration: int, index: int) -> list[Rollout]:
+        c = self.config
+        task_seed = 2 * (derive_seed(c.seed, "train-task", iteration, index) % 10**8)  # even: training split
+        return [
+            run_episode(
+                self.env, self.orchestrator.policy, task_seed, iteration=iteration,
+                sample_seed=derive_seed(c.seed, "sample", iteration, index, j),
+            )
+            for j in range(c.group_size)
+        ]  # fmt: skip
+
+    def _update(
+        self, groups: list[list[Rollout]], rewards: list[list[float]], iteration: int
+    ) -> float | None:
+        """K1.5 steps on the orchestrator's generated tokens of this iteration; the last loss."""
+        items = [
+            (g, j, turn)
+            for g, group in enumerate(groups)
+            for j, member in enumerate(group)
+            for turn in member.turns
+            if turn.iteration == iteration and turn.completion_ids and turn.prompt_ids
+        ]
+        if not items:
+            return None
+        turns = [t for _, _, t in items]
+        with torch.no_grad():
+            old = [x.detach() for x in self.orchestrator.turn_logprobs(turns)]
+        targets = [torch.tensor(r, dtype=torch.float32) for r in rewards]
+        loss = torch.zeros(())
+        for _ in range(self.config.updates_per_iteration):
+            ratios = [torch.zeros(len(r)) for r in rewards]
+            for (g, j, _), new, before in zip(
+                items, self.orchestrator.turn_logprobs(turns), old, strict=True
+            ):
+                log_ratio = sequence_log_ratio(new, before, torch.ones_like(before, dtype=torch.bool))
+                ratios[g] = ratios[g].index_add(0, torch.tensor([j]), log_ratio[None])
+            loss = sum(k15_loss(r, q, self.config.tau) for r, q in zip(targets, ratios, strict=True)) / len(
+                groups
+            )
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return float(loss.detach())
+
+    def _metrics(
+        self,
+        iteration: int,
+        lambda1: float,
+        lambda2: float,
+        groups: list[list[Rollout]],
+        terms: list[list[dict[str, float]]],
+        loss: float | None,
+    ) -> dict[str, Any]:
+        rows = [swarm_metrics(r.episode) for g in groups for r in g]
+        flat = [t for ts in terms for t in ts]
+        keys = ("critical_steps", "total_tokens", "tool_calls", "subagents", "unfinished")
+        return {
+            "iteration": iteration,
+            "lambda_parallel": round(lambda1, 6),
+            "lambda_finish": round(lambda2, 6),
+            "episodes": len(rows),
+            "loss": loss,
+            **{k: _mean([t[k] for t in flat]) for k in ("reward", "r_perf", "r_parallel", "r_finish")},
+            **{k: _mean([float(r[k]) for r in rows]) for k in keys},
+        }
