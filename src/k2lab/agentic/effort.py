@@ -1,0 +1,186 @@
+"""K3's multi-effort RL: three domains × three effort levels → nine expert policies, one RL run each.
+
+Effort is chosen through the system prompt. ``EffortEnv(domain, effort)`` wraps a domain environment
+(``build_env(domain)`` under ``GuardedEnv``) and, on ``reset``,
+
+* prepends the system message ``"Reasoning effort: {effort}"`` (before the task's own system prompt),
+* sets ``episode.token_budget = B_effort`` (the RL loop's budget penalty then applies), and
+* records ``state["domain"]`` / ``state["effort"]`` (MOPD routes each prompt to its teacher with them).
+
+The policy may generate up to ``max_new_tokens = 2 · B`` per turn: the budget penalty of ``k2lab.agentic.rl``
+
+    r_j = R_env(y_j) − λ · min(1, max(0, n_j − B) / B)
+
+saturates at n_j = 2B, so longer answers cannot be worse, only truncated. Default budgets (new tokens):
+low 16, high 48, max 128.
+
+``train_experts`` trains the nine experts from one SFT checkpoint with ``RLTrainer`` (the K1.5 objective,
+MuonClip, exact resume), each in ``OUT/{domain}-{effort}`` with its policy in ``OUT/{domain}-{effort}/model``;
+``OUT/experts.json`` is the manifest. A finished expert (its ``model/`` exists) is skipped; an unfinished
+one resumes from its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k2lab.agentic.env import Environment, Episode
+from k2lab.agentic.envs import GuardedEnv, build_env
+
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_DOMAINS",
+    "EFFORTS",
+    "EffortEnv",
+    "ExpertSpec",
+    "expert_specs",
+    "load_manifest",
+    "train_experts",
+]
+
+EFFORTS = ("low", "high", "max")
+DEFAULT_DOMAINS = ("arithmetic", "instruction", "coding")
+DEFAULT_BUDGETS = {"low": 16, "high": 48, "max": 128}
+MANIFEST = "experts.json"
+
+
+def effort_prompt(effort: str) -> str:
+    """The system prompt that selects an effort level."""
+    return f"Reasoning effort: {effort}"
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """One cell of the domain × effort grid: its token budget B and the per-turn limit 2B."""
+
+    domain: str
+    effort: str
+    budget: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.domain}-{self.effort}"
+
+    @property
+    def max_new_tokens(self) -> int:
+        return 2 * self.budget
+
+
+def expert_specs(
+    domains: Sequence[str] = DEFAULT_DOMAINS, budgets: dict[str, int] | None = None
+) -> list[ExpertSpec]:
+    """The grid, domain-major: (d₁, low), (d₁, high), (d₁, max), (d₂, low) ..."""
+    budgets = budgets or DEFAULT_BUDGETS
+    unknown = set(budgets) - set(EFFORTS)
+    if unknown:
+        raise ValueError(f"unknown effort levels {sorted(unknown)}; use {EFFORTS}")
+    return [ExpertSpec(d, e, int(budgets[e])) for d in domains for e in EFFORTS if e in budgets]
+
+
+class EffortEnv(Environment):
+    """A domain environment at one effort level: effort system prompt + token budget (see module doc)."""
+
+    def __init__(self, spec: ExpertSpec, env: Environment | None = None, timeout_s: float = 30.0) -> None:
+        self.spec = spec
+        self.env = GuardedEnv(env or build_env(spec.domain), timeout_s)
+        self.name = spec.key
+
+    def reset(self, seed: int) -> Episode:
+        episode = self.env.reset(seed)
+        episode.env = self.name
+        episode.messages.insert(0, {"role": "system", "content": effort_prompt(self.spec.effort)})
+        episode.token_budget = self.spec.budget
+        episode.state["domain"], episode.state["effort"] = self.spec.domain, self.spec.effort
+        return episode
+
+    def step(self, episode: Episode, message: dict[str, Any]) -> None:
+        self.env.step(episode, message)
+        episode.env = self.name
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def load_manifest(directory: str | Path) -> dict[str, Any]:
+    """``experts.json`` of an experts directory (specs, SFT checkpoint, RL config)."""
+    from k2lab.errors import K2LabError
+
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise K2LabError(f"{directory} has no {MANIFEST}: train experts with `k2lab mopd experts` first")
+    return json.loads(path.read_text())
+
+
+def manifest_specs(manifest: dict[str, Any]) -> list[ExpertSpec]:
+    return [ExpertSpec(**spec) for spec in manifest["experts"]]
+
+
+def train_expert(
+    checkpoint: str | Path,
+    spec: ExpertSpec,
+    out_dir: str | Path,
+    config: Any,
+    env: Environment | None = None,
+) -> Path:
+    """RL one expert (``run_rl`` with its ``EffortEnv``); returns its policy directory ``OUT/model``.
+
+    ``config`` is an ``RLConfig``; its ``envs`` and ``max_new_tokens`` are set from ``spec``.
+    """
+    from k2lab.agentic.rl import RLTrainer
+    from k2lab.checkpoint import load_model, save_model
+    from k2lab.data import load_tokenizer
+
+    out = Path(out_dir)
+    config = config.model_copy(update={"envs": [spec.domain], "max_new_tokens": spec.max_new_tokens})
+    torch.manual_seed(config.seed)
+    tokenizer = load_tokenizer(Path(checkpoint) / "tokenizer.json")
+    model = load_model(checkpoint)
+    trainer = RLTrainer(model, tokenizer, config, out, env=EffortEnv(spec, env, config.step_timeout_s))
+    trainer.run()
+    save_model(model, out / "model")
+    tokenizer.save(out / "model" / "tokenizer.json")
+    return out / "model"
+
+
+def train_experts(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config: Any,
+    specs: Sequence[ExpertSpec] | None = None,
+    log: Callable[[str], object] = print,
+) -> dict[str, Any]:
+    """Train every expert of ``specs`` (default: the 3 × 3 grid) from ``checkpoint``; resumable.
+
+    Each expert's RL seed is ``config.seed`` + its index, so experts see different prompts. Writes and
+    returns the manifest.
+    """
+    from k2lab.errors import K2LabError
+
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
+    specs = list(specs or expert_specs())
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).is_file() and load_manifest(out)["experts"] != [vars(s) for s in specs]:
+        raise K2LabError(f"{out} holds experts of other domains or budgets: choose another --out")
+    manifest = {
+        "checkpoint": str(checkpoint),
+        "experts": [vars(s) for s in specs],
+        "rl": config.model_dump(mode="json"),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for index, spec in enumerate(specs):
+        if (out / spec.key / "model" / "tokenizer.json").is_file():
+            log(f"{spec.key}: done, skipped")
+            continue
+        log(f"{spec.key}: RL, budget {spec.budget}, {config.iterations} iterations")
+        train_expert(
+            checkpoint, spec, out / spec.key, config.model_copy(update={"seed": config.seed + index})
+        )
+    return manifest

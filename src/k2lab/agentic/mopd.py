@@ -1,0 +1,534 @@
+"""Multi-teacher on-policy distillation (MOPD, K3): nine effort experts merged into one student.
+
+**The objective.** Each step draws ``prompts_per_step`` prompts, prompt i from grid cell
+c_i = cells[(s · P + i) mod 9] (a (domain, effort) pair; ``EffortEnv`` puts the effort in the system prompt).
+The *student* π_S samples the episode (every assistant turn, at ``temperature``); the teacher of the
+prompt's own cell, π_T = teachers[c_i], scores the student's tokens. The per-token reward is the
+teacher/student log-ratio (K3 kept it over a top-k distillation objective)
+
+    A_t = log π_T(y_t | ctx_t) − log π_S(y_t | ctx_t)             (no gradient: sg(·))
+
+and the loss is its policy gradient over the N generated tokens of the step (prompts and tool results are
+context only)
+
+    L(θ) = −(1/N) Σ_t sg(log π_T(y_t|ctx_t) − log π_θ(y_t|ctx_t)) · log π_θ(y_t|ctx_t)
+
+    ∇L   = −(1/N) Σ_t A_t ∇ log π_θ(y_t|ctx_t)
+
+i.e. REINFORCE with reward A_t per token and no credit to earlier tokens (discount 0); since
+E_{y∼π_S}[Σ_t −A_t] = KL(π_S ‖ π_T) per token, it is reverse-KL distillation on the student's own
+distribution. log π is the model at temperature 1 without the decoding enforcer's mask. One MuonClip step
+per step; metrics.jsonl gets one line (loss, per-token reverse KL estimate mean(−A_t), per-cell rewards).
+
+**Baseline** (``mode="sft"``): the same prompts, but the *teacher* of each cell samples and the student
+minimises plain cross-entropy on the teacher's tokens, L = −(1/N) Σ_t log π_θ(y_t|ctx_t) (SFT on teacher
+samples, the off-policy alternative).
+
+**Resume.** Every ``checkpoint_every`` steps ``save_training_checkpoint`` stores the student, the
+optimizer, the step and the RNGs; prompts and sampling seeds are derived from (seed, step, i), so a killed
+run restarted with the same arguments reproduces the uninterrupted run's metrics and weights.
+
+**Report.** ``mopd_report`` scores teachers, the MOPD student and the SFT baseline on held-out seeds of every
+cell (mean environment reward R_env; goal: student ≥ 0.9 · teacher per cell) and writes report.json,
+report.md and report.png (heatmaps of student/teacher and baseline/teacher).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
+from k2lab.agentic.env import Episode
+from k2lab.agentic.rl import budget_penalty, derive_seed
+from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
+from k2lab.optim.grouping import OptimizerConfig
+from k2lab.optim.muonclip import MuonClip
+from k2lab.train.checkpoint import (
+    capture_rng_state,
+    load_latest_checkpoint,
+    restore_rng_state,
+    save_training_checkpoint,
+)
+
+__all__ = [
+    "MOPDConfig",
+    "MOPDTrainer",
+    "TeacherRouter",
+    "evaluate_cells",
+    "mopd_advantages",
+    "mopd_loss",
+    "mopd_report",
+    "run_mopd",
+    "sft_loss",
+    "turn_logprobs",
+]
+
+METRICS = "metrics.jsonl"
+GOAL = 0.9
+
+
+class MOPDConfig(BaseModel):
+    """Hyper-parameters of ``k2lab mopd distill`` (see the module docstring for the equations)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(default=20, ge=1)
+    prompts_per_step: int = Field(default=9, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
+    checkpoint_every: int = Field(default=1, ge=1)
+    keep_checkpoints: int | None = Field(default=3, ge=1)
+    step_timeout_s: float = Field(default=30.0, gt=0)
+    logprob_batch: int = Field(default=8, ge=1)
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------ the math
+
+
+def mopd_advantages(logp_teacher: torch.Tensor, logp_student: torch.Tensor) -> torch.Tensor:
+    """A_t = sg(log π_T(y_t) − log π_S(y_t))."""
+    return (logp_teacher - logp_student).detach()
+
+
+def mopd_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor) -> torch.Tensor:
+    """L = −(1/N) Σ_t sg(log π_T(y_t) − log π_S(y_t)) · log π_S(y_t) over N generated tokens."""
+    if logp_student.numel() == 0:
+        return logp_student.sum()
+    return -(mopd_advantages(logp_teacher, logp_student) * logp_student).sum() / logp_student.numel()
+
+
+def sft_loss(logp_student: torch.Tensor) -> torch.Tensor:
+    """L = −(1/N) Σ_t log π_S(y_t) on teacher tokens (the SFT baseline)."""
+    if logp_student.numel() == 0:
+        return logp_student.sum()
+    return -logp_student.mean()
+
+
+def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8) -> list[torch.Tensor]:
+    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1), right-padded chunks."""
+    out: list[torch.Tensor] = []
+    device = next(model.parameters()).device
+    for start in range(0, len(turns), batch):
+        chunk = turns[start : start + batch]
+        rows = [t.prompt_ids + t.completion_ids for t in chunk]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
+        logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+        for i, t in enumerate(chunk):
+            begin = len(t.prompt_ids) - 1
+            out.append(logp[i, begin : begin + len(t.completion_ids)])
+    return out
+
+
+def trainable_turns(rollout: Rollout) -> list[Turn]:
+    return [t for t in rollout.turns if t.prompt_ids and t.completion_ids]
+
+
+# ------------------------------------------------------------------------------------------ teachers
+
+
+class TeacherRouter:
+    """The nine teachers by cell; ``route(episode)`` picks the one of the episode's (domain, effort)."""
+
+    def __init__(self, teachers: dict[tuple[str, str], torch.nn.Module]) -> None:
+        self.teachers = teachers
+        for model in teachers.values():
+            model.eval().requires_grad_(False)
+
+    def route(self, episode: Episode) -> torch.nn.Module:
+        key = (episode.state.get("domain"), episode.state.get("effort"))
+        if key not in self.teachers:
+            raise KeyError(f"no teacher for domain/effort {key}")
+        return self.teachers[key]  # type: ignore[index]
+
+    @classmethod
+    def load(cls, experts_dir: str | Path, specs: Sequence[ExpertSpec]) -> TeacherRouter:
+        from k2lab.checkpoint import load_model
+
+        return cls({(s.domain, s.effort): load_model(Path(experts_dir) / s.key / "model") for s in specs})
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+
+class MOPDTrainer:
+    """On-policy multi-teacher distillation (``mode="mopd"``) or SFT on teacher samples (``"sft"``)."""
+
+    def __init__(
+        self,
+        student: torch.nn.Module,
+        tokenizer: Any,
+        router: TeacherRouter,
+        specs: Sequence[ExpertSpec],
+        config: MOPDConfig,
+        out_dir: str | Path,
+        mode: Literal["mopd", "sft"] = "mopd",
+    ) -> None:
+        self.student, self.tokenizer, self.router = student.eval(), tokenizer, router
+        self.specs, self.config, self.mode = list(specs), config, mode
+        self.envs = {s.key: EffortEnv(s, timeout_s=config.step_timeout_s) for s in self.specs}
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.optimizer = MuonClip(student, config.optimizer, verbose=False)
+        self.step = 0
+        self._resume()
+
+    # ---- persistence
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": self.student.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": capture_rng_state(),
+            "config": self.config.model_dump(mode="json"),
+            "mode": self.mode,
+        }
+
+    def _resume(self) -> None:
+        latest = load_latest_checkpoint(self.out)
+        if latest is None:
+            (self.out / METRICS).unlink(missing_ok=True)
+            return
+        _, state = latest
+        self.student.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng_state(state["rng"])
+        self.step = int(state["step"])
+        path = self.out / METRICS
+        if path.is_file():
+            lines = [x for x in path.read_text().splitlines() if x.strip()]
+            kept = [x for x in lines if json.loads(x)["step"] < self.step]
+            path.write_text("".join(x + "\n" for x in kept))
+
+    # ---- the loop
+    def run(
+        self, steps: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Train until ``steps`` (default ``config.steps``) are done; returns this call's metrics."""
+        total, history = steps or self.config.steps, []
+        while self.step < total:
+            metrics = self.train_step()
+            history.append(metrics)
+            if self.step % self.config.checkpoint_every == 0 or self.step == total:
+                save_training_checkpoint(self.out, self.step, self._state(), self.config.keep_checkpoints)
+            if on_step is not None:
+                on_step(metrics)
+        return history
+
+    def cell(self, step: int, index: int) -> ExpertSpec:
+        """c_i = cells[(s · P + i) mod |cells|]: every step covers the grid round-robin."""
+        return self.specs[(step * self.config.prompts_per_step + index) % len(self.specs)]
+
+    def _sample(self, step: int, index: int) -> tuple[ExpertSpec, Rollout, torch.nn.Module]:
+        """Roll out prompt ``index`` of ``step`` with the student (MOPD) or the cell's teacher (SFT)."""
+        spec, seed = self.cell(step, index), self.config.seed
+        env = self.envs[spec.key]
+        episode = env.reset(derive_seed(seed, "mopd-task", step, index))
+        teacher = self.router.route(episode)
+        sampler = self.student if self.mode == "mopd" else teacher
+        policy = LocalPolicy(sampler, self.tokenizer, self.config.temperature, spec.max_new_tokens)
+        rollout = run_episode(
+            env,
+            policy,
+            episode.seed,
+            rollout=Rollout(episode),
+            sample_seed=derive_seed(seed, "s", step, index),
+        )
+        return spec, rollout, teacher
+
+    def train_step(self) -> dict[str, Any]:
+        """Sample, score, one optimizer step on L(θ); returns (and logs) the metrics."""
+        started, s = time.perf_counter(), self.step
+        samples = [self._sample(s, i) for i in range(self.config.prompts_per_step)]
+        turns = [(turn, teacher) for _, rollout, teacher in samples for turn in trainable_turns(rollout)]
+        teacher_logp: list[torch.Tensor] = []
+        if self.mode == "mopd":
+            with torch.no_grad():
+                teacher_logp = [turn_logprobs(t, [turn])[0] for turn, t in turns]
+        result: dict[str, Any] = {"loss": None, "reverse_kl": None, "trained_tokens": 0}
+        if turns:
+            student_logp = torch.cat(
+                turn_logprobs(self.student, [t for t, _ in turns], self.config.logprob_batch)
+            )
+            if self.mode == "mopd":
+                target = torch.cat(teacher_logp)
+                loss = mopd_loss(student_logp, target)
+                result["reverse_kl"] = round(float((student_logp.detach() - target).mean()), 6)
+            else:
+                loss = sft_loss(student_logp)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            result.update(loss=round(float(loss.detach()), 6), trained_tokens=int(student_logp.numel()))
+        self.step += 1
+        metrics = {"step": s, "mode": self.mode, **result, **_reward_metrics(samples)}
+        metrics["seconds"] = round(time.perf_counter() - started, 3)
+        with open(self.out / METRICS, "a") as handle:
+            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+        return metrics
+
+
+def _reward_metrics(samples: Sequence[tuple[ExpertSpec, Rollout, Any]]) -> dict[str, Any]:
+    per_cell: dict[str, list[float]] = defaultdict(list)
+    for spec, rollout, _ in samples:
+        per_cell[spec.key].append(float(rollout.episode.reward or 0.0))
+    rewards = [r for rs in per_cell.values() for r in rs]
+    tokens = [r.episode.completion_tokens for _, r, _ in samples]
+    return {
+        "mean_reward": round(sum(rewards) / len(rewards), 6),
+        "tokens_per_task": round(sum(tokens) / len(tokens), 3),
+        "per_cell": {k: round(sum(v) / len(v), 6) for k, v in sorted(per_cell.items())},
+    }
+
+
+# ------------------------------------------------------------------------------------------ entry points
+
+
+def run_mopd(
+    experts_dir: str | Path,
+    student_checkpoint: str | Path,
+    out_dir: str | Path,
+    config: MOPDConfig,
+    mode: Literal["mopd", "sft"] = "mopd",
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """``k2lab mopd distill``: student from ``student_checkpoint``, teachers from ``experts_dir``; trains
+    (resuming from ``OUT/checkpoints``) and saves the student to ``OUT/model`` with the tokenizer."""
+    from k2lab.checkpoint import load_model, save_model
+    from k2lab.data import load_tokenizer
+
+    specs = manifest_specs(load_manifest(experts_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mopd.json").write_text(
+        json.dumps(
+            {
+                "experts": str(experts_dir),
+                "student": str(student_checkpoint),
+                "mode": mode,
+                "config": config.model_dump(mode="json"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    torch.manual_seed(config.seed)
+    tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
+    student = load_model(student_checkpoint)
+    trainer = MOPDTrainer(
+        student, tokenizer, TeacherRouter.load(experts_dir, specs), specs, config, out, mode
+    )
+    history = trainer.run(on_step=on_step)
+    save_model(student, out / "model")
+    tokenizer.save(out / "model" / "tokenizer.json")
+    return history
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def evaluate_cells(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    router: TeacherRouter,
+    specs: Sequence[ExpertSpec],
+    episodes: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    budget_weight: float = 0.1,
+) -> dict[str, dict[str, float]]:
+    """Per cell on held-out seeds derive_seed(seed, "heldout", cell, i): mean R_env (``score``), success,
+    tokens, the budget-penalised reward and the per-token KL estimate mean(log π_model − log π_teacher)
+    on the model's own samples."""
+    results = {}
+    for spec in specs:
+        env = EffortEnv(spec)
+        policy = LocalPolicy(model, tokenizer, temperature, spec.max_new_tokens)
+        rows: dict[str, list[float]] = defaultdict(list)
+        gaps: list[torch.Tensor] = []
+        for i in range(episodes):
+            task = derive_seed(seed, "heldout", spec.key, i)
+            rollout = run_episode(env, policy, task, sample_seed=derive_seed(seed, "eval", spec.key, i))
+            e = rollout.episode
+            rows["score"].append(float(e.reward or 0.0))
+            rows["success"].append(float(bool(e.outcome and e.outcome.success)))
+            rows["tokens"].append(e.completion_tokens)
+            rows["penalized"].append(
+                rows["score"][-1] - budget_penalty(e.completion_tokens, spec.budget, budget_weight)
+            )
+            turns = trainable_turns(rollout)
+            if turns and router.route(e) is not model:
+                with torch.no_grad():
+                    own = torch.cat(turn_logprobs(model, turns))
+                    teacher = torch.cat(turn_logprobs(router.route(e), turns))
+                gaps.append(own - teacher)
+        results[spec.key] = {k: round(sum(v) / len(v), 6) for k, v in rows.items()}
+        results[spec.key]["kl"] = round(float(torch.cat(gaps).mean()), 6) if gaps else 0.0
+    return results
+
+
+def _ratio(value: float, reference: float) -> float | None:
+    return round(value / reference, 4) if reference > 0 else None
+
+
+def report_rows(
+    specs: Sequence[ExpertSpec], scores: dict[str, dict[str, dict[str, float]]]
+) -> list[dict[str, Any]]:
+    """One row per cell: teacher/student/baseline scores, ratios, goal student ≥ 0.9 · teacher."""
+    rows = []
+    for spec in specs:
+        t, s, b = (scores[who][spec.key] for who in ("teacher", "student", "baseline"))
+        rows.append(
+            {
+                "cell": spec.key,
+                "domain": spec.domain,
+                "effort": spec.effort,
+                "budget": spec.budget,
+                "teacher": t["score"],
+                "student": s["score"],
+                "baseline": b["score"],
+                "student_ratio": _ratio(s["score"], t["score"]),
+                "baseline_ratio": _ratio(b["score"], t["score"]),
+                "goal_met": s["score"] >= GOAL * t["score"],
+                "trivial": t["score"] <= 0,  # the teacher scores 0: the goal holds vacuously
+                "student_kl": s["kl"],
+                "baseline_kl": b["kl"],
+                "tokens": {"teacher": t["tokens"], "student": s["tokens"], "baseline": b["tokens"]},
+            }
+        )
+    return rows
+
+
+def _met(row: dict[str, Any]) -> str:
+    return ("yes" if row["goal_met"] else "no") + ("*" if row["trivial"] else "")
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The report as a Markdown table (ratios "n/a" and goal "yes*" where the teacher scores 0)."""
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = [
+        "| cell | B | teacher | MOPD student | SFT baseline | student/teacher | baseline/teacher | ≥90% "
+        "| KL student | KL baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['cell']} | {r['budget']} | {r['teacher']:.3f} | {r['student']:.3f} | {r['baseline']:.3f} "
+            f"| {fmt(r['student_ratio'])} | {fmt(r['baseline_ratio'])} | {_met(r)} "
+            f"| {r['student_kl']:.3f} | {r['baseline_kl']:.3f} |"
+        )
+    lines.append("\n*: the teacher scores 0 on this cell, so the goal holds vacuously.")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(rows: Sequence[dict[str, Any]], png_path: str | Path) -> Path:
+    """Heatmaps (domain × effort) of student/teacher and baseline/teacher (grey: teacher scores 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    efforts = list(dict.fromkeys(r["effort"] for r in rows))
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for axis, key, title in zip(
+        axes,
+        ("student_ratio", "baseline_ratio"),
+        ("MOPD student / teacher", "SFT baseline / teacher"),
+        strict=True,
+    ):
+        grid = np.full((len(domains), len(efforts)), np.nan)
+        for r in rows:
+            if r[key] is not None:
+                grid[domains.index(r["domain"]), efforts.index(r["effort"])] = r[key]
+        image = axis.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0, vmax=1.2)
+        axis.set_facecolor("lightgrey")
+        for (i, j), value in np.ndenumerate(grid):
+            axis.text(j, i, "n/a" if math.isnan(value) else f"{value:.2f}", ha="center", va="center")
+        axis.set_xticks(range(len(efforts)), efforts)
+        axis.set_yticks(range(len(domains)), domains)
+        axis.set_title(title)
+        figure.colorbar(image, ax=axis, fraction=0.046)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=80)
+    plt.close(figure)
+    return Path(png_path)
+
+
+def mopd_report(
+    experts_dir: str | Path,
+    distill_dir: str | Path,
+    out_dir: str | Path | None = None,
+    episodes: int = 4,
+    baseline_steps: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 1,
+    log: Callable[[str], object] = print,
+) -> dict[str, Any]:
+    """``k2lab mopd report``: trains the SFT baseline into ``DISTILL/baseline`` when missing (same config
+    as the distillation, ``baseline_steps`` overriding its steps), scores teacher / student / baseline on
+    ``episodes`` held-out seeds per cell, writes report.json, report.md and report.png to ``out_dir``
+    (default ``DISTILL/report``); returns the report."""
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+
+    distill = Path(distill_dir)
+    run = json.loads((distill / "mopd.json").read_text())
+    out = Path(out_dir) if out_dir else distill / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    specs = manifest_specs(load_manifest(experts_dir))
+    baseline_dir = distill / "baseline"
+    if not (baseline_dir / "model" / "tokenizer.json").is_file():
+        config = MOPDConfig(**run["config"])
+        if baseline_steps is not None:
+            config = config.model_copy(update={"steps": baseline_steps})
+        log(f"baseline: SFT on teacher samples, {config.steps} steps")
+        run_mopd(experts_dir, run["student"], baseline_dir, config, mode="sft")
+    tokenizer = load_tokenizer(distill / "model" / "tokenizer.json")
+    router = TeacherRouter.load(experts_dir, specs)
+    scores: dict[str, dict[str, dict[str, float]]] = {}
+    started = time.perf_counter()
+    for who in ("teacher", "student", "baseline"):
+        log(f"evaluating {who} on {episodes} held-out prompts per cell")
+        if who == "teacher":
+            scores[who] = {}
+            for spec in specs:
+                model = router.teachers[(spec.domain, spec.effort)]
+                scores[who] |= evaluate_cells(model, tokenizer, router, [spec], episodes, temperature, seed)
+            continue
+        model = load_model(distill / "model" if who == "student" else baseline_dir / "model").eval()
+        scores[who] = evaluate_cells(model, tokenizer, router, specs, episodes, temperature, seed)
+    rows = report_rows(specs, scores)
+    report = {
+        "experts": str(experts_dir),
+        "distill": str(distill),
+        "episodes_per_cell": episodes,
+        "temperature": temperature,
+        "goal": f"student >= {GOAL} x teacher per cell",
+        "cells_met": sum(r["goal_met"] for r in rows),
+        "cells": rows,
+        "scores": scores,
+        "eval_seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(markdown_table(rows))
+    plot_report(rows, out / "report.png")
+    return report

@@ -1,0 +1,178 @@
+"""K3's multi-effort RL + MOPD: the per-token loss and gradient on a hand-computed 2-token case, teacher
+routing by (domain, effort), the effort wrapper (system prompt, budget), a tiny end-to-end run (nine
+experts, distillation, baseline, report) through the CLI, and exact resume of distillation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.agentic.effort import EffortEnv, ExpertSpec, expert_specs, train_experts
+from k2lab.agentic.mopd import MOPDConfig, MOPDTrainer, TeacherRouter, mopd_advantages, mopd_loss, sft_loss
+from k2lab.agentic.rl import RLConfig
+from k2lab.agentic.rollout import LocalPolicy
+from k2lab.checkpoint import save_model
+from k2lab.cli import main
+from k2lab.errors import K2LabError
+
+from .conftest import randomize
+
+TINY_BUDGETS = {"low": 2, "high": 4, "max": 6}
+
+
+def cli(*args) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in args])
+    assert exit_info.value.code == 0
+
+
+def nano_model(seed: int = 0):
+    model = build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=2048))
+    return randomize(model, seed=seed)
+
+
+# ---- the math
+
+
+def test_mopd_loss_and_gradient_hand_computed():
+    # position 1: student p_S = [1/4, 3/4], teacher p_T = [1/2, 1/2], sampled y = 1
+    # position 2: student p_S = [1/2, 1/2], teacher p_T = [0.8, 0.2], sampled y = 0
+    student_logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], requires_grad=True)
+    teacher_logits = torch.tensor([[0.0, 0.0], [math.log(0.8), math.log(0.2)]], requires_grad=True)
+    y = torch.tensor([1, 0])
+    logp_s = student_logits.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+    logp_t = teacher_logits.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+    a1, a2 = math.log(0.5 / 0.75), math.log(0.8 / 0.5)  # A_t = log π_T(y_t) − log π_S(y_t)
+    assert mopd_advantages(logp_t, logp_s).tolist() == pytest.approx([a1, a2])
+    loss = mopd_loss(logp_s, logp_t)
+    # L = −(1/2) [A_1 · log(3/4) + A_2 · log(1/2)]
+    assert float(loss.detach()) == pytest.approx(-(a1 * math.log(0.75) + a2 * math.log(0.5)) / 2)
+    loss.backward()
+    # ∂L/∂z_t = −(A_t / N) (onehot(y_t) − p_S,t)
+    expected = [[-a1 / 2 * (0 - 0.25), -a1 / 2 * (1 - 0.75)], [-a2 / 2 * (1 - 0.5), -a2 / 2 * (0 - 0.5)]]
+    assert student_logits.grad.tolist()[0] == pytest.approx(expected[0])
+    assert student_logits.grad.tolist()[1] == pytest.approx(expected[1])
+    assert teacher_logits.grad is None  # the teacher only scores (sg)
+    # over-weighted token 1 at position 1 is pushed down, under-weighted token 0 at position 2 up
+    assert student_logits.grad[0, 1] > 0 and student_logits.grad[1, 0] < 0
+
+
+def test_sft_baseline_loss_is_mean_negative_logprob():
+    logp = torch.tensor([-1.0, -3.0])
+    assert float(sft_loss(logp)) == pytest.approx(2.0)
+    assert float(mopd_loss(torch.zeros(0), torch.zeros(0))) == 0.0
+
+
+# ---- effort and routing
+
+
+def test_effort_env_sets_system_prompt_budget_and_cell(small_tokenizer):
+    spec = ExpertSpec("arithmetic", "high", 48)
+    env = EffortEnv(spec)
+    episode = env.reset(3)
+    assert episode.messages[0] == {"role": "system", "content": "Reasoning effort: high"}
+    assert episode.messages[1]["role"] == "system" and episode.messages[-1]["role"] == "user"
+    assert episode.token_budget == 48 and spec.max_new_tokens == 96
+    assert episode.state["domain"] == "arithmetic" and episode.state["effort"] == "high"
+    assert episode.env == "arithmetic-high"
+    env.step(episode, {"role": "assistant", "content": str(episode.state["answer"])})
+    assert episode.done and episode.reward == 1.0 and episode.env == "arithmetic-high"
+    policy = LocalPolicy(nano_model(), small_tokenizer)
+    prompt = small_tokenizer.decode(policy.encode_prompt(env.reset(3).messages, []))
+    assert "Reasoning effort: high" in prompt
+    specs = expert_specs()
+    assert len(specs) == 9 and {s.effort for s in specs} == {"low", "high", "max"}
+    assert [s.budget for s in specs[:3]] == [16, 48, 128]
+
+
+def test_teacher_routing_by_domain_and_effort():
+    specs = expert_specs(budgets=TINY_BUDGETS)
+    teachers = {(s.domain, s.effort): torch.nn.Linear(1, 1) for s in specs}
+    router = TeacherRouter(teachers)
+    for spec in specs:
+        episode = EffortEnv(spec).reset(7)
+        assert router.route(episode) is teachers[(spec.domain, spec.effort)]
+    partial = TeacherRouter({("arithmetic", "low"): torch.nn.Linear(1, 1)})
+    with pytest.raises(KeyError):
+        partial.route(EffortEnv(ExpertSpec("arithmetic", "max", 6)).reset(1))
+
+
+# ---- end to end
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory, small_tokenizer):
+    directory = tmp_path_factory.mktemp("sft")
+    save_model(nano_model(), directory)
+    small_tokenizer.save(directory / "tokenizer.json")
+    return directory
+
+
+def test_nine_experts_distill_and_report_through_the_cli(sft_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("k2lab.agentic.rl.plot_metrics", lambda *args: None)  # 9 matplotlib figures: slow
+    experts, distill = tmp_path / "experts", tmp_path / "distill"
+    common = ["--iterations", "1", "--group", "2", "--prompts", "1", "--updates", "1", "--budgets", "1,2,3"]
+    cli("mopd", "experts", "--checkpoint", str(sft_dir), "--out", str(experts), *common)
+    manifest = json.loads((experts / "experts.json").read_text())
+    assert len(manifest["experts"]) == 9
+    for spec in manifest["experts"]:
+        key = f"{spec['domain']}-{spec['effort']}"
+        assert (experts / key / "model" / "model.safetensors").is_file()
+        assert (experts / key / "metrics.jsonl").is_file()
+    capsys.readouterr()
+    cli("mopd", "experts", "--checkpoint", str(sft_dir), "--out", str(experts), *common)
+    assert capsys.readouterr().out.count("skipped") == 9
+    cli("mopd", "distill", "--experts", str(experts), "--student", str(sft_dir), "--out", str(distill),
+          "--steps", "1")  # fmt: skip
+    lines = [json.loads(x) for x in (distill / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0] and all(x["mode"] == "mopd" for x in lines)
+    assert len(lines[0]["per_cell"]) == 9 and lines[0]["trained_tokens"] > 0
+    cli("mopd", "report", "--experts", str(experts), "--distill", str(distill), "--episodes", "1",
+          "--baseline-steps", "1")  # fmt: skip
+    report = json.loads((distill / "report" / "report.json").read_text())
+    assert len(report["cells"]) == 9 and set(report["scores"]) == {"teacher", "student", "baseline"}
+    assert all(isinstance(row["goal_met"], bool) for row in report["cells"])
+    assert (distill / "report" / "report.png").stat().st_size > 0
+    assert "| cell |" in (distill / "report" / "report.md").read_text()
+    assert (distill / "baseline" / "model" / "model.safetensors").is_file()
+
+
+def test_train_experts_subset_and_resume_skips(sft_dir, tmp_path):
+    specs = [ExpertSpec("instruction", "low", 2)]
+    config = RLConfig(iterations=1, group_size=2, groups_per_iteration=1, updates_per_iteration=1)
+    logs: list[str] = []
+    train_experts(sft_dir, tmp_path, config, specs, log=logs.append)
+    train_experts(sft_dir, tmp_path, config, specs, log=logs.append)
+    assert "RL" in logs[0] and logs[1].endswith("skipped")
+    with pytest.raises(K2LabError, match="other domains or budgets"):
+        train_experts(sft_dir, tmp_path, config, [ExpertSpec("instruction", "low", 3)])
+
+
+def test_distillation_resumes_exactly(small_tokenizer, tmp_path):
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 5)]
+    teachers = {(s.domain, s.effort): nano_model(seed=10 + i) for i, s in enumerate(specs)}
+    config = MOPDConfig(steps=3, prompts_per_step=2)
+
+    def trainer(out):
+        return MOPDTrainer(nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, out)
+
+    straight = trainer(tmp_path / "a")
+    straight.run()
+    interrupted = trainer(tmp_path / "b")
+    interrupted.run(steps=1)
+    resumed = trainer(tmp_path / "b")  # fresh weights: everything comes from the step-1 checkpoint
+    assert resumed.step == 1
+    resumed.run()
+
+    def metrics(path):
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    assert metrics(tmp_path / "a")[0]["trained_tokens"] > 0
+    for name, value in straight.student.state_dict().items():
+        assert torch.equal(value, resumed.student.state_dict()[name]), name
