@@ -54,8 +54,8 @@ from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train.checkpoint import (
     capture_rng_state,
-    load_latest_checkpoint,
     restore_rng_state,
+    resume_state,
     save_training_checkpoint,
 )
 
@@ -199,20 +199,13 @@ class MOPDTrainer:
         }
 
     def _resume(self) -> None:
-        latest = load_latest_checkpoint(self.out)
-        if latest is None:
-            (self.out / METRICS).unlink(missing_ok=True)
+        state = resume_state(self.out, METRICS, "step")
+        if state is None:
             return
-        _, state = latest
         self.student.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
         self.step = int(state["step"])
-        path = self.out / METRICS
-        if path.is_file():
-            lines = [x for x in path.read_text().splitlines() if x.strip()]
-            kept = [x for x in lines if json.loads(x)["step"] < self.step]
-            path.write_text("".join(x + "\n" for x in kept))
 
     # ---- the loop
     def run(

@@ -62,8 +62,8 @@ from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train.checkpoint import (
     capture_rng_state,
-    load_latest_checkpoint,
     restore_rng_state,
+    resume_state,
     save_training_checkpoint,
 )
 
@@ -260,11 +260,9 @@ class RLTrainer:
         }
 
     def _resume(self) -> None:
-        latest = load_latest_checkpoint(self.out)
-        if latest is None:
-            (self.out / METRICS).unlink(missing_ok=True)
+        state = resume_state(self.out, METRICS, "iteration")
+        if state is None:
             return
-        _, state = latest
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
@@ -275,15 +273,6 @@ class RLTrainer:
             self.critic.load_state_dict(state["critic"])
         self.iteration = int(state["iteration"])
         save_rollouts(self.out / PARTIALS, [g.to_dict() for g in self.pending])
-        self._truncate_metrics()
-
-    def _truncate_metrics(self) -> None:
-        """Drop metrics lines of iterations after the checkpoint (they are about to be redone)."""
-        path = self.out / METRICS
-        if path.is_file():
-            lines = [x for x in path.read_text().splitlines() if x.strip()]
-            kept = [x for x in lines if json.loads(x)["iteration"] < self.iteration]
-            path.write_text("".join(x + "\n" for x in kept))
 
     # ---- the loop
     def run(

@@ -55,8 +55,8 @@ from k2lab.swarm.runtime import SwarmEnv, swarm_metrics
 from k2lab.swarm.tasks import parse_facts, split_seeds
 from k2lab.train.checkpoint import (
     capture_rng_state,
-    load_latest_checkpoint,
     restore_rng_state,
+    resume_state,
     save_training_checkpoint,
 )
 
@@ -318,19 +318,13 @@ class ParlTrainer:
         }
 
     def _resume(self) -> None:
-        latest = load_latest_checkpoint(self.out)
-        if latest is None:
-            (self.out / METRICS).unlink(missing_ok=True)
+        state = resume_state(self.out, METRICS, "iteration")
+        if state is None:
             return
-        _, state = latest
         self.orchestrator.load_state_dict(state["orchestrator"])
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
         self.iteration = int(state["iteration"])
-        path = self.out / METRICS
-        if path.is_file():
-            lines = [x for x in path.read_text().splitlines() if x.strip()]
-            path.write_text("".join(x + "\n" for x in lines if json.loads(x)["iteration"] < self.iteration))
 
     def history(self) -> list[dict[str, Any]]:
         path = self.out / METRICS

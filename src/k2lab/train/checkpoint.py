@@ -366,3 +366,24 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state.cpu(), device)
+
+
+def resume_state(run_dir: Path, metrics_file: str, counter: str) -> dict | None:
+    """The latest checkpoint's state for an RL-style loop logging one JSON line per ``counter`` value
+    (``"iteration"``, ``"step"``) to ``run_dir / metrics_file``.
+
+    Metrics lines at or after the checkpoint's counter are dropped (they are about to be redone); with no
+    checkpoint the metrics file is removed and None returned. The caller restores its own objects from
+    the state (``state[counter]`` is where it continues).
+    """
+    path = Path(run_dir) / metrics_file
+    latest = load_latest_checkpoint(Path(run_dir))
+    if latest is None:
+        path.unlink(missing_ok=True)
+        return None
+    state = latest[1]
+    if path.is_file():
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        kept = [x for x in lines if json.loads(x)[counter] < int(state[counter])]
+        path.write_text("".join(x + "\n" for x in kept))
+    return state
