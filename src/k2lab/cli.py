@@ -29,6 +29,14 @@ app = typer.Typer(
 )
 console = Console()
 PresetOption = Annotated[str, typer.Option("--preset", "-p", help="Preset name; `k2lab presets` lists them.")]
+# options shared by the ablation commands
+KeepWeightsOption = Annotated[
+    bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
+]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(help="torch threads per run (default torch's divided among the jobs, at least 1)."),
+]
 
 
 @app.command()
@@ -519,9 +527,7 @@ def ablate_optimizer(
     batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
     precision: Annotated[str | None, typer.Option(help="auto, fp32 or bf16.")] = None,
-    keep_weights: Annotated[
-        bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
-    ] = False,
+    keep_weights: KeepWeightsOption = False,
     optimizers: Annotated[
         str | None, typer.Option(help="Comma-separated subset of adamw,muon,muonclip (default all).")
     ] = None,
@@ -615,19 +621,14 @@ def ablate_balancing(
     batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch (default 4).")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default 128).")] = None,
     precision: Annotated[str | None, typer.Option(help="auto, fp32 or bf16.")] = None,
-    keep_weights: Annotated[
-        bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
-    ] = False,
+    keep_weights: KeepWeightsOption = False,
     jobs: Annotated[
         int | None,
         typer.Option(
             help="Runs trained at once, in worker processes (output in OUT/logs/); default one per rule."
         ),
     ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(help="torch threads per run (default torch's divided among the jobs, at least 1)."),
-    ] = None,
+    threads: ThreadsOption = None,
 ) -> None:
     from k2lab.train.balancing_ablation import balancing_config, parse_rules, run_balancing
 
@@ -691,19 +692,14 @@ def ablate_vision_injection(
     lr: Annotated[
         float | None, typer.Option(help="Peak learning rate of every arm (default 2e-3, MuonClip).")
     ] = None,
-    keep_weights: Annotated[
-        bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
-    ] = False,
+    keep_weights: KeepWeightsOption = False,
     jobs: Annotated[
         int | None,
         typer.Option(
             help="Arms trained at once, in worker processes (output in OUT/logs/); default one per arm."
         ),
     ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(help="torch threads per run (default torch's divided among the jobs, at least 1)."),
-    ] = None,
+    threads: ThreadsOption = None,
 ) -> None:
     from k2lab.train.vision_ablation import run_vision_injection, vision_injection_config
 
@@ -791,9 +787,7 @@ def ablate_rephrase(
     recipe: Annotated[
         Path | None, typer.Option(help="TOML recipe for everything but the data; flags override it.")
     ] = None,
-    keep_weights: Annotated[
-        bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
-    ] = False,
+    keep_weights: KeepWeightsOption = False,
     jobs: Annotated[
         int | None, typer.Option(help="Arms trained at once, in worker processes (default 2).")
     ] = None,

@@ -50,6 +50,7 @@ from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_
 from k2lab.agentic.env import Episode
 from k2lab.agentic.rl import budget_penalty, derive_seed
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
+from k2lab.fsutil import save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train.checkpoint import (
@@ -461,7 +462,7 @@ def plot_report(rows: Sequence[dict[str, Any]], png_path: str | Path) -> Path:
         axis.set_title(title)
         figure.colorbar(image, ax=axis, fraction=0.046)
     figure.tight_layout()
-    figure.savefig(png_path, dpi=80)
+    save_figure_atomically(figure, Path(png_path), dpi=80)
     plt.close(figure)
     return Path(png_path)
 

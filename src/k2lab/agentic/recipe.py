@@ -26,7 +26,7 @@ from typing import Any
 
 from k2lab.agentic.env import Episode
 from k2lab.agentic.tasks import ToolTaskEnvironment
-from k2lab.fsutil import atomic_write_text
+from k2lab.fsutil import atomic_write_text, save_figure_atomically
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
 
@@ -376,6 +376,6 @@ def plot(evaluations: dict[str, dict[str, Any]], metrics: Path, png: Path) -> Pa
         axis.set_title(title)
         axis.set_xlabel("iteration")
     figure.tight_layout()
-    figure.savefig(png, dpi=80)
+    save_figure_atomically(figure, Path(png), dpi=80)
     plt.close(figure)
     return png

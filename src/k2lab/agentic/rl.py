@@ -58,6 +58,7 @@ from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.env import Environment
 from k2lab.agentic.envs import EnvMixture, build_env
 from k2lab.agentic.rollout import LocalPolicy, Policy, Rollout, Turn, run_episode, save_rollouts
+from k2lab.fsutil import save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train.checkpoint import (
@@ -543,7 +544,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> Path | None:
         axis.set_xlabel("iteration")
     axes.flat[0].legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(png_path, dpi=80)
+    save_figure_atomically(figure, Path(png_path), dpi=80)
     plt.close(figure)
     return Path(png_path)
 

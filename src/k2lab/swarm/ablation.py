@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
-from k2lab.fsutil import atomic_write_text
+from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.swarm.parl import CompactOrchestrator, ParlConfig, ParlTrainer, evaluate, make_env
 from k2lab.swarm.tasks import split_seeds
 from k2lab.train.ablation_common import fmt, ordered_subset, write_outputs
@@ -236,6 +236,6 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     axes.flat[0].axhline(results["settings"]["target"], color="grey", linestyle=":", linewidth=1)
     axes.flat[0].legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
+    save_figure_atomically(figure, Path(path), dpi=80)
     plt.close(figure)
     return path
