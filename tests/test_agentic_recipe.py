@@ -54,7 +54,7 @@ def test_wilson_interval_hand_computed():
 
 def test_batched_evaluation_matches_one_at_a_time(small_tokenizer):
     model = biased_nano(small_tokenizer).eval()
-    env = RecipeToolTasks(no_tool_fraction=0.3, max_turns=4)
+    env = RecipeToolTasks(RecipeConfig(max_turns=4), no_tool_fraction=0.3)
     seeds = list(range(6))
     batched = play_batched(model, small_tokenizer, env, seeds, batch_size=4, max_new_tokens=16)
     policy = LocalPolicy(model, small_tokenizer, temperature=0.0, max_new_tokens=16)
@@ -66,7 +66,7 @@ def test_batched_evaluation_matches_one_at_a_time(small_tokenizer):
 
 def test_evaluate_policy_report(small_tokenizer):
     model = biased_nano(small_tokenizer).eval()
-    env = RecipeToolTasks(no_tool_fraction=0.5, max_turns=2, no_tool_budget=8)
+    env = RecipeToolTasks(RecipeConfig(max_turns=2, no_tool_budget=8), no_tool_fraction=0.5)
     report = evaluate_policy(model, small_tokenizer, env, range(8), batch_size=8, max_new_tokens=8)
     assert report["tasks"] == 8 and len(report["episodes"]) == 8
     assert report["ci95"] == pytest.approx(list(wilson_interval(report["successes"], 8)))
@@ -76,7 +76,7 @@ def test_evaluate_policy_report(small_tokenizer):
 
 
 def test_recipe_env_caps_turns_and_budgets_no_tool_tasks():
-    env = RecipeToolTasks(no_tool_fraction=1.0, max_turns=3, no_tool_budget=11)
+    env = RecipeToolTasks(RecipeConfig(max_turns=3, no_tool_budget=11), no_tool_fraction=1.0)
     episode = env.reset(1)
     assert not episode.needs_tools and episode.token_budget == 11 and episode.max_turns <= 3
     with pytest.raises(ValueError):

@@ -20,7 +20,7 @@ from k2lab.agentic.experts import EXPECTED_REASONS, MODES, ExpertAgent
 from k2lab.agentic.factory import FactoryConfig, generate, rollout
 from k2lab.agentic.judge import judge, reason_category
 from k2lab.agentic.simulator import FailureRates, ToolSimulator
-from k2lab.agentic.tasks import ToolTaskEnvironment
+from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
 from k2lab.agentic.tools import (
     BASE_TOOLS,
     DOMAINS,
@@ -420,6 +420,41 @@ def test_no_tool_tasks_punish_tool_calls(repository):
         assert not good.needs_tools and good.outcome.success and good.tool_calls == 0
         bad = rollout(env, ExpertAgent(repository, mode="unnecessary_call"), seed)
         assert "tool_on_no_tool_task" in {reason_category(r) for r in bad.outcome.details["reasons"]}
+
+
+def test_partial_credit_ranks_failures_below_every_success(repository):
+    strict = ToolTaskEnvironment(repository, FailureRates(), no_tool_fraction=0.0)
+    graded = ToolTaskEnvironment(repository, FailureRates(), no_tool_fraction=0.0, partial_credit=0.5)
+    for seed in range(12):
+        good = rollout(graded, ExpertAgent(repository, imperfection=0.0), seed)
+        assert good.outcome.success and good.reward == 1.0
+        bad = rollout(graded, ExpertAgent(repository, mode="wrong_argument"), seed)
+        checks = bad.outcome.details["checks"]
+        met = sum(c["ok"] for c in checks) / len(checks)
+        assert not bad.outcome.success and 0 < met < 1
+        assert bad.reward == pytest.approx(0.5 * met) and bad.reward < 0.5
+        assert rollout(strict, ExpertAgent(repository, mode="wrong_argument"), seed).reward == 0.0
+    with pytest.raises(ValueError, match="partial_credit"):
+        ToolTaskEnvironment(repository, partial_credit=1.0)
+
+
+def test_tool_environments_by_name():
+    files = tool_env("mini-tools:files")
+    tasks = [files.reset(seed) for seed in range(20)]
+    assert {e.state["task"]["domain"] for e in tasks} == {"files"}
+    canonical = {base.key for base in BASE_TOOLS}
+    for episode in tasks:
+        names = {t["function"]["name"] for t in episode.tools}
+        assert names <= canonical and len(names - {b.key for b in BASE_TOOLS if b.domain == "files"}) <= 1
+        assert episode.max_turns <= MINI_TOOLS["max_turns"]
+    assert files.partial_credit == MINI_TOOLS["partial_credit"]
+    bank = tool_env("tools:bank")
+    assert {bank.reset(s).state["task"]["domain"] for s in range(10)} == {"bank"}
+    assert {tool_env("tools").reset(s).state["task"]["domain"] for s in range(60)} == set(DOMAINS)
+    with pytest.raises(ValueError, match="unknown tool domains"):
+        tool_env("mini-tools:garden")
+    with pytest.raises(ValueError, match="unknown tool environment"):
+        tool_env("maxi-tools")
 
 
 def test_judge_reports_final_state_reasons():

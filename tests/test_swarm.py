@@ -303,3 +303,11 @@ def test_ablate_parl_quick_writes_outputs(tmp_path):
     run_cli(["ablate", "parl", "--quick", "--out", str(out)])  # finished runs are reused
     again = json.loads((out / "parl.json").read_text())
     assert again["arms"]["full"]["success"] == json.loads(first)["arms"]["full"]["success"]
+
+
+def test_ablate_parl_relaxed_budget_makes_every_task_serially_solvable(tmp_path):
+    out = tmp_path / "relaxed"
+    run_cli(["ablate", "parl", "--quick", "--max-turns", "26", "--arms", "single_agent", "--out", str(out)])
+    results = json.loads((out / "parl.json").read_text())
+    assert results["settings"]["base"]["max_turns"] == 26 and "B_main = 26" in (out / "parl.md").read_text()
+    assert results["arms"]["single_agent"]["success"] == 1.0  # 24 shards at most: 25 turns suffice

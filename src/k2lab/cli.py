@@ -1100,35 +1100,51 @@ def recipe_agentic_mini(
     base: Annotated[
         Path | None, typer.Option("--base", help="Trained k2lab model dir (tokenizer.json); else pre-train.")
     ] = None,
-    pretrain_steps: Annotated[int, typer.Option(min=1, help="Pre-training steps without --base.")] = 250,
-    factory_n: Annotated[int, typer.Option(min=1, help="Factory tasks rolled out for SFT data.")] = 1500,
-    sft_steps: Annotated[int, typer.Option(min=1, help="SFT optimizer steps.")] = 240,
-    rl_iterations: Annotated[int, typer.Option(min=1, help="RL iterations.")] = 6,
-    eval_n: Annotated[int, typer.Option(min=1, help="Held-out evaluation tasks.")] = 200,
+    pretrain_steps: Annotated[
+        int | None, typer.Option(min=1, help="Pre-training steps without --base (default 250).")
+    ] = None,
+    factory_n: Annotated[
+        int | None, typer.Option(min=1, help="Factory tasks rolled out for SFT data (default 1500).")
+    ] = None,
+    sft_steps: Annotated[int | None, typer.Option(min=1, help="SFT optimizer steps (default 240).")] = None,
+    rl_iterations: Annotated[int | None, typer.Option(min=1, help="RL iterations (default 12).")] = None,
+    rl_groups: Annotated[
+        int | None, typer.Option(min=1, help="RL prompts per iteration (default 4).")
+    ] = None,
+    rl_group_size: Annotated[
+        int | None, typer.Option(min=2, help="RL samples per prompt (K) (default 4).")
+    ] = None,
+    eval_n: Annotated[
+        int | None, typer.Option(min=1, help="Held-out evaluation tasks (default 200).")
+    ] = None,
     eval_seed: Annotated[
-        int, typer.Option(help="Factory seed of the held-out tasks (not used in training).")
-    ] = 7,
-    eval_batch_size: Annotated[int, typer.Option(min=1, help="Rows per batched generate call.")] = 32,
+        int | None, typer.Option(help="Factory seed of the held-out tasks, unused in training (default 7).")
+    ] = None,
+    eval_batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Rows per batched generate call (default 32).")
+    ] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
 ) -> None:
-    """Pre-trained mini model -> factory data -> SFT -> RL -> held-out evaluation (CPU, ~30 min).
+    """Pre-trained mini model -> factory data -> SFT -> RL -> held-out evaluation (CPU, ~25 min).
 
     Every stage is reused when complete, so a killed run resumes. Writes report.json, report.md and
     agentic_mini.png in OUT.
     """
     from k2lab.agentic.recipe import RecipeConfig, print_report, run_recipe
 
+    chosen = {
+        "pretrain_steps": pretrain_steps,
+        "factory_n": factory_n,
+        "sft_steps": sft_steps,
+        "rl_iterations": rl_iterations,
+        "rl_groups": rl_groups,
+        "rl_group_size": rl_group_size,
+        "eval_n": eval_n,
+        "eval_seed": eval_seed,
+        "eval_batch_size": eval_batch_size,
+    }
     config = RecipeConfig(
-        out=out,
-        base=base,
-        pretrain_steps=pretrain_steps,
-        factory_n=factory_n,
-        sft_steps=sft_steps,
-        rl_iterations=rl_iterations,
-        eval_n=eval_n,
-        eval_seed=eval_seed,
-        eval_batch_size=eval_batch_size,
-        threads=threads,
+        out=out, base=base, threads=threads, **{k: v for k, v in chosen.items() if v is not None}
     )
     try:
         report = run_recipe(config, log=lambda text: console.print(text, highlight=False, markup=False))
@@ -1300,6 +1316,14 @@ def ablate_parl(
     solo_prior: Annotated[
         float | None, typer.Option(help="Initial logit of working alone (single-agent start, default 4.5).")
     ] = None,
+    max_turns: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            help="B_main, orchestrator turns per episode (default 3: wide tasks are serially impossible; "
+            "above max shards + 1 every task is serially solvable).",
+        ),
+    ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Smoke run: 4 iterations, 1 seed, 8 tasks.")] = False,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
 ) -> None:
@@ -1307,7 +1331,9 @@ def ablate_parl(
     from k2lab.swarm.parl import ParlConfig
 
     base: dict[str, object] = {"iterations": 4, "eval_tasks": 8, "group_size": 4} if quick else {}
-    chosen = {"iterations": iterations, "eval_tasks": eval_tasks, "solo_prior": solo_prior}
+    chosen = {
+        "iterations": iterations, "eval_tasks": eval_tasks, "solo_prior": solo_prior, "max_turns": max_turns,
+    }  # fmt: skip
     base.update({k: v for k, v in chosen.items() if v is not None})
     seed_list = [int(s) for s in seeds.split(",") if s.strip()][: 1 if quick else None]
     settings = ParlAblationSettings(

@@ -555,14 +555,13 @@ ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 
 
 def build_env(name: str) -> Environment:
-    """An environment by name: arithmetic, instruction, coding, open_qa, or ``tools`` (the factory's
-    ``ToolTaskEnvironment`` from ``k2lab.agentic.tasks`` when that module is available)."""
+    """An environment by name: arithmetic, instruction, coding, open_qa, or the factory's tool tasks
+    ``tools[:DOMAIN]`` / ``mini-tools[:DOMAIN]`` (``k2lab.agentic.tasks.tool_env``)."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]()
-    if name in ("tools", "tool_tasks"):
-        try:
-            from k2lab.agentic.tasks import ToolTaskEnvironment  # type: ignore[attr-defined]
-        except ImportError as error:
-            raise ValueError(f"environment 'tools' is unavailable ({error})") from None
-        return ToolTaskEnvironment()
-    raise ValueError(f"unknown environment {name!r}; choose from {', '.join([*ENVIRONMENTS, 'tools'])}")
+    if name.partition(":")[0] in ("tools", "tool_tasks", "mini-tools"):
+        from k2lab.agentic.tasks import tool_env
+
+        return tool_env(name)
+    choices = ", ".join([*ENVIRONMENTS, "tools[:DOMAIN]", "mini-tools[:DOMAIN]"])
+    raise ValueError(f"unknown environment {name!r}; choose from {choices}")

@@ -43,10 +43,13 @@ class FactoryConfig:
     no_tool_fraction: float = 0.15
     mcp_fraction: float = 0.2
     variants_per_tool: int = 12
+    max_distractors: int = 2
 
     def validate(self) -> None:
         if self.n < 0:
             raise K2LabError("--n must be at least 0")
+        if self.variants_per_tool < 0 or self.max_distractors < 0:
+            raise K2LabError("variants-per-tool and max-distractors must be at least 0")
         for name in ("failure_rate", "imperfection", "no_tool_fraction", "mcp_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise K2LabError(
@@ -105,7 +108,11 @@ def generate(config: FactoryConfig) -> FactoryResult:
     started = time.perf_counter()
     repository = build_repository(config.seed, config.variants_per_tool, config.tools_path)
     env = ToolTaskEnvironment(
-        repository, FailureRates.from_total(config.failure_rate), config.no_tool_fraction, config.mcp_fraction
+        repository,
+        FailureRates.from_total(config.failure_rate),
+        config.no_tool_fraction,
+        config.mcp_fraction,
+        max_distractors=config.max_distractors,
     )
     expert = ExpertAgent(repository, imperfection=config.imperfection)
     result, stats = FactoryResult(), _Stats()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from k2lab.agentic.env import Episode
-from k2lab.agentic.tasks import ToolTaskEnvironment
+from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
@@ -36,7 +36,7 @@ EVALUATED = ("base", "sft", "rl")
 
 @dataclass
 class RecipeConfig:
-    """Sizes of every stage (defaults: about 30 minutes on 2 CPU cores with an existing base)."""
+    """Sizes of every stage (defaults: about 25 minutes on 2 CPU cores with an existing base)."""
 
     out: Path = Path("runs/agentic-mini")
     base: Path | None = None
@@ -44,19 +44,23 @@ class RecipeConfig:
     pretrain_steps: int = 250
     factory_n: int = 1500
     factory_seed: int = 0
+    variants_per_tool: int = MINI_TOOLS["variants_per_tool"]
+    max_distractors: int = MINI_TOOLS["max_distractors"]
+    partial_credit: float = MINI_TOOLS["partial_credit"]
     sft_steps: int = 240
     sft_batch_size: int = 4
     sft_seq_len: int = 1024
     sft_lr: float = 1e-3
-    rl_iterations: int = 6
-    rl_groups: int = 2
+    rl_iterations: int = 12
+    rl_groups: int = 4
     rl_group_size: int = 4
     rl_lr: float = 2e-4
+    rl_updates: int = 1
     rl_no_tool_fraction: float = 0.3
     budget_penalty: float = 0.5
     no_tool_budget: int = 24
     max_new_tokens: int = 128
-    max_turns: int = 8
+    max_turns: int = MINI_TOOLS["max_turns"]
     eval_n: int = 200
     eval_seed: int = 7
     eval_batch_size: int = 32
@@ -66,16 +70,29 @@ class RecipeConfig:
 
 
 class RecipeToolTasks(ToolTaskEnvironment):
-    """The factory's tool tasks with at most ``max_turns`` assistant turns and a token budget on the tasks
-    that need no tool (the budget penalty of RL applies to them)."""
+    """The factory's tool tasks over the recipe's repository (``variants_per_tool`` evolved variants of each
+    base tool, ``max_distractors`` foreign tools per agent), with at most ``max_turns`` assistant turns and a
+    token budget on the tasks that need no tool (the budget penalty of RL applies to them)."""
 
-    def __init__(self, no_tool_fraction: float = 0.15, max_turns: int = 8, no_tool_budget: int = 24) -> None:
-        super().__init__(no_tool_fraction=no_tool_fraction)
-        self.max_turns, self.no_tool_budget = max_turns, no_tool_budget
+    def __init__(
+        self,
+        config: RecipeConfig,
+        no_tool_fraction: float = 0.15,
+        partial_credit: float = 0.0,
+    ) -> None:
+        from k2lab.agentic.tools import build_repository
+
+        super().__init__(
+            build_repository(config.factory_seed, config.variants_per_tool),
+            no_tool_fraction=no_tool_fraction,
+            max_distractors=config.max_distractors,
+            partial_credit=partial_credit,
+            max_turns=config.max_turns,
+        )
+        self.no_tool_budget = config.no_tool_budget
 
     def reset(self, seed: int) -> Episode:
         episode = super().reset(seed)
-        episode.max_turns = min(episode.max_turns, self.max_turns)
         if not episode.needs_tools:
             episode.token_budget = self.no_tool_budget
         return episode
@@ -133,7 +150,14 @@ def stage_factory(config: RecipeConfig, directory: Path) -> dict[str, Any]:
     """Factory trajectories (seed ``factory_seed``)."""
     from k2lab.agentic.factory import FactoryConfig, generate
 
-    result = generate(FactoryConfig(n=config.factory_n, seed=config.factory_seed))
+    result = generate(
+        FactoryConfig(
+            n=config.factory_n,
+            seed=config.factory_seed,
+            variants_per_tool=config.variants_per_tool,
+            max_distractors=config.max_distractors,
+        )
+    )
     path = directory / "trajectories.jsonl"
     result.write(path)
     return {"data": str(path), "episodes": config.factory_n, "kept": len(result.kept)}
@@ -178,7 +202,7 @@ def rl_config(config: RecipeConfig) -> Any:
         temperature_floor=0.5,
         temperature_decay=0.9,
         budget_penalty=config.budget_penalty,
-        updates_per_iteration=1,
+        updates_per_iteration=config.rl_updates,
         optimizer=OptimizerConfig(lr=config.rl_lr),
         checkpoint_every=1,
         keep_checkpoints=1,
@@ -190,7 +214,7 @@ def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str,
     """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
     from k2lab.agentic.rl import run_rl
 
-    env = RecipeToolTasks(config.rl_no_tool_fraction, config.max_turns, config.no_tool_budget)
+    env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit)
     history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
     last = history[-1] if history else {}
     return {
@@ -222,7 +246,7 @@ def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
 
     model = load_model(path).eval()
     tokenizer = load_tokenizer(Path(path) / "tokenizer.json")
-    env = RecipeToolTasks(max_turns=config.max_turns, no_tool_budget=config.no_tool_budget)
+    env = RecipeToolTasks(config)
     return evaluate_policy(
         model, tokenizer, env, eval_seeds(config), config.eval_batch_size, config.max_new_tokens
     )

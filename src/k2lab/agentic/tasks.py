@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,7 +56,9 @@ __all__ = [
     "Step",
     "Task",
     "TaskGenerator",
+    "MINI_TOOLS",
     "ToolTaskEnvironment",
+    "tool_env",
 ]
 
 BASES = {base.key: base for base in BASE_TOOLS}
@@ -644,12 +646,17 @@ class TaskGenerator:
         no_tool_fraction: float = 0.15,
         mcp_fraction: float = 0.2,
         max_distractors: int = 2,
+        domains: Sequence[str] | None = None,
     ):
         self.repository = repository
         self.no_tool_fraction = no_tool_fraction
         self.mcp_fraction = mcp_fraction if repository.mcp else 0.0
         self.max_distractors = max_distractors
         self.tree = repository.by_domain()
+        self.domains = sorted(domains or DOMAINS)
+        unknown = sorted(set(self.domains) - set(DOMAINS))
+        if unknown:
+            raise ValueError(f"unknown tool domains {unknown}; choose from {', '.join(sorted(DOMAINS))}")
 
     def sample_agent(self, rng: random.Random, domain: str) -> Agent:
         """One variant per base tool of ``domain`` and up to ``max_distractors`` tools of other domains."""
@@ -664,7 +671,7 @@ class TaskGenerator:
         """The task for ``seed`` and its initial world."""
         rng = random.Random(f"task:{seed}")
         world = initial_world(rng)
-        domain = rng.choice(sorted(DOMAINS))
+        domain = rng.choice(self.domains)
         agent = self.sample_agent(rng, domain)
         draw = rng.random()
         if draw < self.no_tool_fraction:
@@ -847,6 +854,11 @@ class ToolTaskEnvironment(Environment):
     messages with the call's ``tool_call_id``), answers a question (a text-only turn ending in ``?``) with
     the user simulator, moves to the next phase's request after an answer, and judges the episode when the
     last phase is answered or ``max_turns`` is reached.
+
+    ``domains`` restricts the tasks to some of the repository's domains, ``max_turns`` caps every task's
+    turn limit. The reward is 1 for a trajectory that meets its whole rubric; otherwise ``partial_credit`` times the
+    fraction of rubric checks it meets (0 by default: success only). A partial credit below 1 keeps every
+    success above every failure while giving RL groups whose members all fail a signal to rank them by.
     """
 
     name = "tool_tasks"
@@ -858,11 +870,20 @@ class ToolTaskEnvironment(Environment):
         no_tool_fraction: float = 0.15,
         mcp_fraction: float = 0.2,
         user: ScriptedUserSimulator | LLMUserSimulator | None = None,
+        max_distractors: int = 2,
+        partial_credit: float = 0.0,
+        domains: Sequence[str] | None = None,
+        max_turns: int | None = None,
     ):
+        if not 0.0 <= partial_credit < 1.0:
+            raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
         self.repository = repository or build_repository()
         self.simulator = ToolSimulator(self.repository, rates)
-        self.generator = TaskGenerator(self.repository, no_tool_fraction, mcp_fraction)
+        self.generator = TaskGenerator(
+            self.repository, no_tool_fraction, mcp_fraction, max_distractors, domains
+        )
         self.user = user or ScriptedUserSimulator()
+        self.partial_credit, self.max_turns = partial_credit, max_turns
 
     def reset(self, seed: int) -> Episode:
         task, world = self.generator.generate(seed)
@@ -887,7 +908,7 @@ class ToolTaskEnvironment(Environment):
             messages,
             tools,
             state,
-            task.max_turns,
+            task.max_turns if self.max_turns is None else min(task.max_turns, self.max_turns),
             needs_tools=task.needs_tools,
         )
 
@@ -984,7 +1005,42 @@ class ToolTaskEnvironment(Environment):
         outcome = (
             "solved" if verdict.kept else (verdict.reasons[0].split(":")[0] if verdict.reasons else reason)
         )
-        episode.finish(verdict.kept, outcome, ended=reason, reasons=verdict.reasons, checks=verdict.checks)
+        met = sum(bool(check.get("ok")) for check in verdict.checks) / max(1, len(verdict.checks))
+        reward = 1.0 if verdict.kept else self.partial_credit * met
+        episode.finish(
+            verdict.kept, outcome, reward=reward, ended=reason, reasons=verdict.reasons, checks=verdict.checks
+        )
+
+
+#: The agentic-mini curriculum (``k2lab recipe agentic-mini``, ``mini-tools`` environments): canonical tool
+#: names only (no evolved variants), at most one distractor per agent, at most 8 turns, and partial credit
+#: for RL, so that a ~20M-parameter model can learn the tasks on a CPU.
+MINI_TOOLS: dict[str, Any] = {
+    "variants_per_tool": 0,
+    "max_distractors": 1,
+    "max_turns": 8,
+    "partial_credit": 0.5,
+}
+
+
+def tool_env(name: str) -> ToolTaskEnvironment:
+    """The environment named ``tools[:DOMAIN]`` (the full repository: 12 evolved variants of every base tool,
+    up to 2 distractors) or ``mini-tools[:DOMAIN]`` (the ``MINI_TOOLS`` curriculum); ``DOMAIN`` restricts the
+    tasks to one domain (``retail``, ``calendar``, ``bank``, ``files``, ``math``, ``inventory``, ``travel``)."""
+    kind, _, domain = name.partition(":")
+    domains = [domain] if domain else None
+    if kind in ("tools", "tool_tasks"):
+        return ToolTaskEnvironment(domains=domains)
+    if kind == "mini-tools":
+        mini = MINI_TOOLS
+        return ToolTaskEnvironment(
+            build_repository(0, mini["variants_per_tool"]),
+            max_distractors=mini["max_distractors"],
+            partial_credit=mini["partial_credit"],
+            domains=domains,
+            max_turns=mini["max_turns"],
+        )
+    raise ValueError(f"unknown tool environment {name!r}: use tools[:DOMAIN] or mini-tools[:DOMAIN]")
 
 
 def _as_text(arguments: Any) -> str:
