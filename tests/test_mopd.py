@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +20,7 @@ from k2lab.agentic.effort import EffortEnv, ExpertSpec, expert_specs, train_expe
 from k2lab.agentic.mopd import MOPDConfig, MOPDTrainer, TeacherRouter, mopd_advantages, mopd_loss, sft_loss
 from k2lab.agentic.rl import RLConfig
 from k2lab.agentic.rollout import LocalPolicy
-from k2lab.checkpoint import save_model
+from k2lab.checkpoint import load_model, save_model
 from k2lab.cli import main
 from k2lab.errors import K2LabError
 
@@ -134,7 +139,8 @@ def test_nine_experts_distill_and_report_through_the_cli(sft_dir, tmp_path, caps
     cli("mopd", "report", "--experts", str(experts), "--distill", str(distill), "--episodes", "1",
           "--baseline-steps", "1")  # fmt: skip
     report = json.loads((distill / "report" / "report.json").read_text())
-    assert len(report["cells"]) == 9 and set(report["scores"]) == {"teacher", "student", "baseline"}
+    assert len(report["cells"]) == 9 and set(report["scores"]) == {"teacher", "student", "baseline", "start"}
+    assert all(row["start"] is not None for row in report["cells"])
     assert all(isinstance(row["goal_met"], bool) for row in report["cells"])
     assert (distill / "report" / "report.png").stat().st_size > 0
     assert "| cell |" in (distill / "report" / "report.md").read_text()
@@ -176,3 +182,87 @@ def test_distillation_resumes_exactly(small_tokenizer, tmp_path):
     assert metrics(tmp_path / "a")[0]["trained_tokens"] > 0
     for name, value in straight.student.state_dict().items():
         assert torch.equal(value, resumed.student.state_dict()[name]), name
+
+
+def write_experts(directory: Path, tokenizer, specs) -> None:
+    """An experts directory as ``k2lab mopd experts`` leaves it: the manifest and one policy per cell (here
+    distinct random nano models, so every cell has its own teacher)."""
+    for i, spec in enumerate(specs):
+        save_model(nano_model(seed=20 + i), directory / spec.key / "model")
+        tokenizer.save(directory / spec.key / "model" / "tokenizer.json")
+    manifest = {"checkpoint": "random", "experts": [vars(s) for s in specs], "rl": {}}
+    (directory / "experts.json").write_text(json.dumps(manifest))
+
+
+DISTILL_SCRIPT = """
+import os, signal, sys
+import torch
+from k2lab.agentic import mopd
+from k2lab.cli import main
+torch.set_num_threads(1)
+original = mopd.MOPDTrainer.run
+def run(self, steps=None, on_step=None):
+    def kill(metrics):
+        if metrics["step"] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # after step 1's checkpoint, before step 2
+    return original(self, steps, kill)
+if sys.argv[1] == "kill":
+    mopd.MOPDTrainer.run = run
+main(sys.argv[2:])
+"""
+
+
+def test_sigkilled_distillation_resumes_to_the_uninterrupted_run(sft_dir, small_tokenizer, tmp_path):
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "high", 4)]
+    experts = tmp_path / "experts"
+    write_experts(experts, small_tokenizer, specs)
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+
+    def distill(mode: str, out: Path) -> int:  # every run in a fresh process with the same thread count
+        args = ["mopd", "distill", "--experts", experts, "--student", sft_dir, "--steps", 3, "--prompts", 2]
+        command = [sys.executable, "-c", DISTILL_SCRIPT, mode, *map(str, args), "--out", str(out)]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode in (0, -signal.SIGKILL), result.stderr[-2000:]
+        return result.returncode
+
+    assert distill("run", tmp_path / "straight") == 0
+    assert distill("kill", killed) == -signal.SIGKILL
+    assert not (killed / "model").exists()
+
+    def metrics(path):
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert metrics(killed) == metrics(tmp_path / "straight")[:2]
+    assert distill("run", killed) == 0
+    assert metrics(killed) == metrics(tmp_path / "straight")
+    assert sum(m["trained_tokens"] for m in metrics(killed)) > 0
+    resumed, straight = load_model(killed / "model"), load_model(tmp_path / "straight" / "model")
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), straight.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokenizer):
+    from k2lab.agentic.mopd import evaluate_cells, trainable_turns, turn_logprobs
+    from k2lab.agentic.rl import derive_seed
+    from k2lab.agentic.rollout import run_episode
+
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 6)]
+    teachers = {(s.domain, s.effort): nano_model(seed=30 + i) for i, s in enumerate(specs)}
+    router, model = TeacherRouter(teachers), nano_model(seed=3).eval()
+    batched = evaluate_cells(model, small_tokenizer, router, specs, episodes=3, seed=5, batch_size=2)
+    for spec in specs:
+        policy = LocalPolicy(model, small_tokenizer, 0.0, spec.max_new_tokens)
+        rollouts = [
+            run_episode(EffortEnv(spec), policy, derive_seed(5, "heldout", spec.key, i)) for i in range(3)
+        ]
+        tokens = [r.episode.completion_tokens for r in rollouts]
+        assert batched[spec.key]["tokens"] == pytest.approx(sum(tokens) / 3)
+        assert batched[spec.key]["score"] == pytest.approx(sum(r.episode.reward or 0 for r in rollouts) / 3)
+        with torch.no_grad():
+            turns = [t for r in rollouts for t in trainable_turns(r)]
+            gap = torch.cat(turn_logprobs(model, turns)) - torch.cat(
+                turn_logprobs(router.route(rollouts[0].episode), turns)
+            )
+        assert batched[spec.key]["kl"] == pytest.approx(float(gap.mean()), abs=1e-4)

@@ -65,7 +65,8 @@ class ExpertSpec:
 
     @property
     def key(self) -> str:
-        return f"{self.domain}-{self.effort}"
+        """``{domain}-{effort}`` with ``:`` of a domain like ``mini-tools:files`` as ``.`` (a directory name)."""
+        return f"{self.domain.replace(':', '.')}-{self.effort}"
 
     @property
     def max_new_tokens(self) -> int:
@@ -161,6 +162,7 @@ def train_experts(
     returns the manifest.
     """
     from k2lab.errors import K2LabError
+    from k2lab.fsutil import atomic_write_text
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
@@ -174,7 +176,7 @@ def train_experts(
         "experts": [vars(s) for s in specs],
         "rl": config.model_dump(mode="json"),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     for index, spec in enumerate(specs):
         if (out / spec.key / "model" / "tokenizer.json").is_file():
             log(f"{spec.key}: done, skipped")

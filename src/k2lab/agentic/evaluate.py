@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from k2lab.agentic.env import Environment, Episode
@@ -65,8 +65,10 @@ def play_batched(
     batch_size: int = 32,
     max_new_tokens: int = 128,
     tool_format: str = "typescript",
+    on_turn: Callable[[Episode, list[int], list[int]], None] | None = None,
 ) -> list[Episode]:
-    """The finished episodes of ``seeds`` (in order), played turn by turn in batches."""
+    """The finished episodes of ``seeds`` (in order), played turn by turn in batches; ``on_turn(episode,
+    prompt_ids, completion_ids)`` sees every generated turn (before the environment steps)."""
     policy = LocalPolicy(
         model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, tool_format=tool_format
     )
@@ -78,7 +80,7 @@ def play_batched(
             active = [e for e in episodes if not _close_if_over(e)]
             if not active:
                 break
-            _play_turn(env, policy, active, batch_size)
+            _play_turn(env, policy, active, batch_size, on_turn)
     finally:
         model.train(was_training)
     return episodes
@@ -91,7 +93,13 @@ def _close_if_over(episode: Episode) -> bool:
     return episode.done
 
 
-def _play_turn(env: Environment, policy: LocalPolicy, episodes: list[Episode], batch_size: int) -> None:
+def _play_turn(
+    env: Environment,
+    policy: LocalPolicy,
+    episodes: list[Episode],
+    batch_size: int,
+    on_turn: Callable[[Episode, list[int], list[int]], None] | None = None,
+) -> None:
     """One turn of every episode: prompts, batched greedy generation, parsing, ``env.step``."""
     limit = getattr(policy.model.config, "max_position_embeddings", None)
     rows = []
@@ -105,7 +113,9 @@ def _play_turn(env: Environment, policy: LocalPolicy, episodes: list[Episode], b
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         outputs = _generate(policy, [prompt for _, prompt in chunk], [e.tools for e, _ in chunk])
-        for (episode, _), ids in zip(chunk, outputs, strict=True):
+        for (episode, prompt), ids in zip(chunk, outputs, strict=True):
+            if on_turn is not None:
+                on_turn(episode, prompt, ids)
             _apply(env, policy, episode, ids)
 
 

@@ -28,7 +28,8 @@ samples, the off-policy alternative).
 optimizer, the step and the RNGs; prompts and sampling seeds are derived from (seed, step, i), so a killed
 run restarted with the same arguments reproduces the uninterrupted run's metrics and weights.
 
-**Report.** ``mopd_report`` scores teachers, the MOPD student and the SFT baseline on held-out seeds of every
+**Report.** ``mopd_report`` scores teachers, the MOPD student, the SFT baseline and the student's starting
+checkpoint (did the teachers move from it?) on held-out seeds of every
 cell (mean environment reward R_env; goal: student ≥ 0.9 · teacher per cell) and writes report.json,
 report.md and report.png (heatmaps of student/teacher and baseline/teacher).
 """
@@ -50,7 +51,7 @@ from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_
 from k2lab.agentic.env import Episode
 from k2lab.agentic.rl import budget_penalty, derive_seed
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
-from k2lab.fsutil import save_figure_atomically
+from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train.checkpoint import (
@@ -308,7 +309,8 @@ def run_mopd(
     specs = manifest_specs(load_manifest(experts_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mopd.json").write_text(
+    atomic_write_text(
+        out / "mopd.json",
         json.dumps(
             {
                 "experts": str(experts_dir),
@@ -318,7 +320,7 @@ def run_mopd(
             },
             indent=2,
         )
-        + "\n"
+        + "\n",
     )
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
@@ -344,35 +346,68 @@ def evaluate_cells(
     temperature: float = 0.0,
     seed: int = 0,
     budget_weight: float = 0.1,
+    batch_size: int = 16,
 ) -> dict[str, dict[str, float]]:
     """Per cell on held-out seeds derive_seed(seed, "heldout", cell, i): mean R_env (``score``), success,
     tokens, the budget-penalised reward and the per-token KL estimate mean(log π_model − log π_teacher)
-    on the model's own samples."""
+    on the model's own samples. Greedy evaluation (``temperature`` 0) plays a cell's episodes together
+    (``k2lab.agentic.evaluate.play_batched``, the same outcomes as one at a time)."""
     results = {}
     for spec in specs:
         env = EffortEnv(spec)
-        policy = LocalPolicy(model, tokenizer, temperature, spec.max_new_tokens)
-        rows: dict[str, list[float]] = defaultdict(list)
-        gaps: list[torch.Tensor] = []
-        for i in range(episodes):
-            task = derive_seed(seed, "heldout", spec.key, i)
-            rollout = run_episode(env, policy, task, sample_seed=derive_seed(seed, "eval", spec.key, i))
-            e = rollout.episode
-            rows["score"].append(float(e.reward or 0.0))
-            rows["success"].append(float(bool(e.outcome and e.outcome.success)))
-            rows["tokens"].append(e.completion_tokens)
-            rows["penalized"].append(
-                rows["score"][-1] - budget_penalty(e.completion_tokens, spec.budget, budget_weight)
-            )
-            turns = trainable_turns(rollout)
-            if turns and router.route(e) is not model:
-                with torch.no_grad():
-                    own = torch.cat(turn_logprobs(model, turns))
-                    teacher = torch.cat(turn_logprobs(router.route(e), turns))
-                gaps.append(own - teacher)
-        results[spec.key] = {k: round(sum(v) / len(v), 6) for k, v in rows.items()}
-        results[spec.key]["kl"] = round(float(torch.cat(gaps).mean()), 6) if gaps else 0.0
+        tasks = [derive_seed(seed, "heldout", spec.key, i) for i in range(episodes)]
+        if temperature == 0:
+            finished = _play_greedy(model, tokenizer, env, tasks, batch_size, spec.max_new_tokens)
+        else:
+            policy = LocalPolicy(model, tokenizer, temperature, spec.max_new_tokens)
+            rollouts = [
+                run_episode(env, policy, task, sample_seed=derive_seed(seed, "eval", spec.key, i))
+                for i, task in enumerate(tasks)
+            ]
+            finished = [(r.episode, trainable_turns(r)) for r in rollouts]
+        results[spec.key] = _cell_scores(model, router, spec, finished, budget_weight)
     return results
+
+
+def _play_greedy(
+    model: torch.nn.Module, tokenizer: Any, env: EffortEnv, tasks: list[int], batch_size: int, max_new: int
+) -> list[tuple[Episode, list[Turn]]]:
+    """The episodes of ``tasks`` played greedily in batches, each with its generated turns."""
+    from k2lab.agentic.evaluate import play_batched
+
+    turns: dict[int, list[Turn]] = defaultdict(list)
+
+    def record(episode: Episode, prompt: list[int], ids: list[int]) -> None:
+        turns[episode.seed].append(Turn(list(prompt), list(ids)))
+
+    played = play_batched(model, tokenizer, env, tasks, batch_size, max_new, on_turn=record)
+    return [(e, [t for t in turns[e.seed] if t.completion_ids]) for e in played]
+
+
+def _cell_scores(
+    model: torch.nn.Module,
+    router: TeacherRouter,
+    spec: ExpertSpec,
+    finished: Sequence[tuple[Episode, list[Turn]]],
+    budget_weight: float,
+) -> dict[str, float]:
+    rows: dict[str, list[float]] = defaultdict(list)
+    gaps: list[torch.Tensor] = []
+    for e, turns in finished:
+        rows["score"].append(float(e.reward or 0.0))
+        rows["success"].append(float(bool(e.outcome and e.outcome.success)))
+        rows["tokens"].append(e.completion_tokens)
+        rows["penalized"].append(
+            rows["score"][-1] - budget_penalty(e.completion_tokens, spec.budget, budget_weight)
+        )
+        if turns and router.route(e) is not model:
+            with torch.no_grad():
+                own = torch.cat(turn_logprobs(model, turns))
+                teacher = torch.cat(turn_logprobs(router.route(e), turns))
+            gaps.append(own - teacher)
+    scores = {k: round(sum(v) / len(v), 6) for k, v in rows.items()}
+    scores["kl"] = round(float(torch.cat(gaps).mean()), 6) if gaps else 0.0
+    return scores
 
 
 def _ratio(value: float, reference: float) -> float | None:
@@ -382,16 +417,19 @@ def _ratio(value: float, reference: float) -> float | None:
 def report_rows(
     specs: Sequence[ExpertSpec], scores: dict[str, dict[str, dict[str, float]]]
 ) -> list[dict[str, Any]]:
-    """One row per cell: teacher/student/baseline scores, ratios, goal student ≥ 0.9 · teacher."""
+    """One row per cell: start (the student's initial checkpoint, when scored) / teacher / student / baseline
+    scores, ratios, goal student ≥ 0.9 · teacher."""
     rows = []
     for spec in specs:
         t, s, b = (scores[who][spec.key] for who in ("teacher", "student", "baseline"))
+        start = scores.get("start", {}).get(spec.key)
         rows.append(
             {
                 "cell": spec.key,
                 "domain": spec.domain,
                 "effort": spec.effort,
                 "budget": spec.budget,
+                "start": None if start is None else start["score"],
                 "teacher": t["score"],
                 "student": s["score"],
                 "baseline": b["score"],
@@ -401,6 +439,7 @@ def report_rows(
                 "trivial": t["score"] <= 0,  # the teacher scores 0: the goal holds vacuously
                 "student_kl": s["kl"],
                 "baseline_kl": b["kl"],
+                "success": {"teacher": t["success"], "student": s["success"], "baseline": b["success"]},
                 "tokens": {"teacher": t["tokens"], "student": s["tokens"], "baseline": b["tokens"]},
             }
         )
@@ -418,15 +457,16 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
     lines = [
-        "| cell | B | teacher | MOPD student | SFT baseline | student/teacher | baseline/teacher | ≥90% "
-        "| KL student | KL baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | B | start | teacher | MOPD student | SFT baseline | student/teacher | baseline/teacher | ≥90% "
+        "| KL student | KL baseline | tokens T / S / B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        tokens = " / ".join(f"{r['tokens'][who]:.0f}" for who in ("teacher", "student", "baseline"))
         lines.append(
-            f"| {r['cell']} | {r['budget']} | {r['teacher']:.3f} | {r['student']:.3f} | {r['baseline']:.3f} "
-            f"| {fmt(r['student_ratio'])} | {fmt(r['baseline_ratio'])} | {_met(r)} "
-            f"| {r['student_kl']:.3f} | {r['baseline_kl']:.3f} |"
+            f"| {r['cell']} | {r['budget']} | {fmt(r.get('start'))} | {r['teacher']:.3f} | {r['student']:.3f} "
+            f"| {r['baseline']:.3f} | {fmt(r['student_ratio'])} | {fmt(r['baseline_ratio'])} | {_met(r)} "
+            f"| {r['student_kl']:.3f} | {r['baseline_kl']:.3f} | {tokens} |"
         )
     lines.append("\n*: the teacher scores 0 on this cell, so the goal holds vacuously.")
     return "\n".join(lines) + "\n"
@@ -500,7 +540,7 @@ def mopd_report(
     router = TeacherRouter.load(experts_dir, specs)
     scores: dict[str, dict[str, dict[str, float]]] = {}
     started = time.perf_counter()
-    for who in ("teacher", "student", "baseline"):
+    for who in ("teacher", "student", "baseline", "start"):
         log(f"evaluating {who} on {episodes} held-out prompts per cell")
         if who == "teacher":
             scores[who] = {}
@@ -508,7 +548,12 @@ def mopd_report(
                 model = router.teachers[(spec.domain, spec.effort)]
                 scores[who] |= evaluate_cells(model, tokenizer, router, [spec], episodes, temperature, seed)
             continue
-        model = load_model(distill / "model" if who == "student" else baseline_dir / "model").eval()
+        paths = {
+            "student": distill / "model",
+            "baseline": baseline_dir / "model",
+            "start": Path(run["student"]),
+        }
+        model = load_model(paths[who]).eval()
         scores[who] = evaluate_cells(model, tokenizer, router, specs, episodes, temperature, seed)
     rows = report_rows(specs, scores)
     report = {
@@ -522,7 +567,7 @@ def mopd_report(
         "scores": scores,
         "eval_seconds": round(time.perf_counter() - started, 1),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(markdown_table(rows))
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out / "report.md", markdown_table(rows))
     plot_report(rows, out / "report.png")
     return report
