@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
 from k2lab.agentic.env import Episode
-from k2lab.agentic.rl import budget_penalty, derive_seed
+from k2lab.agentic.rl import budget_penalty, derive_seed, turn_logprobs
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
@@ -114,26 +114,6 @@ def sft_loss(logp_student: torch.Tensor) -> torch.Tensor:
     if logp_student.numel() == 0:
         return logp_student.sum()
     return -logp_student.mean()
-
-
-def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8) -> list[torch.Tensor]:
-    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1), right-padded chunks."""
-    out: list[torch.Tensor] = []
-    device = next(model.parameters()).device
-    for start in range(0, len(turns), batch):
-        chunk = turns[start : start + batch]
-        rows = [t.prompt_ids + t.completion_ids for t in chunk]
-        width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
-        logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
-        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-        for i, t in enumerate(chunk):
-            begin = len(t.prompt_ids) - 1
-            out.append(logp[i, begin : begin + len(t.completion_ids)])
-    return out
 
 
 def trainable_turns(rollout: Rollout) -> list[Turn]:

@@ -77,6 +77,7 @@ __all__ = [
     "offpolicy_mask",
     "sequence_log_ratio",
     "temperature_at",
+    "turn_logprobs",
 ]
 
 METRICS = "metrics.jsonl"
@@ -421,11 +422,7 @@ class RLTrainer:
 
     def token_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
         """log π(y_t | prompt, y_<t) of each turn's completion tokens (temperature 1), in chunks."""
-        out: list[torch.Tensor] = []
-        size = self.config.logprob_batch
-        for start in range(0, len(turns), size):
-            out += _chunk_logprobs(self.model, turns[start : start + size])
-        return out
+        return turn_logprobs(self.model, turns, self.config.logprob_batch)
 
     def _ptx_loss(self) -> torch.Tensor:
         batch = next(self.ptx)
@@ -475,22 +472,25 @@ class RLTrainer:
         }
 
 
-def _chunk_logprobs(model: torch.nn.Module, turns: Sequence[Turn]) -> list[torch.Tensor]:
-    """One right-padded forward over prompt+completion rows; the log-probs at the completion positions."""
-    rows = [t.prompt_ids + t.completion_ids for t in turns]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        valid[i, : len(row)] = True
+def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8) -> list[torch.Tensor]:
+    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1): one right-padded forward over
+    the prompt+completion rows of every ``batch`` turns, the log-probs read at the completion positions."""
+    out: list[torch.Tensor] = []
     device = next(model.parameters()).device
-    logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
-    logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-    return [
-        logp[i, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.completion_ids)]
-        for i, t in enumerate(turns)
-    ]
+    for start in range(0, len(turns), batch):
+        chunk = turns[start : start + batch]
+        rows = [t.prompt_ids + t.completion_ids for t in chunk]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
+        logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
+        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+        for i, t in enumerate(chunk):
+            begin = len(t.prompt_ids) - 1
+            out.append(logp[i, begin : begin + len(t.completion_ids)])
+    return out
 
 
 def _mean(values: Sequence[float]) -> float | None:

@@ -46,6 +46,8 @@ from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 
 __all__ = [
+    "NUMBER",
+    "SENTENCE_END",
     "STYLES",
     "ChatEndpoint",
     "OpenAIEndpoint",
@@ -132,7 +134,8 @@ class EndpointError(Exception):
 
 
 # ---- chunking and prompts --------------------------------------------------------------------------------
-_SENTENCE_END = re.compile(r"[.!?;:][\"')\]]?\s+")
+#: The end of a sentence (terminal punctuation, optional closing quote or bracket, whitespace).
+SENTENCE_END = re.compile(r"[.!?;:][\"')\]]?\s+")
 
 
 def _cut(window: str) -> int:
@@ -142,7 +145,7 @@ def _cut(window: str) -> int:
     paragraph = window.rfind("\n\n")
     if paragraph >= least:
         return paragraph + 2
-    sentences = [m.end() for m in _SENTENCE_END.finditer(window) if m.end() > least]
+    sentences = [m.end() for m in SENTENCE_END.finditer(window) if m.end() > least]
     if sentences:
         return sentences[-1]
     space = max(window.rfind(" "), window.rfind("\n"))
@@ -238,7 +241,8 @@ class OpenAIEndpoint:
 
 # ---- fidelity --------------------------------------------------------------------------------------------
 _WORD = re.compile(r"[^\W\d_][\w'-]*", re.UNICODE)
-_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+#: A number as the fidelity check compares them (digits with optional , or . groups).
+NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
 FIDELITY_WEIGHTS = {
@@ -259,7 +263,7 @@ def _entities(text: str) -> set[str]:
 
 
 def _numbers(text: str) -> set[str]:
-    return {n.replace(",", "") for n in _NUMBER.findall(text)}
+    return {n.replace(",", "") for n in NUMBER.findall(text)}
 
 
 def _recall(source: set[str], other: set[str]) -> float | None:

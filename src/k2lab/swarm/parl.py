@@ -49,7 +49,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.env import Episode
-from k2lab.agentic.rl import _chunk_logprobs, derive_seed, k15_loss, sequence_log_ratio
+from k2lab.agentic.rl import derive_seed, k15_loss, sequence_log_ratio, turn_logprobs
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
 from k2lab.swarm.runtime import SwarmEnv, swarm_metrics
 from k2lab.swarm.tasks import parse_facts, split_seeds
@@ -156,7 +156,7 @@ class LMOrchestrator:
 
     def turn_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
         """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1), 8 turns per forward."""
-        return [lp for s in range(0, len(turns), 8) for lp in _chunk_logprobs(self.model, turns[s : s + 8])]
+        return turn_logprobs(self.model, turns, 8)
 
     def state_dict(self) -> dict[str, Any]:
         return self.model.state_dict()

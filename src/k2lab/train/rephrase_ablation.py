@@ -45,9 +45,9 @@ from rich.table import Table
 
 from k2lab.data.corpus import Document, load_corpus, stable_rank
 from k2lab.data.rephrase import (
-    _NUMBER,
-    _SENTENCE_END,
     DEFAULT_STYLES,
+    NUMBER,
+    SENTENCE_END,
     STOPWORDS,
     RephraseSettings,
     kept_rephrasings,
@@ -301,7 +301,7 @@ def probe_items(docs: list[Document], limit: int) -> list[tuple[str, str]]:
     per_doc = []
     for document in docs:
         items = []
-        starts = [0, *(m.end() for m in _SENTENCE_END.finditer(document.text))]
+        starts = [0, *(m.end() for m in SENTENCE_END.finditer(document.text))]
         for begin, end in zip(starts, [*starts[1:], len(document.text)], strict=True):
             sentence = " ".join(document.text[begin:end].split())
             answer = _fact(sentence)
@@ -321,7 +321,7 @@ def _round_robin(groups: list[list[tuple[str, str]]]) -> Iterator[list[tuple[str
 
 def _fact(sentence: str) -> str | None:
     """The sentence's last number, else its last capitalised non-initial word (not a stopword)."""
-    numbers = _NUMBER.findall(sentence)
+    numbers = NUMBER.findall(sentence)
     if numbers:
         return numbers[-1]
     words = sentence.split()[1:]
