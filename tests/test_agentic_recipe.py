@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.evaluate import episode_summary, evaluate_policy, play_batched, wilson_interval
+from k2lab.agentic.evaluate import episode_summary, evaluate_policy, play_greedy, wilson_interval
 from k2lab.agentic.recipe import RecipeConfig, RecipeToolTasks, eval_seeds, run_recipe
 from k2lab.agentic.rollout import LocalPolicy, run_episode
 from k2lab.checkpoint import save_model
@@ -56,7 +56,9 @@ def test_batched_evaluation_matches_one_at_a_time(small_tokenizer):
     model = biased_nano(small_tokenizer).eval()
     env = RecipeToolTasks(RecipeConfig(max_turns=4), no_tool_fraction=0.3)
     seeds = list(range(6))
-    batched = play_batched(model, small_tokenizer, env, seeds, batch_size=4, max_new_tokens=16)
+    batched = [
+        r.episode for r in play_greedy(model, small_tokenizer, env, seeds, batch_size=4, max_new_tokens=16)
+    ]
     policy = LocalPolicy(model, small_tokenizer, temperature=0.0, max_new_tokens=16)
     single = [run_episode(env, policy, seed).episode for seed in seeds]
     assert [episode_summary(e) for e in batched] == [episode_summary(e) for e in single]

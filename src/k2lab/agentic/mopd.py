@@ -331,13 +331,16 @@ def evaluate_cells(
     """Per cell on held-out seeds derive_seed(seed, "heldout", cell, i): mean R_env (``score``), success,
     tokens, the budget-penalised reward and the per-token KL estimate mean(log π_model − log π_teacher)
     on the model's own samples. Greedy evaluation (``temperature`` 0) plays a cell's episodes together
-    (``k2lab.agentic.evaluate.play_batched``, the same outcomes as one at a time)."""
+    (``k2lab.agentic.evaluate.play_greedy``, the same outcomes as one at a time)."""
+    from k2lab.agentic.evaluate import play_greedy
+
     results = {}
     for spec in specs:
         env = EffortEnv(spec)
         tasks = [derive_seed(seed, "heldout", spec.key, i) for i in range(episodes)]
         if temperature == 0:
-            finished = _play_greedy(model, tokenizer, env, tasks, batch_size, spec.max_new_tokens)
+            played = play_greedy(model, tokenizer, env, tasks, batch_size, spec.max_new_tokens)
+            finished = [(r.episode, trainable_turns(r)) for r in played]
         else:
             policy = LocalPolicy(model, tokenizer, temperature, spec.max_new_tokens)
             rollouts = [
@@ -347,21 +350,6 @@ def evaluate_cells(
             finished = [(r.episode, trainable_turns(r)) for r in rollouts]
         results[spec.key] = _cell_scores(model, router, spec, finished, budget_weight)
     return results
-
-
-def _play_greedy(
-    model: torch.nn.Module, tokenizer: Any, env: EffortEnv, tasks: list[int], batch_size: int, max_new: int
-) -> list[tuple[Episode, list[Turn]]]:
-    """The episodes of ``tasks`` played greedily in batches, each with its generated turns."""
-    from k2lab.agentic.evaluate import play_batched
-
-    turns: dict[int, list[Turn]] = defaultdict(list)
-
-    def record(episode: Episode, prompt: list[int], ids: list[int]) -> None:
-        turns[episode.seed].append(Turn(list(prompt), list(ids)))
-
-    played = play_batched(model, tokenizer, env, tasks, batch_size, max_new, on_turn=record)
-    return [(e, [t for t in turns[e.seed] if t.completion_ids]) for e in played]
 
 
 def _cell_scores(

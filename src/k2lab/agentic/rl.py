@@ -57,7 +57,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.env import Environment
 from k2lab.agentic.envs import EnvMixture, build_env
-from k2lab.agentic.rollout import LocalPolicy, Policy, Rollout, Turn, run_episode, save_rollouts
+from k2lab.agentic.rollout import (
+    LocalPolicy,
+    Policy,
+    Rollout,
+    Turn,
+    run_episode,
+    run_episodes,
+    save_rollouts,
+)
 from k2lab.fsutil import save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
@@ -115,6 +123,9 @@ class RLConfig(BaseModel):
     keep_checkpoints: int | None = Field(default=3, ge=1)
     step_timeout_s: float = Field(default=30.0, gt=0)
     logprob_batch: int = Field(default=8, ge=1)
+    rollout_batch: int = Field(
+        default=16, ge=1, description="Rows per batched generate call of local rollouts (1: one at a time)."
+    )
     seed: int = 0
 
 
@@ -305,8 +316,7 @@ class RLTrainer:
         if hasattr(self.policy, "temperature"):
             self.policy.temperature = temperature
         groups = self.pending + [self._new_group(i, g) for g in range(config.groups_per_iteration)]
-        for group in groups:
-            self._roll(group, i)
+        self._roll(groups, i)
         finished = [g for g in groups if g.done]
         self.pending = [g for g in groups if not g.done]
         save_rollouts(self.out / PARTIALS, [g.to_dict() for g in self.pending])
@@ -325,19 +335,27 @@ class RLTrainer:
         members = [Rollout(self.env.reset(task_seed)) for _ in range(self.config.group_size)]
         return Group(f"{iteration}-{index}", task_seed, members)
 
-    def _roll(self, group: Group, iteration: int) -> None:
-        for j, member in enumerate(group.members):
-            if member.partial:
-                sample_seed = derive_seed(self.config.seed, "sample", iteration, group.group_id, j)
-                run_episode(
-                    self.env,
-                    self.policy,
-                    group.task_seed,
-                    self.config.token_limit,
-                    member,
-                    iteration,
-                    sample_seed,
-                )
+    def _roll(self, groups: Sequence[Group], iteration: int) -> None:
+        """Play every unfinished member of ``groups`` (up to ``token_limit`` tokens each): batched through
+        ``run_episodes`` for a ``LocalPolicy``, one at a time for other policies (endpoints)."""
+        members = [
+            (member, derive_seed(self.config.seed, "sample", iteration, group.group_id, j))
+            for group in groups
+            for j, member in enumerate(group.members)
+            if member.partial
+        ]
+        if isinstance(self.policy, LocalPolicy):
+            rollouts, seeds = [m for m, _ in members], [s for _, s in members]
+            run_episodes(
+                self.env, self.policy, rollouts, seeds, self.config.token_limit, iteration,
+                self.config.rollout_batch,
+            )  # fmt: skip
+            return
+        for member, sample_seed in members:
+            run_episode(
+                self.env, self.policy, member.episode.seed, self.config.token_limit, member, iteration,
+                sample_seed,
+            )  # fmt: skip
 
     # ---- rewards and critic
     def _score(self, group: Group) -> tuple[list[float], list[float]]:

@@ -14,6 +14,10 @@ Policies implement ``respond(messages, tools, *, seed) -> (assistant_message, co
 * ``EndpointPolicy`` calls any OpenAI-compatible server (``k2lab serve``, vLLM ...) through the official
   ``openai`` client; with a tokenizer it re-encodes the reply so its turns can be trained on too.
 
+``run_episodes`` plays many rollouts of a ``LocalPolicy`` together: each round, the next turn of every
+rollout still playing goes through one batched ``generate`` (per-row enforcer and per-row sampling seed),
+so RL groups and evaluations cost a few batched calls per turn index instead of one call per turn.
+
 Partial rollouts (K1.5 / K3): with ``token_limit`` a rollout stops between turns once it has generated that
 many tokens in this call and comes back unfinished (``rollout.partial``); the next iteration passes it to
 ``run_episode`` again and it continues where it stopped. ``save_rollouts`` / ``load_rollouts`` persist
@@ -50,6 +54,7 @@ __all__ = [
     "Turn",
     "load_rollouts",
     "run_episode",
+    "run_episodes",
     "save_rollouts",
 ]
 
@@ -62,6 +67,10 @@ class PolicyOutputError(Exception):
     def __init__(self, reason: str, completion_ids: Sequence[int] = (), detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.completion_ids, self.detail = reason, list(completion_ids), detail
+
+
+#: What a policy turn yields: the assistant message and its completion ids, or the error it ended with.
+Reply = tuple[dict[str, Any], list[int]] | PolicyOutputError
 
 
 class Policy(Protocol):
@@ -143,33 +152,62 @@ class LocalPolicy:
     def respond(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
     ) -> tuple[dict[str, Any], list[int]]:
+        result = self.respond_batch([(messages, tools, seed)])[0][1]
+        if isinstance(result, PolicyOutputError):
+            raise result
+        return result
+
+    def respond_batch(
+        self, requests: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any]], int]], batch_size: int = 16
+    ) -> list[tuple[list[int], Reply]]:
+        """``respond`` for many (messages, tools, seed) requests at once: ``generate`` over sub-batches of
+        ``batch_size`` prompts (sorted by length), each row with its own enforcer constraint and its own
+        sampling seed, so a request gets the tokens it would get alone (up to batched rounding). Returns
+        (prompt ids, reply or ``PolicyOutputError``) per request, in order."""
         from k2lab.infer.generate import GenerationConfig, generate
 
-        prompt = self.encode_prompt(messages, tools)
+        prompts = [self.encode_prompt(messages, tools) for messages, tools, _ in requests]
+        replies: list[Reply | None] = [None] * len(requests)
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        if limit is not None and len(prompt) + self.max_new_tokens > limit:
-            raise PolicyOutputError(
-                "context overflow", (), f"{len(prompt)} prompt tokens + {self.max_new_tokens}"
-            )
+        rows = []
+        for i, prompt in enumerate(prompts):
+            if limit is not None and len(prompt) + self.max_new_tokens > limit:
+                detail = f"{len(prompt)} prompt tokens + {self.max_new_tokens}"
+                replies[i] = PolicyOutputError("context overflow", (), detail)
+            else:
+                rows.append(i)
+        rows.sort(key=lambda i: len(prompts[i]))
         config = GenerationConfig(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             eos_token_id=self.im_end,
-            seed=seed,
         )
         was_training = self.model.training
         self.model.eval()
         try:
-            ids = generate(self.model, [prompt], config, constraints=[self._grammar(tools).constraint()])[0]
+            for start in range(0, len(rows), batch_size):
+                chunk = rows[start : start + batch_size]
+                outputs = generate(
+                    self.model,
+                    [prompts[i] for i in chunk],
+                    config,
+                    constraints=[self._grammar(requests[i][1]).constraint() for i in chunk],
+                    row_seeds=[requests[i][2] for i in chunk],
+                )
+                for i, ids in zip(chunk, outputs, strict=True):
+                    replies[i] = self._reply(ids)
         finally:
             self.model.train(was_training)
+        return [(prompt, reply) for prompt, reply in zip(prompts, replies, strict=True)]  # type: ignore[misc]
+
+    def _reply(self, ids: list[int]) -> Reply:
         if not ids or ids[-1] != self.im_end:
-            raise PolicyOutputError("truncated", ids, f"no {IM_END} within {self.max_new_tokens} tokens")
+            return PolicyOutputError("truncated", ids, f"no {IM_END} within {self.max_new_tokens} tokens")
         try:
             return parse_reply(self.tokenizer.decode(ids)), ids
         except PolicyOutputError as error:
-            raise PolicyOutputError(error.reason, ids, error.detail) from None
+            return PolicyOutputError(error.reason, ids, error.detail)
 
 
 def parse_reply(text: str) -> dict[str, Any]:
@@ -266,15 +304,48 @@ def run_episode(
     An episode still running after ``max_turns`` assistant turns ends with "max turns".
     """
     rollout = rollout if rollout is not None else Rollout(env.reset(seed))
-    episode, used = rollout.episode, 0
-    while not episode.done:
-        if episode.turns >= episode.max_turns:
-            episode.finish(False, "max turns", reward=0.0)
-            break
-        if token_limit is not None and used >= token_limit:
-            break
+    used = 0
+    while _wants_turn(rollout, used, token_limit):
         used += _play_turn(env, policy, rollout, iteration, sample_seed * 1000 + len(rollout.turns))
     return rollout
+
+
+def run_episodes(
+    env: Environment,
+    policy: LocalPolicy,
+    rollouts: Sequence[Rollout],
+    sample_seeds: Sequence[int],
+    token_limit: int | None = None,
+    iteration: int = 0,
+    batch_size: int = 16,
+) -> list[Rollout]:
+    """``run_episode`` for many rollouts at once: every round, the next turn of every rollout that still
+    plays goes through one ``LocalPolicy.respond_batch`` (turn t of rollout k with seed
+    ``sample_seeds[k] * 1000 + t``, as alone), then each is handled exactly as ``run_episode`` handles it.
+    With ``batch_size=1`` the outcomes equal ``run_episode``'s; larger batches are as deterministic."""
+    used = [0] * len(rollouts)
+    while True:
+        active = [k for k, r in enumerate(rollouts) if _wants_turn(r, used[k], token_limit)]
+        if not active:
+            return list(rollouts)
+        requests = [
+            (
+                rollouts[k].episode.messages,
+                rollouts[k].episode.tools,
+                sample_seeds[k] * 1000 + len(rollouts[k].turns),
+            )
+            for k in active
+        ]
+        for k, (prompt, reply) in zip(active, policy.respond_batch(requests, batch_size), strict=True):
+            used[k] += _apply_reply(env, policy, rollouts[k], prompt, reply, iteration)
+
+
+def _wants_turn(rollout: Rollout, used: int, token_limit: int | None) -> bool:
+    """Whether the rollout plays another turn now (ending it at its turn limit)."""
+    episode = rollout.episode
+    if not episode.done and episode.turns >= episode.max_turns:
+        episode.finish(False, "max turns", reward=0.0)
+    return not episode.done and (token_limit is None or used < token_limit)
 
 
 def _play_turn(env: Environment, policy: Policy, rollout: Rollout, iteration: int, seed: int) -> int:
@@ -283,15 +354,26 @@ def _play_turn(env: Environment, policy: Policy, rollout: Rollout, iteration: in
     encode: Callable[..., list[int]] | None = getattr(policy, "encode_prompt", None)
     prompt = encode(episode.messages, episode.tools) if encode is not None else []
     try:
-        message, ids = policy.respond(episode.messages, episode.tools, seed=seed)
+        reply: Reply = policy.respond(episode.messages, episode.tools, seed=seed)
     except PolicyOutputError as error:
-        count = _record(rollout, policy, prompt, error.completion_ids, iteration)
-        episode.turns += 1
-        episode.finish(False, error.reason, reward=0.0, error=error.detail[:500])
-        return count
+        reply = error
     except Exception as error:  # noqa: BLE001 - a failing endpoint fails this trajectory, not the run
         episode.finish(False, "policy error", reward=0.0, error=f"{type(error).__name__}: {error}"[:500])
         return 0
+    return _apply_reply(env, policy, rollout, prompt, reply, iteration)
+
+
+def _apply_reply(
+    env: Environment, policy: Policy, rollout: Rollout, prompt: list[int], reply: Reply, iteration: int
+) -> int:
+    """Record the turn, then end the episode on a policy error or step the environment; the tokens used."""
+    episode = rollout.episode
+    if isinstance(reply, PolicyOutputError):
+        count = _record(rollout, policy, prompt, list(reply.completion_ids), iteration)
+        episode.turns += 1
+        episode.finish(False, reply.reason, reward=0.0, error=reply.detail[:500])
+        return count
+    message, ids = reply
     count = _record(rollout, policy, prompt, ids, iteration)
     try:
         env.step(episode, message)

@@ -37,8 +37,10 @@ class Constraint(Protocol):
         """Record the token that was sampled."""
 
 
-def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]."""
+def sample_next(
+    logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | Sequence[torch.Generator]
+) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]; with one generator per row, row b draws from its own generator."""
     if config.temperature == 0:
         return logits.argmax(dim=-1)
     probs = (logits.float() / config.temperature).softmax(dim=-1)
@@ -47,7 +49,11 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= config.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.cat(
+        [torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(generator)]
+    )
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +76,13 @@ def generate(
     config: GenerationConfig | None = None,
     media: dict[str, torch.Tensor] | None = None,
     constraints: Sequence[Constraint | None] | None = None,
+    row_seeds: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Continue each prompt; returns the new tokens per prompt (up to and including EOS).
+
+    ``row_seeds`` gives every prompt its own sampling generator (instead of one for the batch seeded with
+    ``config.seed``): row b then samples exactly what it would sample alone with ``seed = row_seeds[b]``,
+    up to the batched forward's rounding.
 
     ``constraints`` (one per prompt, or None) mask each step's logits before sampling and see the
     sampled token after it (e.g. the tool-call decoding enforcer).
@@ -94,7 +105,13 @@ def generate(
         dtype=param.dtype,
         device=param.device,
     )
-    generator = torch.Generator(device=param.device).manual_seed(config.seed)
+    if row_seeds is not None and len(row_seeds) != len(prompts):
+        raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
+    generator: torch.Generator | list[torch.Generator] = (
+        torch.Generator(device=param.device).manual_seed(config.seed)
+        if row_seeds is None
+        else [torch.Generator(device=param.device).manual_seed(int(s)) for s in row_seeds]
+    )
 
     media = {k: v.to(param.device) for k, v in (media or {}).items()}
     logits = model(ids, attention_mask=valid, cache=cache, **media).logits[:, -1]
