@@ -20,6 +20,7 @@ from k2lab.agentic.experts import EXPECTED_REASONS, MODES, ExpertAgent
 from k2lab.agentic.factory import FactoryConfig, generate, rollout
 from k2lab.agentic.judge import judge, reason_category
 from k2lab.agentic.simulator import FailureRates, ToolSimulator
+from k2lab.agentic.tasks import BASES as BASES_BY_KEY
 from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
 from k2lab.agentic.tools import (
     BASE_TOOLS,
@@ -533,6 +534,17 @@ def test_cli_generate_end_to_end(tmp_path, mcp_file):
     with pytest.raises(SystemExit) as exit_info:  # in process: a second interpreter start costs seconds
         main(["factory", "generate", "--failure-rate", "2", "--out", str(tmp_path / "x.jsonl")])
     assert exit_info.value.code == 2 and not (tmp_path / "x.jsonl").exists()
+    compact = tmp_path / "compact.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["factory", "generate", "--n", "20", "--variants-per-tool", "0", "--max-distractors", "0",
+              "--out", str(compact)])  # fmt: skip
+    assert exit_info.value.code in (0, None)
+    canonical = {base.key for base in BASE_TOOLS}
+    for line in compact.read_text().splitlines():
+        record = json.loads(line)
+        names = {tool["function"]["name"] for tool in record["tools"]}
+        assert names <= canonical
+        assert {BASES_BY_KEY[name].domain for name in names} <= {record["domain"]}
 
 
 def test_every_base_tool_is_reachable_by_some_task(env):

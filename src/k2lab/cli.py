@@ -1070,6 +1070,17 @@ def factory_generate(
     mcp_fraction: Annotated[
         float, typer.Option("--mcp-fraction", help="Share of tasks for harvested MCP tools (with --tools).")
     ] = 0.2,
+    variants_per_tool: Annotated[
+        int,
+        typer.Option(
+            "--variants-per-tool",
+            min=0,
+            help="Evolved variants of every base tool (0: canonical names only).",
+        ),
+    ] = 12,
+    max_distractors: Annotated[
+        int, typer.Option("--max-distractors", min=0, help="Tools of other domains an agent may also hold.")
+    ] = 2,
 ) -> None:
     """Roll out N tool tasks with expert agents, judge them by rubric, write the kept conversations (JSONL).
 
@@ -1081,7 +1092,17 @@ def factory_generate(
 
     if tools is not None and not tools.is_file():
         raise K2LabError(f"--tools {tools}: no such file")
-    config = FactoryConfig(n, seed, tools, failure_rate, imperfection, no_tool_fraction, mcp_fraction)
+    config = FactoryConfig(
+        n,
+        seed,
+        tools,
+        failure_rate,
+        imperfection,
+        no_tool_fraction,
+        mcp_fraction,
+        variants_per_tool,
+        max_distractors,
+    )
     result = generate(config)
     summary = result.write(out)
     print_summary(result.summary, console)
