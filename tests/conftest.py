@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -95,3 +101,30 @@ def small_tokenizer(tmp_path_factory):
     for i in range(4):
         (folder / f"d{i}.txt").write_text(text * (20 + i))
     return train_tokenizer(load_corpus(str(folder)), vocab_size=300, use_cache=False)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Serve an ASGI ``app`` with uvicorn on a free loopback port in a thread; yields its base URL
+    ``http://127.0.0.1:PORT`` once it has started and stops the server on exit."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -2,20 +2,15 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .conftest import free_port
+
 SCRIPT = Path(__file__).parent / "distributed" / "fsdp_muonclip.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script: Path, nproc: int = 2) -> dict:

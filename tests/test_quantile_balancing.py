@@ -3,7 +3,6 @@ how it balances a stream of batches compared with the DeepSeek-V3 sign rule."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,8 @@ from k2lab.config import load_preset
 from k2lab.nn.balancing import deepseek_bias_update, quantile_balance, quantile_bias, quantile_bias_update
 from k2lab.nn.moe import MoE
 from k2lab.nn.router import SigmoidRouter
+
+from .conftest import free_port
 
 SHAPES = [
     (64, 8, 2),
@@ -197,9 +198,7 @@ WORKER = textwrap.dedent(
 def test_data_parallel_ranks_agree_with_one_process_on_the_global_batch(tmp_path):
     script = tmp_path / "qb_worker.py"
     script.write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
         f"--master_port={port}", str(script),

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -25,7 +21,7 @@ from k2lab.data.rephrase import (
     split_chunks,
 )
 
-from .conftest import randomize
+from .conftest import randomize, serving
 from .test_ablation import PNG_MAGIC, run_cli
 
 openai = pytest.importorskip("openai")
@@ -38,23 +34,6 @@ FACTS = (
     "She won a second Nobel Prize, in Chemistry, in 1911.\n\n"
     "The element polonium, discovered in 1898, is named after Poland."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{port}/v1", server, thread
 
 
 class EchoEndpoint:
@@ -89,11 +68,9 @@ class EchoEndpoint:
 @pytest.fixture(scope="module")
 def echo():
     endpoint = EchoEndpoint()
-    base, server, thread = start_server(endpoint.app)
-    endpoint.base = base
-    yield endpoint
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(endpoint.app) as base:
+        endpoint.base = f"{base}/v1"
+        yield endpoint
 
 
 def settings(base: str, **fields) -> RephraseSettings:
@@ -206,19 +183,28 @@ def test_cli_rephrase_against_the_k2lab_server(small_tokenizer, tmp_path, capsys
 
     model = randomize(build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=2048)))
     engine = Engine(model, max_batch=8).start()
-    base, server, thread = start_server(build_app(engine, small_tokenizer, "nano"))
     data = tmp_path / "raw"
     data.mkdir()
     (data / "a.txt").write_text("hello there, how are you? " * 3)
     (data / "b.jsonl").write_text(json.dumps({"text": 'the "city": "Paris", days 3.'}) + "\n")
     out = tmp_path / "rephrased"
     try:
-        args = ("data", "rephrase", "--data", data, "--out", out, "--base-url", base, "--model", "nano")
-        flags = ("--n-rephrasings", 2, "--chunk-chars", 40, "--max-tokens", 12, "--fidelity-threshold", 0)
-        assert run_cli(*args, *flags, "--styles", "textbook,qa") == 0
+        with serving(build_app(engine, small_tokenizer, "nano")) as base:
+            args = (
+                "data",
+                "rephrase",
+                "--data",
+                data,
+                "--out",
+                out,
+                "--base-url",
+                f"{base}/v1",
+                "--model",
+                "nano",
+            )
+            flags = ("--n-rephrasings", 2, "--chunk-chars", 40, "--max-tokens", 12, "--fidelity-threshold", 0)
+            assert run_cli(*args, *flags, "--styles", "textbook,qa") == 0
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
     printed = capsys.readouterr().out
     assert "2 done, 0 skipped (already done), 0 failed" in " ".join(printed.split())

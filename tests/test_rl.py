@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +41,7 @@ from k2lab.checkpoint import load_model, save_model
 from k2lab.cli import main
 from k2lab.train.checkpoint import list_checkpoints
 
-from .conftest import randomize
+from .conftest import randomize, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -311,37 +308,21 @@ def test_partial_rollouts_span_iterations_and_survive_resume(policy_dir, small_t
 
 def test_endpoint_policy_against_k2lab_serve(small_tokenizer):
     pytest.importorskip("openai")
-    import uvicorn
-
     from k2lab.agentic.rollout import EndpointPolicy
     from k2lab.serve import Engine
     from k2lab.serve.server import build_app
 
     engine = Engine(nano_model(), max_batch=2).start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(engine, small_tokenizer, "nano", api_key="k"), port=port, log_level="warning"
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
-        policy = EndpointPolicy(
-            f"http://127.0.0.1:{port}/v1", "nano", api_key="k", max_new_tokens=8, tokenizer=small_tokenizer
-        )
-        rollout = run_episode(ArithmeticEnv(), policy, seed=1, sample_seed=2)
+        with serving(build_app(engine, small_tokenizer, "nano", api_key="k")) as base:
+            policy = EndpointPolicy(
+                f"{base}/v1", "nano", api_key="k", max_new_tokens=8, tokenizer=small_tokenizer
+            )
+            rollout = run_episode(ArithmeticEnv(), policy, seed=1, sample_seed=2)
         episode = rollout.episode
         assert episode.done and episode.outcome.reason != "policy error", episode.outcome
         assert rollout.turns and rollout.turns[0].prompt_ids and episode.completion_tokens > 0
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
 
 

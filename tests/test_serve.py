@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import jsonschema
 import pytest
-import uvicorn
 
 from k2lab import build_model, load_preset
 from k2lab.serve import Engine
 from k2lab.serve.server import build_app
 
-from .conftest import randomize
+from .conftest import randomize, serving
 
 openai = pytest.importorskip("openai")
 
@@ -38,12 +35,6 @@ WEATHER = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(small_tokenizer):
     tokenizer = small_tokenizer
@@ -51,19 +42,8 @@ def server(small_tokenizer):
         build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=512)), seed=0
     )
     engine = Engine(model, max_batch=8).start()
-    app = build_app(engine, tokenizer, "nano", api_key=KEY)
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started and time.time() < deadline:
-        time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield base, engine
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serving(build_app(engine, tokenizer, "nano", api_key=KEY)) as base:
+        yield base, engine
     engine.shutdown()
 
 

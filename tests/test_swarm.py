@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,7 @@ from k2lab.swarm.parl import (
 from k2lab.swarm.runtime import ShardWorker, SwarmEnv, critical_steps, swarm_metrics, tokenizer_counter
 from k2lab.swarm.tasks import make_task, split_seeds, verify_answer
 
-from .conftest import randomize
+from .conftest import randomize, serving
 
 
 def seed_with(shards: int) -> int:
@@ -252,34 +251,21 @@ def test_lm_subagents_run_in_the_swarm(small_tokenizer):
 
 def test_endpoint_orchestrator_against_k2lab_serve(small_tokenizer):
     pytest.importorskip("openai")
-    import uvicorn
-
     from k2lab.agentic.rollout import EndpointPolicy
     from k2lab.serve import Engine
     from k2lab.serve.server import build_app
 
     engine = Engine(nano_model(), max_batch=4).start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = build_app(engine, small_tokenizer, "nano", api_key="k")
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        deadline = time.time() + 30
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
-        policy = EndpointPolicy(f"http://127.0.0.1:{port}/v1", "nano", api_key="k", max_new_tokens=24,
-                                tokenizer=small_tokenizer)  # fmt: skip
-        env = SwarmEnv(ShardWorker(), max_turns=2, min_shards=2, max_shards=8)
-        rollout = run_episode(env, policy, seed=4, sample_seed=1)
+        with serving(build_app(engine, small_tokenizer, "nano", api_key="k")) as base:
+            policy = EndpointPolicy(f"{base}/v1", "nano", api_key="k", max_new_tokens=24,
+                                    tokenizer=small_tokenizer)  # fmt: skip
+            env = SwarmEnv(ShardWorker(), max_turns=2, min_shards=2, max_shards=8)
+            rollout = run_episode(env, policy, seed=4, sample_seed=1)
         episode = rollout.episode
         assert episode.done and episode.outcome.reason != "policy error", episode.outcome
         assert rollout.turns and swarm_metrics(episode)["critical_steps"] >= 1
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
 
 
