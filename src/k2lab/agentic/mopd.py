@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
 from k2lab.agentic.env import Episode
-from k2lab.agentic.rl import budget_penalty, derive_seed, turn_logprobs
+from k2lab.agentic.rl import budget_penalty, derive_seed, rounded_mean, turn_logprobs
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
@@ -264,9 +264,9 @@ def _reward_metrics(samples: Sequence[tuple[ExpertSpec, Rollout, Any]]) -> dict[
     rewards = [r for rs in per_cell.values() for r in rs]
     tokens = [r.episode.completion_tokens for _, r, _ in samples]
     return {
-        "mean_reward": round(sum(rewards) / len(rewards), 6),
+        "mean_reward": rounded_mean(rewards),
         "tokens_per_task": round(sum(tokens) / len(tokens), 3),
-        "per_cell": {k: round(sum(v) / len(v), 6) for k, v in sorted(per_cell.items())},
+        "per_cell": {k: rounded_mean(v) for k, v in sorted(per_cell.items())},
     }
 
 
@@ -373,7 +373,7 @@ def _cell_scores(
                 own = torch.cat(turn_logprobs(model, turns))
                 teacher = torch.cat(turn_logprobs(router.route(e), turns))
             gaps.append(own - teacher)
-    scores = {k: round(sum(v) / len(v), 6) for k, v in rows.items()}
+    scores = {k: rounded_mean(v) for k, v in rows.items()}
     scores["kl"] = round(float(torch.cat(gaps).mean()), 6) if gaps else 0.0
     return scores
 

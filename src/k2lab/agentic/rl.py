@@ -83,6 +83,7 @@ __all__ = [
     "budget_penalty",
     "k15_loss",
     "offpolicy_mask",
+    "rounded_mean",
     "sequence_log_ratio",
     "temperature_at",
     "turn_logprobs",
@@ -475,14 +476,16 @@ class RLTrainer:
             "groups": len(groups),
             "episodes": len(members),
             "pending_groups": len(self.pending),
-            "mean_reward": _mean(rewards),
-            "success": _mean([float(bool(m.episode.outcome and m.episode.outcome.success)) for m in members]),
-            "tool_calls_per_task": _mean([m.episode.tool_calls for m in members]),
-            "tokens_per_task": _mean([m.episode.completion_tokens for m in members]),
-            "budget_penalty": _mean(penalties),
+            "mean_reward": rounded_mean(rewards),
+            "success": rounded_mean(
+                [float(bool(m.episode.outcome and m.episode.outcome.success)) for m in members]
+            ),
+            "tool_calls_per_task": rounded_mean([m.episode.tool_calls for m in members]),
+            "tokens_per_task": rounded_mean([m.episode.completion_tokens for m in members]),
+            "budget_penalty": rounded_mean(penalties),
             "failures": dict(sorted(Counter(_reason(m) for m in members if not _succeeded(m)).items())),
             "per_env": {
-                env: {k: _mean(v) for k, v in row.items()} | {"episodes": len(row["reward"])}
+                env: {k: rounded_mean(v) for k, v in row.items()} | {"episodes": len(row["reward"])}
                 for env, row in sorted(per_env.items())
             },
             "critic_loss": critic_loss,
@@ -511,7 +514,8 @@ def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8)
     return out
 
 
-def _mean(values: Sequence[float]) -> float | None:
+def rounded_mean(values: Sequence[float]) -> float | None:
+    """The mean to 6 decimals (metrics lines), None for no values."""
     return round(sum(values) / len(values), 6) if values else None
 
 

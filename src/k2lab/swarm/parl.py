@@ -49,7 +49,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.env import Episode
-from k2lab.agentic.rl import derive_seed, k15_loss, sequence_log_ratio, turn_logprobs
+from k2lab.agentic.rl import derive_seed, k15_loss, rounded_mean, sequence_log_ratio, turn_logprobs
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
 from k2lab.swarm.runtime import SwarmEnv, swarm_metrics
 from k2lab.swarm.tasks import parse_facts, split_seeds
@@ -275,14 +275,10 @@ def evaluate(env: SwarmEnv, orchestrator: Any, seeds: Sequence[int], sample_seed
         if greedy is not None:
             orchestrator.greedy = greedy
     keys = ("success", "critical_steps", "total_tokens", "tool_calls", "subagents", "unfinished")
-    result = {k: _mean([float(r[k]) for r in rows]) for k in keys}
+    result = {k: rounded_mean([float(r[k]) for r in rows]) for k in keys}
     wide = [float(r["success"]) for r in rows if r["shards"] >= env.max_turns]
-    result["wide_success"] = _mean(wide)
+    result["wide_success"] = rounded_mean(wide)
     return result
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return round(sum(values) / len(values), 6) if values else None
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -433,6 +429,6 @@ class ParlTrainer:
             "lambda_finish": round(lambda2, 6),
             "episodes": len(rows),
             "loss": loss,
-            **{k: _mean([t[k] for t in flat]) for k in ("reward", "r_perf", "r_parallel", "r_finish")},
-            **{k: _mean([float(r[k]) for r in rows]) for k in keys},
+            **{k: rounded_mean([t[k] for t in flat]) for k in ("reward", "r_perf", "r_parallel", "r_finish")},
+            **{k: rounded_mean([float(r[k]) for r in rows]) for k in keys},
         }
