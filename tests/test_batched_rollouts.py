@@ -82,3 +82,24 @@ def test_batched_rollouts_are_deterministic_and_continue_partials(model, small_t
     # the continued rollouts met the same batches and seeds as the uninterrupted ones: the same episodes
     drop_iteration = lambda rollouts: [(e, [t[:2] for t in turns]) for e, turns in episodes_of(rollouts)]  # noqa: E731
     assert drop_iteration(partial) == drop_iteration(play(None))
+
+
+def test_a_policy_failure_in_a_batch_fails_only_its_rollout(model, small_tokenizer):
+    class Flaky(LocalPolicy):
+        def _grammar(self, tools):
+            if any(t["function"]["name"] == "broken" for t in tools or []):
+                raise RuntimeError("grammar build failed")
+            return super()._grammar(tools)
+
+    env, seeds = ArithmeticEnv(), list(range(4))
+    policy = Flaky(model, small_tokenizer, temperature=1.0, max_new_tokens=24)
+    rollouts = [Rollout(env.reset(s)) for s in seeds]
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object"}}}
+    rollouts[1].episode.tools = [*rollouts[1].episode.tools, broken]
+    run_episodes(env, policy, rollouts, seeds, batch_size=4)
+    assert rollouts[1].episode.outcome.reason == "policy error"
+    assert "grammar build failed" in rollouts[1].episode.outcome.details["error"]
+    alone = [run_episode(env, policy, s, sample_seed=s) for s in seeds]
+    for k in (0, 2, 3):
+        assert rollouts[k].episode.outcome.reason != "policy error"
+        assert episodes_of([rollouts[k]]) == episodes_of([alone[k]])

@@ -322,7 +322,9 @@ def run_episodes(
     """``run_episode`` for many rollouts at once: every round, the next turn of every rollout that still
     plays goes through one ``LocalPolicy.respond_batch`` (turn t of rollout k with seed
     ``sample_seeds[k] * 1000 + t``, as alone), then each is handled exactly as ``run_episode`` handles it.
-    With ``batch_size=1`` the outcomes equal ``run_episode``'s; larger batches are as deterministic."""
+    With ``batch_size=1`` the outcomes equal ``run_episode``'s; larger batches are as deterministic. A round
+    whose batched call raises (not a ``PolicyOutputError``) is replayed one rollout at a time, so only the
+    rollout that causes it ends with "policy error"."""
     used = [0] * len(rollouts)
     while True:
         active = [k for k, r in enumerate(rollouts) if _wants_turn(r, used[k], token_limit)]
@@ -336,7 +338,13 @@ def run_episodes(
             )
             for k in active
         ]
-        for k, (prompt, reply) in zip(active, policy.respond_batch(requests, batch_size), strict=True):
+        try:
+            replies = policy.respond_batch(requests, batch_size)
+        except Exception:  # noqa: BLE001 - replay the round one at a time: only the failing rollout fails
+            for k, (_, _, seed) in zip(active, requests, strict=True):
+                used[k] += _play_turn(env, policy, rollouts[k], iteration, seed)
+            continue
+        for k, (prompt, reply) in zip(active, replies, strict=True):
             used[k] += _apply_reply(env, policy, rollouts[k], prompt, reply, iteration)
 
 
