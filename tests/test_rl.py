@@ -27,6 +27,8 @@ from k2lab.agentic.rl import (
     offpolicy_mask,
     sequence_log_ratio,
     temperature_at,
+    turn_logprobs,
+    turn_rows,
 )
 from k2lab.agentic.rollout import (
     LocalPolicy,
@@ -86,6 +88,30 @@ def test_offpolicy_clipping_masks_exactly_the_far_tokens():
     assert float(sequence_log_ratio(new, old, offpolicy_mask(new, old, None)).detach()) == pytest.approx(
         -2.45 + 0.0
     )
+
+
+def test_turns_of_one_conversation_share_a_row_with_the_same_logprobs():
+    """A turn whose prompt extends the previous turn's prompt + completion is read from that row; the
+    log-probs equal those of scoring every turn in its own forward."""
+    from k2lab.agentic.rollout import Turn
+
+    model = nano_model().eval()
+    first = Turn([5, 6, 7], [8, 9])
+    second = Turn([5, 6, 7, 8, 9, 10, 11], [12, 13, 14])  # extends first
+    other = Turn([5, 6, 20], [21])  # same start, different continuation: a row of its own
+    third = Turn([5, 6, 20, 21, 22], [23])  # extends other
+    turns = [first, second, other, third]
+    rows, places = turn_rows(turns)
+    assert rows == [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [5, 6, 20, 21, 22, 23]]
+    assert places == [(0, 3), (0, 7), (1, 3), (1, 5)]
+    with torch.no_grad():
+        merged = turn_logprobs(model, turns, batch=2)
+        alone = [turn_logprobs(model, [turn])[0] for turn in turns]
+    for got, want, turn in zip(merged, alone, turns, strict=True):
+        assert got.shape == (len(turn.completion_ids),)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prompt ids"):
+        turn_rows([Turn([], [1])])
 
 
 def test_temperature_schedule():
@@ -221,7 +247,7 @@ def cli(args: list[str]) -> None:
 
 def strip_time(path: Path) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+    return [{k: v for k, v in row.items() if not k.endswith("seconds")} for row in rows]
 
 
 def test_rl_run_writes_metrics_checkpoints_and_resumes_after_sigkill(policy_dir, tmp_path):

@@ -87,6 +87,7 @@ __all__ = [
     "sequence_log_ratio",
     "temperature_at",
     "turn_logprobs",
+    "turn_rows",
 ]
 
 METRICS = "metrics.jsonl"
@@ -318,6 +319,7 @@ class RLTrainer:
             self.policy.temperature = temperature
         groups = self.pending + [self._new_group(i, g) for g in range(config.groups_per_iteration)]
         self._roll(groups, i)
+        rolled = time.perf_counter()
         finished = [g for g in groups if g.done]
         self.pending = [g for g in groups if not g.done]
         save_rollouts(self.out / PARTIALS, [g.to_dict() for g in self.pending])
@@ -327,6 +329,7 @@ class RLTrainer:
         self.iteration += 1
         metrics = self._metrics(i, temperature, finished, scored, losses, critic_loss)
         metrics["seconds"] = round(time.perf_counter() - started, 3)
+        metrics["rollout_seconds"] = round(rolled - started, 3)
         with open(self.out / METRICS, "a") as handle:
             handle.write(json.dumps(metrics, sort_keys=True) + "\n")
         return metrics
@@ -401,13 +404,15 @@ class RLTrainer:
         result: dict[str, Any] = {"loss": None, "ptx_loss": None, "clipped_tokens": 0, "trained_tokens": 0}
         if not items and self.ptx is None:
             return result
-        with torch.no_grad():
-            old = self.token_logprobs([t for _, _, t in items])
         reward_tensors = [torch.tensor(r, dtype=torch.float32) for r in rewards]
+        old: list[torch.Tensor] | None = None
         for _ in range(self.config.updates_per_iteration):
             total = torch.zeros(())
             if items:
-                rl_loss, clipped = self._rl_loss(items, old, reward_tensors, len(groups))
+                new = self.token_logprobs([t for _, _, t in items])
+                if old is None:  # the first step runs at θ = θ_old: its log-probs are π_old's
+                    old = [x.detach() for x in new]
+                rl_loss, clipped = self._rl_loss(items, new, old, reward_tensors, len(groups))
                 total = total + rl_loss
                 result.update(loss=float(rl_loss.detach()), clipped_tokens=clipped)
                 result["trained_tokens"] = sum(len(t.completion_ids) for _, _, t in items)
@@ -423,11 +428,11 @@ class RLTrainer:
     def _rl_loss(
         self,
         items: list[tuple[int, int, Turn]],
+        new: list[torch.Tensor],
         old: list[torch.Tensor],
         rewards: list[torch.Tensor],
         count: int,
     ) -> tuple[torch.Tensor, int]:
-        new = self.token_logprobs([t for _, _, t in items])
         ratios = [torch.zeros(len(r)) for r in rewards]
         clipped = 0
         for (g, j, _), logp_new, logp_old in zip(items, new, old, strict=True):
@@ -494,24 +499,50 @@ class RLTrainer:
 
 
 def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8) -> list[torch.Tensor]:
-    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1): one right-padded forward over
-    the prompt+completion rows of every ``batch`` turns, the log-probs read at the completion positions."""
-    out: list[torch.Tensor] = []
+    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1).
+
+    Turns are folded into rows first (``turn_rows``): a turn whose prompt starts with the previous turn's
+    prompt + completion (the next turn of the same conversation, re-rendered to the same ids) reads its
+    log-probs from that conversation's row, so a T-turn episode costs one forward over its last turn
+    instead of T forwards over growing prefixes. Rows go through one right-padded forward per ``batch``
+    rows; a causal model gives each position the same log-prob whichever row holds it.
+    """
+    rows, places = turn_rows(turns)
     device = next(model.parameters()).device
-    for start in range(0, len(turns), batch):
-        chunk = turns[start : start + batch]
-        rows = [t.prompt_ids + t.completion_ids for t in chunk]
-        width = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, row in enumerate(rows):
+    read: list[torch.Tensor] = []
+    for start in range(0, len(rows), batch):
+        chunk = rows[start : start + batch]
+        width = max(len(r) for r in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        valid = torch.zeros(len(chunk), width, dtype=torch.bool)
+        for i, row in enumerate(chunk):
             ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
         logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
         logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
-        for i, t in enumerate(chunk):
-            begin = len(t.prompt_ids) - 1
-            out.append(logp[i, begin : begin + len(t.completion_ids)])
-    return out
+        read.extend(logp.unbind(0))
+    ends = [
+        (row, begin - 1, begin - 1 + len(t.completion_ids))
+        for t, (row, begin) in zip(turns, places, strict=True)
+    ]
+    return [read[row][first:last] for row, first, last in ends]
+
+
+def turn_rows(turns: Sequence[Turn]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The token rows that hold every turn's prompt + completion, and per turn (row index, position of its
+    first completion token). A turn extends the previous turn's row when its prompt starts with that row."""
+    rows: list[list[int]] = []
+    places: list[tuple[int, int]] = []
+    for turn in turns:
+        if not turn.prompt_ids:
+            raise ValueError("a turn needs prompt ids to be scored")
+        sequence = turn.prompt_ids + turn.completion_ids
+        last = rows[-1] if rows else None
+        if last is not None and len(turn.prompt_ids) >= len(last) and turn.prompt_ids[: len(last)] == last:
+            rows[-1] = sequence
+        else:
+            rows.append(sequence)
+        places.append((len(rows) - 1, len(turn.prompt_ids)))
+    return rows, places
 
 
 def rounded_mean(values: Sequence[float]) -> float | None:
