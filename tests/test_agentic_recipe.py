@@ -8,8 +8,20 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.evaluate import episode_summary, evaluate_policy, play_greedy, wilson_interval
-from k2lab.agentic.recipe import RecipeConfig, RecipeToolTasks, eval_seeds, run_recipe
+from k2lab.agentic.evaluate import (
+    episode_summary,
+    evaluate_policy,
+    paired_comparison,
+    play_greedy,
+    wilson_interval,
+)
+from k2lab.agentic.recipe import (
+    RecipeConfig,
+    RecipeToolTasks,
+    eval_seeds,
+    no_tool_eval_seeds,
+    run_recipe,
+)
 from k2lab.agentic.rollout import LocalPolicy, run_episode
 from k2lab.checkpoint import save_model
 
@@ -49,6 +61,23 @@ def test_wilson_interval_hand_computed():
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
+def test_paired_comparison_hand_computed():
+    def rows(successes):
+        return [{"seed": i, "success": ok} for i, ok in enumerate(successes)]
+
+    # 8 tasks only the later model solves, 2 only the earlier, 5 both, 5 neither: discordant n = 10,
+    # p = 2 · (C(10,0) + C(10,1) + C(10,2)) / 2^10 = 2 · 56 / 1024
+    before = rows([False] * 8 + [True] * 2 + [True] * 5 + [False] * 5)
+    after = rows([True] * 8 + [False] * 2 + [True] * 5 + [False] * 5)
+    pair = paired_comparison(before, after)
+    assert (pair["only_after"], pair["only_before"], pair["tasks"]) == (8, 2, 20)
+    assert pair["p_value"] == pytest.approx(0.109375)
+    assert paired_comparison(after, after)["p_value"] == 1.0  # no discordant task
+    assert paired_comparison(rows([True] * 6), rows([False] * 6))["p_value"] == pytest.approx(2 / 64)
+    with pytest.raises(ValueError, match="same task seeds"):
+        paired_comparison(before, after[:-1])
+
+
 # ---- the batched evaluator
 
 
@@ -85,6 +114,16 @@ def test_recipe_env_caps_turns_and_budgets_no_tool_tasks():
         eval_seeds(RecipeConfig(eval_seed=0, factory_seed=0))
 
 
+def test_no_tool_probe_seeds_are_held_out_no_tool_tasks():
+    config = RecipeConfig(eval_n=200, no_tool_eval_n=30)
+    probe = no_tool_eval_seeds(config)
+    assert len(probe) == 30 and not set(probe) & set(eval_seeds(config))
+    env = RecipeToolTasks(config, no_tool_fraction=1.0)
+    assert all(not env.reset(seed).needs_tools for seed in probe[:5])
+    with pytest.raises(ValueError, match="eval_n"):
+        no_tool_eval_seeds(RecipeConfig(eval_n=600_000))
+
+
 # ---- end to end
 
 
@@ -102,6 +141,7 @@ def tiny_config(out, base) -> RecipeConfig:
         max_new_tokens=8,
         max_turns=2,
         eval_n=20,
+        no_tool_eval_n=6,
         eval_batch_size=10,
     )
 
@@ -127,10 +167,13 @@ def test_tiny_end_to_end_run_writes_every_output(tiny_run):
     assert not any("reused" in line for line in messages)
     assert set(report["evaluation"]) == {"base", "sft", "rl"}
     assert all(r["tasks"] == 20 for r in report["evaluation"].values())
+    assert all(r["no_tool_probe"]["tasks"] == 6 for r in report["evaluation"].values())
+    assert set(report["paired"]) == {"sft_vs_base", "rl_vs_sft"}
+    assert all(p["tasks"] == 20 for p in report["paired"].values())
     assert set(report["seconds"]) == {"base", "factory", "sft", "rl", "eval"}
     assert set(report["acceptance"]) == {"sft_above_base", "rl_above_sft", "rl_fewer_no_tool_calls_than_sft"}
     text = (out / "report.md").read_text()
-    assert "success [95% Wilson CI]" in text and "| rl |" in text
+    assert "success [95% Wilson CI]" in text and "| rl |" in text and "| rl_vs_sft |" in text
     assert json.loads((out / "report.json").read_text())["evaluation"]["rl"]["tasks"] == 20
 
 

@@ -1138,6 +1138,10 @@ def recipe_agentic_mini(
     eval_n: Annotated[
         int | None, typer.Option(min=1, help="Held-out evaluation tasks (default 200).")
     ] = None,
+    no_tool_eval_n: Annotated[
+        int | None,
+        typer.Option(min=0, help="Held-out tasks that need no tool, for the tool-call probe (default 100)."),
+    ] = None,
     eval_seed: Annotated[
         int | None, typer.Option(help="Factory seed of the held-out tasks, unused in training (default 7).")
     ] = None,
@@ -1161,6 +1165,7 @@ def recipe_agentic_mini(
         "rl_groups": rl_groups,
         "rl_group_size": rl_group_size,
         "eval_n": eval_n,
+        "no_tool_eval_n": no_tool_eval_n,
         "eval_seed": eval_seed,
         "eval_batch_size": eval_batch_size,
     }

@@ -25,6 +25,7 @@ from k2lab.agentic.rollout import LocalPolicy, Rollout, run_episodes
 __all__ = [
     "episode_summary",
     "evaluate_policy",
+    "paired_comparison",
     "play_greedy",
     "summarize",
     "wilson_interval",
@@ -44,6 +45,31 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     low = 0.0 if successes == 0 else max(0.0, center - half)  # exact ends at p = 0 and p = 1
     high = 1.0 if successes == n else min(1.0, center + half)
     return low, high
+
+
+def paired_comparison(before: Sequence[dict[str, Any]], after: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Two models on the same tasks (``episode_summary`` rows, matched by seed): the tasks only ``after``
+    solves, the tasks only ``before`` solves, and McNemar's exact two-sided p-value,
+
+        p = min(1, 2 · Σ_{i ≤ min(b, c)} C(b + c, i) / 2^(b+c))      (b, c: the two discordant counts),
+
+    the chance of a split at least this uneven if neither model were better. A paired test sees a
+    difference that two overlapping intervals hide: the tasks both models solve (or fail) carry no signal.
+    """
+    solved_before = {row["seed"]: bool(row["success"]) for row in before}
+    solved_after = {row["seed"]: bool(row["success"]) for row in after}
+    if solved_before.keys() != solved_after.keys():
+        raise ValueError("a paired comparison needs both models on the same task seeds")
+    only_after = sum(solved_after[s] and not solved_before[s] for s in solved_before)
+    only_before = sum(solved_before[s] and not solved_after[s] for s in solved_before)
+    discordant = only_after + only_before
+    tail = sum(math.comb(discordant, i) for i in range(min(only_after, only_before) + 1))
+    return {
+        "tasks": len(solved_before),
+        "only_after": only_after,
+        "only_before": only_before,
+        "p_value": min(1.0, 2 * tail / 2**discordant) if discordant else 1.0,
+    }
 
 
 def evaluate_policy(

@@ -10,7 +10,9 @@ resumes; SFT and RL also resume from their own checkpoints mid-stage):
   token budget so the budget penalty applies;
 * ``eval``: base, SFT and RL on ``eval_n`` held-out tasks (seeds ``eval_seed * 1_000_003 + i``, a factory
   seed no training stage uses; RL draws hashed task seeds), batched greedy decoding
-  (``k2lab.agentic.evaluate``).
+  (``k2lab.agentic.evaluate``), and on a probe of ``no_tool_eval_n`` held-out tasks that need no tool
+  (seeds ``eval_seed * 1_000_003 + NO_TOOL_OFFSET + i``): the main set holds only ~15 % of those, too few
+  to see whether RL's budget penalty lowers the tool calls made where none is needed.
 
 Outputs in ``out``: ``report.json``, ``report.md``, ``agentic_mini.png`` and per-stage wall times.
 """
@@ -31,6 +33,7 @@ from k2lab.fsutil import atomic_write_text, save_figure_atomically
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
 
 STAGES = ("base", "factory", "sft", "rl", "eval")
+NO_TOOL_OFFSET = 500_000
 EVALUATED = ("base", "sft", "rl")
 
 
@@ -62,6 +65,7 @@ class RecipeConfig:
     max_new_tokens: int = 128
     max_turns: int = MINI_TOOLS["max_turns"]
     eval_n: int = 200
+    no_tool_eval_n: int = 100
     eval_seed: int = 7
     eval_batch_size: int = 32
     threads: int | None = None
@@ -103,6 +107,15 @@ def eval_seeds(config: RecipeConfig) -> list[int]:
     if config.eval_seed == config.factory_seed:
         raise ValueError("eval_seed must differ from factory_seed (held-out tasks)")
     return [config.eval_seed * 1_000_003 + i for i in range(config.eval_n)]
+
+
+def no_tool_eval_seeds(config: RecipeConfig) -> list[int]:
+    """The held-out seeds of the no-tool probe (after the main set's, in the same factory numbering)."""
+    if config.eval_n > NO_TOOL_OFFSET:
+        raise ValueError(f"eval_n must be at most {NO_TOOL_OFFSET} (the probe's seeds follow the main set's)")
+    eval_seeds(config)
+    start = config.eval_seed * 1_000_003 + NO_TOOL_OFFSET
+    return [start + i for i in range(config.no_tool_eval_n)]
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -239,17 +252,39 @@ def stage_eval(config: RecipeConfig, directory: Path, models: dict[str, str], lo
 
 
 def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
-    """One model directory on the held-out tasks."""
+    """One model directory on the held-out tasks, with the no-tool probe's result under ``no_tool_probe``."""
     from k2lab.agentic.evaluate import evaluate_policy
     from k2lab.checkpoint import load_model
     from k2lab.data import load_tokenizer
 
     model = load_model(path).eval()
     tokenizer = load_tokenizer(Path(path) / "tokenizer.json")
-    env = RecipeToolTasks(config)
-    return evaluate_policy(
-        model, tokenizer, env, eval_seeds(config), config.eval_batch_size, config.max_new_tokens
-    )
+
+    def run(env: RecipeToolTasks, seeds: list[int]) -> dict[str, Any]:
+        return evaluate_policy(model, tokenizer, env, seeds, config.eval_batch_size, config.max_new_tokens)
+
+    report = run(RecipeToolTasks(config), eval_seeds(config))
+    probe = run(RecipeToolTasks(config, no_tool_fraction=1.0), no_tool_eval_seeds(config))
+    report["no_tool_probe"] = no_tool_summary(probe)
+    report["seconds"] = round(report["seconds"] + probe["seconds"], 3)
+    return report
+
+
+def no_tool_summary(probe: dict[str, Any]) -> dict[str, Any]:
+    """Tool calls per task, the share of tasks with any tool call (with its Wilson interval) and success on
+    the no-tool probe."""
+    from k2lab.agentic.evaluate import wilson_interval
+
+    episodes = probe["episodes"]
+    calling = sum(e["tool_calls"] > 0 for e in episodes)
+    return {
+        "tasks": len(episodes),
+        "tool_calls": probe["tool_calls_per_task"],
+        "calling": calling,
+        "calling_share": calling / len(episodes) if episodes else None,
+        "calling_ci95": list(wilson_interval(calling, len(episodes))),
+        "success": probe["success"],
+    }
 
 
 def _floats(summary: dict[str, Any] | None) -> dict[str, float]:
@@ -282,10 +317,12 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
 
 def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """report.json, report.md and agentic_mini.png from the stage records."""
-    evaluations = {}
+    from k2lab.agentic.evaluate import paired_comparison
+
+    evaluations, episodes = {}, {}
     for name, path in records["eval"]["reports"].items():
         report = json.loads(Path(path).read_text())
-        report.pop("episodes", None)
+        episodes[name] = report.pop("episodes")
         evaluations[name] = report
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
@@ -293,6 +330,10 @@ def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, 
         "seconds": {name: records[name]["seconds"] for name in STAGES},
         "total_seconds": round(sum(records[name]["seconds"] for name in STAGES), 2),
         "evaluation": evaluations,
+        "paired": {
+            "sft_vs_base": paired_comparison(episodes["base"], episodes["sft"]),
+            "rl_vs_sft": paired_comparison(episodes["sft"], episodes["rl"]),
+        },
         "acceptance": acceptance(evaluations),
     }
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
@@ -302,12 +343,14 @@ def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, 
 
 
 def acceptance(evaluations: dict[str, dict[str, Any]]) -> dict[str, bool]:
-    """The goals: SFT above base, RL above SFT (point estimates), fewer no-tool calls after RL."""
+    """The goals: SFT above base, RL above SFT (point estimates), fewer tool calls per task on the no-tool
+    probe after RL."""
     base, sft, rl = (evaluations[name] for name in EVALUATED)
     return {
         "sft_above_base": sft["success"] > base["success"],
         "rl_above_sft": rl["success"] > sft["success"],
-        "rl_fewer_no_tool_calls_than_sft": (rl["no_tool_calls"] or 0) < (sft["no_tool_calls"] or 0),
+        "rl_fewer_no_tool_calls_than_sft": (rl["no_tool_probe"]["tool_calls"] or 0)
+        < (sft["no_tool_probe"]["tool_calls"] or 0),
     }
 
 
@@ -324,7 +367,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
             [
                 name,
                 f"{result['success']:.3f} [{low:.3f}, {high:.3f}] ({result['successes']}/{result['tasks']})",
-                f"{_fmt(result['no_tool_calls'])} (n={result['no_tool_tasks']})",
+                _no_tool_cell(result["no_tool_probe"]),
                 _fmt(result["tokens_per_task"], 1),
                 f"{report['seconds'][name]:.0f}",
             ]
@@ -332,7 +375,13 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-HEADER = ["stage", "success [95% Wilson CI]", "tool calls on no-tool tasks", "tokens/task", "stage wall s"]
+HEADER = [
+    "stage",
+    "success [95% Wilson CI]",
+    "tool calls per no-tool task (probe)",
+    "tokens/task",
+    "stage wall s",
+]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -345,11 +394,24 @@ def markdown(report: dict[str, Any]) -> str:
     for domain in domains:
         cells = [_domain_cell(r["domains"].get(domain)) for r in report["evaluation"].values()]
         lines.append(f"| {domain} | " + " | ".join(cells) + " |")
+    lines += ["", "## paired comparison on the same tasks (McNemar, exact)", ""]
+    lines += [
+        "| comparison | solved only by the later | solved only by the earlier | p |",
+        "|---|---|---|---|",
+    ]
+    for name, pair in report["paired"].items():
+        lines.append(f"| {name} | {pair['only_after']} | {pair['only_before']} | {pair['p_value']:.3g} |")
     lines += ["", "## wall time per stage (s)", ""]
     lines += [f"- {name}: {seconds:.0f}" for name, seconds in report["seconds"].items()]
     lines += [f"- total: {report['total_seconds']:.0f}", "", "## acceptance", ""]
     lines += [f"- {name}: {'yes' if ok else 'no'}" for name, ok in report["acceptance"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _no_tool_cell(probe: dict[str, Any]) -> str:
+    share = probe["calling_share"]
+    calling = "–" if share is None else f"{probe['calling']}/{probe['tasks']} call"
+    return f"{_fmt(probe['tool_calls'])} ({calling})"
 
 
 def _domain_cell(row: dict[str, Any] | None) -> str:
