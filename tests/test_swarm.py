@@ -5,6 +5,7 @@ frozen sub-agents, an EndpointPolicy orchestrator against `k2lab serve`, and the
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -152,9 +153,31 @@ def test_subagents_run_concurrently():
 # ---- rewards and annealing
 
 
+def test_compact_orchestrator_factorised_policy_and_greedy_choice():
+    orchestrator = CompactOrchestrator(max_turns=3, solo_prior=4.5)
+    probs = orchestrator.action_log_probs().exp()
+    assert probs.shape == (3 * 5, 21)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(15))
+    # the start: solo against 20 equally likely fan-outs, as a flat categorical with a solo logit of 4.5
+    flat = torch.cat([torch.tensor([4.5]), torch.zeros(20)]).softmax(-1)
+    torch.testing.assert_close(probs[0], flat)
+    assert orchestrator.greedy_action(0) == 0
+    with torch.no_grad():  # 60 % of the mass on fanning out, spread so that no fan-out beats solo alone
+        orchestrator.logits[0] = torch.tensor([0.0, math.log(1.5)])
+    assert float(orchestrator.action_log_probs()[0, 1:].exp().max()) < 0.4
+    assert orchestrator.greedy_action(0) != 0  # a flat argmax over 21 actions would say solo
+    with torch.no_grad():
+        orchestrator.width_logits[0, 2] = 1.0
+        orchestrator.chunk_logits[0, 1] = 1.0
+    assert orchestrator.greedy_action(0) == 1 + 2 * 4 + 1  # fan(WIDTHS[2], CHUNKS[1])
+    assert orchestrator.actions[orchestrator.greedy_action(0)] == (4, 2)
+    single = CompactOrchestrator(max_turns=3, single_agent=True)
+    assert single.action_log_probs().shape == (15, 1) and single.greedy_action(4) == 0
+
+
 def test_reward_terms_and_annealing_schedule():
     assert r_parallel(2, 4) == 0.5 and r_parallel(9, 4) == 1.0 and r_parallel(0, 4) == 0.0
-    assert r_finish(3, 4) == 0.75 and r_finish(0, 0) == 0.0
+    assert r_finish(3, 4) == 0.75 and r_finish(0, 0) == 1.0  # nothing assigned: nothing unfinished
     assert [lambda_at(i, 0.5, 10, 0.5) for i in (0, 1, 4, 5, 9)] == pytest.approx([0.5, 0.4, 0.1, 0.0, 0.0])
     env = SwarmEnv(max_turns=3, min_shards=2, max_shards=24)
     episode = run_episode(env, Plan([(2, 6), (0, 0), (0, 0)]), seed_with(12)).episode

@@ -7,8 +7,8 @@ Arms (same tasks, seeds and sampling seeds; ``ParlConfig`` otherwise equal):
 * ``no_finish``     λ2 = 0 (spurious fan-out expected: sub-agents farmed for r_parallel, tasks unfinished)
 * ``single_agent``  no sub-agent tools at all (the orchestrator can only query shards itself)
 
-The orchestrator is the **compact path** (``CompactOrchestrator``: a categorical policy over orchestration
-actions starting from a single-agent prior) and the sub-agents are the procedural frozen ``ShardWorker``;
+The orchestrator is the **compact path** (``CompactOrchestrator``: a factorised categorical policy over
+orchestration actions starting from a single-agent prior) and the sub-agents are the procedural frozen ``ShardWorker``;
 the language-model path is exercised by the tests only (a tiny random model learns nothing in minutes).
 
 Reported per arm (mean over seeds, held-out tasks, greedy policy, after training): success, success on
@@ -201,7 +201,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"1.00× | {fmt(r['total_tokens'], '.0f')} | 1.00× | {fmt(r['tool_calls'], '.1f')} | 0 | 0 | — | — | — | — |\n"
     )
     note = (
-        f"\nCompact orchestrator (categorical policy over orchestration actions, single-agent prior "
+        f"\nCompact orchestrator (factorised categorical policy over orchestration actions, single-agent prior "
         f"{b['solo_prior']}), procedural frozen sub-agents; seeds {s['seeds']}; {b['iterations']} iterations × "
         f"{b['groups_per_iteration']} groups × {b['group_size']} episodes; B_main = {b['max_turns']} turns, "
         f"{b['sub_max_steps']} steps per sub-agent, {b['min_shards']}–{b['max_shards']} shards; λ1(0) = "

@@ -5,7 +5,7 @@ Reward of a finished episode y of task x at training iteration i::
     r_PARL(x, y) = λ1(i) · r_parallel + λ2(i) · r_finish + r_perf(x, y)
 
     r_parallel = min(1, subagents_created / target)         (against serial collapse)
-    r_finish   = finished_subtasks / assigned_subtasks       (against spurious fan-out; 0 with none assigned)
+    r_finish   = finished_subtasks / assigned_subtasks       (against spurious fan-out; 1 with none assigned)
     r_perf     = 1[final answer exact]                       (the task's verifier)
 
     λk(i) = λk(0) · max(0, 1 − i / (anneal_fraction · iterations))      (linear annealing to 0)
@@ -24,10 +24,10 @@ Two orchestrators share the trainer:
 
 * ``LMOrchestrator`` — the language-model path: a ``LocalPolicy`` over a ``CausalLM`` calls the tools in K2's
   chat format; its turns' completion ids are trained on (tested end-to-end on a tiny random model).
-* ``CompactOrchestrator`` — the compact path **used by ``k2lab ablate parl``**: a categorical policy
-  θ[state, action] over discrete orchestration actions, with state = (turn t, bucket of shards still
-  missing) and actions "query one shard myself" or "fan out (w, c)": create w sub-agents and give each c of
-  the missing shards (wrapping around when w·c exceeds them). When no shard is missing it answers with
+* ``CompactOrchestrator`` — the compact path **used by ``k2lab ablate parl``**: a factorised categorical
+  policy over discrete orchestration actions, with state = (turn t, bucket of shards still missing) and
+  actions "query one shard myself" or "fan out (w, c)": create w sub-agents and give each c of the missing
+  shards (wrapping around when w·c exceeds them). When no shard is missing it answers with
   the sum (a procedural aggregator). Each decision is one "token" (prompt id = state, completion id =
   action), trained by the same group-relative objective; sub-agents are the procedural frozen
   ``ShardWorker``.
@@ -39,6 +39,7 @@ every task and sampling seed is derived from (seed, iteration, group, member).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -123,8 +124,13 @@ def r_parallel(subagents: int, target: int) -> float:
 
 
 def r_finish(finished: int, assigned: int) -> float:
-    """finished / assigned subtasks (0 when none was assigned)."""
-    return finished / assigned if assigned else 0.0
+    """finished / assigned subtasks; 1 when none was assigned (nothing was left unfinished).
+
+    The term penalises fan-out that leaves subtasks unfinished; it must not reward fanning out as such.
+    Scoring a serial episode 0 would make r_finish a second parallelism bonus (a finished fan-out beats
+    working alone by λ2), so that dropping r_parallel could not show serial collapse.
+    """
+    return finished / assigned if assigned else 1.0
 
 
 def parl_reward(episode: Episode, lambda1: float, lambda2: float, target: int) -> dict[str, float]:
@@ -166,20 +172,48 @@ class LMOrchestrator:
 
 
 class CompactOrchestrator(torch.nn.Module):
-    """The compact path (used by the ablation): π_θ(a | s) = softmax(θ[s])_a over orchestration actions.
+    """The compact path (used by the ablation): a factorised policy over orchestration actions,
+
+        π(solo | s) = softmax(θ_kind[s])_solo
+        π(fan(w, c) | s) = softmax(θ_kind[s])_fan · softmax(θ_width[s])_w · softmax(θ_chunk[s])_c
 
     s = min(t, B_main − 1) · 5 + bucket(missing shards); a ∈ {solo} ∪ {fan(w, c): w ∈ WIDTHS, c ∈ CHUNKS}
-    (only solo for the single-agent baseline). ``greedy`` takes argmax_a instead of sampling. θ starts at 0
-    except θ[·, solo] = ``solo_prior``: a start from a single-agent checkpoint, which prefers working alone.
+    (only solo for the single-agent baseline). θ starts at 0 except θ_kind[·, solo] = ``solo_prior`` and
+    θ_kind[·, fan] = log |WIDTHS × CHUNKS| (the flat start: every fan-out action as likely as an action
+    logit of 0 next to a solo logit of ``solo_prior``): a start from a single-agent checkpoint, which
+    prefers working alone. ``greedy`` decides solo-or-fan first, then w and c: with one categorical over
+    all 21 actions, a policy that fans out most of the time could still pick solo greedily because its
+    fan-out mass is spread over 20 actions.
     """
 
     def __init__(self, max_turns: int = 6, single_agent: bool = False, solo_prior: float = 0.0) -> None:
         super().__init__()
+        self.single_agent = single_agent
         self.actions = [(0, 0)] + ([] if single_agent else [(w, c) for w in WIDTHS for c in CHUNKS])
         self.max_turns, self.greedy = max_turns, False
-        logits = torch.zeros(max_turns * (len(BUCKETS) + 1), len(self.actions))
-        logits[:, 0] = solo_prior
-        self.logits = torch.nn.Parameter(logits)
+        states = max_turns * (len(BUCKETS) + 1)
+        kind = torch.zeros(states, 1 if single_agent else 2)
+        kind[:, 0] = solo_prior
+        if not single_agent:
+            kind[:, 1] = math.log(len(WIDTHS) * len(CHUNKS))
+        self.logits = torch.nn.Parameter(kind)
+        self.width_logits = torch.nn.Parameter(torch.zeros(states, len(WIDTHS)))
+        self.chunk_logits = torch.nn.Parameter(torch.zeros(states, len(CHUNKS)))
+
+    def action_log_probs(self) -> torch.Tensor:
+        """log π(a | s) [states, actions] in ``self.actions`` order (solo, then w-major fan-outs)."""
+        kind = self.logits.log_softmax(-1)
+        if self.single_agent:
+            return kind
+        shape = self.width_logits.log_softmax(-1)[:, :, None] + self.chunk_logits.log_softmax(-1)[:, None, :]
+        return torch.cat([kind[:, :1], kind[:, 1:] + shape.flatten(1)], dim=1)
+
+    def greedy_action(self, state: int) -> int:
+        """argmax of solo-or-fan, then of w and of c."""
+        if self.single_agent or int(self.logits[state].argmax()) == 0:
+            return 0
+        width, chunk = int(self.width_logits[state].argmax()), int(self.chunk_logits[state].argmax())
+        return 1 + width * len(CHUNKS) + chunk
 
     @classmethod
     def from_config(cls, config: ParlConfig) -> CompactOrchestrator:
@@ -211,18 +245,18 @@ class CompactOrchestrator(torch.nn.Module):
         if not missing:
             return {"role": "assistant", "content": f"The total is {sum(facts.values())}"}, []
         with torch.no_grad():
-            logits = self.logits[state]
             if self.greedy:
-                action = int(logits.argmax())
+                action = self.greedy_action(state)
             else:
                 generator = torch.Generator().manual_seed(seed)
-                action = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+                probs = self.action_log_probs()[state].exp()
+                action = int(torch.multinomial(probs, 1, generator=generator))
         turn = sum(m["role"] == "assistant" for m in messages)
         return _action_message(self.actions[action], product, missing, turn), [action]
 
     def turn_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
         """log π_θ(a | s) per turn (prompt id s, completion id a)."""
-        log_probs = self.logits.log_softmax(-1)
+        log_probs = self.action_log_probs()
         return [log_probs[t.prompt_ids[0], t.completion_ids] for t in turns]
 
 
