@@ -13,6 +13,15 @@ def test_logits_shape(nano):
     assert nano(ids).logits.shape == (3, 11, 128)
 
 
+def test_logits_mask_computes_the_head_at_the_selected_positions_only(nano):
+    ids = torch.randint(0, 128, (2, 7))
+    wanted = torch.zeros(2, 7, dtype=torch.bool)
+    wanted[0, 2:4], wanted[1, 5] = True, True
+    selected = nano(ids, logits_mask=wanted).logits
+    assert selected.shape == (3, 128)
+    torch.testing.assert_close(selected, nano(ids).logits[wanted], rtol=1e-5, atol=1e-5)
+
+
 def test_meta_device_build_allocates_nothing():
     model = build_model(load_preset("k2"), device="meta")
     assert all(p.is_meta for p in model.parameters())

@@ -110,6 +110,10 @@ def test_turns_of_one_conversation_share_a_row_with_the_same_logprobs():
     for got, want, turn in zip(merged, alone, turns, strict=True):
         assert got.shape == (len(turn.completion_ids),)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+        with torch.no_grad():  # the reference: the full [T, V] logits of the turn alone
+            full = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        torch.testing.assert_close(got, full[len(turn.prompt_ids) - 1 :], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="prompt ids"):
         turn_rows([Turn([], [1])])
 

@@ -42,6 +42,7 @@ trajectory (reward 0) and are counted per reason in ``failures``; training goes 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import time
 from collections import Counter, defaultdict
@@ -505,11 +506,17 @@ def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8)
     prompt + completion (the next turn of the same conversation, re-rendered to the same ids) reads its
     log-probs from that conversation's row, so a T-turn episode costs one forward over its last turn
     instead of T forwards over growing prefixes. Rows go through one right-padded forward per ``batch``
-    rows; a causal model gives each position the same log-prob whichever row holds it.
+    rows; a causal model gives each position the same log-prob whichever row holds it. Models whose
+    forward takes ``logits_mask`` (``CausalLM``) compute the head at the completion positions only.
     """
     rows, places = turn_rows(turns)
+    spans = [
+        (row, begin - 1, begin - 1 + len(t.completion_ids))
+        for t, (row, begin) in zip(turns, places, strict=True)
+    ]
     device = next(model.parameters()).device
-    read: list[torch.Tensor] = []
+    masked = "logits_mask" in inspect.signature(model.forward).parameters
+    read: list[torch.Tensor] = []  # per row: log-probs [W - 1] by position (0 where not computed)
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
         width = max(len(r) for r in chunk)
@@ -517,14 +524,24 @@ def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8)
         valid = torch.zeros(len(chunk), width, dtype=torch.bool)
         for i, row in enumerate(chunk):
             ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
-        logits = model(ids.to(device), attention_mask=valid.to(device)).logits.float()
-        logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+        ids, valid = ids.to(device), valid.to(device)
+        targets = ids[:, 1:]
+        if masked:
+            wanted = torch.zeros(len(chunk), width, dtype=torch.bool, device=device)
+            for row, first, last in spans:
+                if start <= row < start + batch:
+                    wanted[row - start, first:last] = True
+            logits = model(ids, attention_mask=valid, logits_mask=wanted).logits.float()
+            picked = logits.log_softmax(-1).gather(-1, ids.roll(-1, dims=1)[wanted][:, None]).squeeze(-1)
+            logp = torch.zeros(len(chunk), width, dtype=picked.dtype, device=device).masked_scatter(
+                wanted, picked
+            )
+            logp = logp[:, :-1]
+        else:
+            logits = model(ids, attention_mask=valid).logits.float()
+            logp = logits[:, :-1].log_softmax(-1).gather(-1, targets[:, :, None]).squeeze(-1)
         read.extend(logp.unbind(0))
-    ends = [
-        (row, begin - 1, begin - 1 + len(t.completion_ids))
-        for t, (row, begin) in zip(turns, places, strict=True)
-    ]
-    return [read[row][first:last] for row, first, last in ends]
+    return [read[row][first:last] for row, first, last in spans]
 
 
 def turn_rows(turns: Sequence[Turn]) -> tuple[list[list[int]], list[tuple[int, int]]]:

@@ -135,6 +135,9 @@ class CausalLM(nn.Module):
     ``segment_ids`` [B, T] (packed training windows) confines every token to its own document: MLA masks
     other documents and restarts positions, KDA restarts its state and short convolution, so each
     document's logits equal those of running it alone.
+    ``logits_mask`` [B, T] (bool) computes the head only where it is True: logits [N, V] for the N selected
+    positions in row-major order (scoring a few completion tokens after a long prompt skips the prompt's
+    [T, V] logits).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -158,6 +161,7 @@ class CausalLM(nn.Module):
         cache: LatentCache | None = None,
         segment_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        logits_mask: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
@@ -193,6 +197,8 @@ class CausalLM(nn.Module):
         )
         if cache is not None:
             cache.commit(valid)
+        if logits_mask is not None:
+            h = h[logits_mask.to(device=device, dtype=torch.bool)]
         return CausalLMOutput(logits=self.lm_head(self.norm(h)))
 
     def _layers(self, h: torch.Tensor, inputs: LayerInputs, cache: LatentCache | None) -> torch.Tensor:
