@@ -359,16 +359,25 @@ def _wants_turn(rollout: Rollout, used: int, token_limit: int | None) -> bool:
 def _play_turn(env: Environment, policy: Policy, rollout: Rollout, iteration: int, seed: int) -> int:
     """One assistant turn; returns the completion tokens it generated."""
     episode = rollout.episode
-    encode: Callable[..., list[int]] | None = getattr(policy, "encode_prompt", None)
-    prompt = encode(episode.messages, episode.tools) if encode is not None else []
     try:
-        reply: Reply = policy.respond(episode.messages, episode.tools, seed=seed)
-    except PolicyOutputError as error:
-        reply = error
+        prompt, reply = _respond(policy, episode, seed)
     except Exception as error:  # noqa: BLE001 - a failing endpoint fails this trajectory, not the run
         episode.finish(False, "policy error", reward=0.0, error=f"{type(error).__name__}: {error}"[:500])
         return 0
     return _apply_reply(env, policy, rollout, prompt, reply, iteration)
+
+
+def _respond(policy: Policy, episode: Episode, seed: int) -> tuple[list[int], Reply]:
+    """The prompt ids the policy saw and its reply (or the ``PolicyOutputError`` it ended with). A
+    ``LocalPolicy`` encodes the prompt once, inside ``respond_batch``; other policies are asked for it."""
+    if isinstance(policy, LocalPolicy):
+        return policy.respond_batch([(episode.messages, episode.tools, seed)])[0]
+    encode: Callable[..., list[int]] | None = getattr(policy, "encode_prompt", None)
+    prompt = encode(episode.messages, episode.tools) if encode is not None else []
+    try:
+        return prompt, policy.respond(episode.messages, episode.tools, seed=seed)
+    except PolicyOutputError as error:
+        return prompt, error
 
 
 def _apply_reply(
