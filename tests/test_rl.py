@@ -114,6 +114,19 @@ def test_turns_of_one_conversation_share_a_row_with_the_same_logprobs():
         with torch.no_grad():  # the reference: the full [T, V] logits of the turn alone
             full = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         torch.testing.assert_close(got, full[len(turn.prompt_ids) - 1 :], rtol=1e-5, atol=1e-5)
+
+    class FullLogits(torch.nn.Module):  # a model whose forward has no logits_mask: the full-logits path
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.inner(input_ids, attention_mask=attention_mask)
+
+    with torch.no_grad():
+        unmasked = turn_logprobs(FullLogits(model), turns, batch=2)
+    for got, want in zip(unmasked, merged, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="prompt ids"):
         turn_rows([Turn([], [1])])
 

@@ -1320,8 +1320,8 @@ PARL_ABLATION_HELP = (
     "PARL's reward terms on wide tasks (K2.5 Agent Swarm): full reward vs without r_parallel vs without "
     "r_finish vs a single agent without sub-agents.\n\n"
     "Trains the compact orchestrator (a factorised categorical policy over orchestration actions) with "
-    "frozen procedural sub-agents for each arm and seed (~1 min on 2 CPU cores by default) and compares held-out success, "
-    "CriticalSteps, total tokens (cost) and training iterations to a target success.\n\n"
+    "frozen procedural sub-agents for each arm and seed (~1 min on 2 CPU cores by default) and compares "
+    "held-out success, CriticalSteps, total tokens (cost) and training iterations to a target success.\n\n"
     "Writes OUT/parl.md, OUT/parl.json and OUT/parl.png; runs live in OUT/runs/ARM/seedS and resume or are "
     "reused when the command is repeated."
 )

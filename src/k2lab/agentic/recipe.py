@@ -102,19 +102,24 @@ class RecipeToolTasks(ToolTaskEnvironment):
         return episode
 
 
-def eval_seeds(config: RecipeConfig) -> list[int]:
-    """The held-out task seeds (the factory's numbering for a seed no training stage uses)."""
+def _held_out_start(config: RecipeConfig) -> int:
+    """The first held-out seed: the factory's numbering for a seed no training stage uses."""
     if config.eval_seed == config.factory_seed:
         raise ValueError("eval_seed must differ from factory_seed (held-out tasks)")
-    return [config.eval_seed * 1_000_003 + i for i in range(config.eval_n)]
+    return config.eval_seed * 1_000_003
+
+
+def eval_seeds(config: RecipeConfig) -> list[int]:
+    """The held-out task seeds."""
+    start = _held_out_start(config)
+    return [start + i for i in range(config.eval_n)]
 
 
 def no_tool_eval_seeds(config: RecipeConfig) -> list[int]:
-    """The held-out seeds of the no-tool probe (after the main set's, in the same factory numbering)."""
+    """The held-out seeds of the no-tool probe (after the main set's, in the same numbering)."""
     if config.eval_n > NO_TOOL_OFFSET:
         raise ValueError(f"eval_n must be at most {NO_TOOL_OFFSET} (the probe's seeds follow the main set's)")
-    eval_seeds(config)
-    start = config.eval_seed * 1_000_003 + NO_TOOL_OFFSET
+    start = _held_out_start(config) + NO_TOOL_OFFSET
     return [start + i for i in range(config.no_tool_eval_n)]
 
 

@@ -406,17 +406,18 @@ class RLTrainer:
         if not items and self.ptx is None:
             return result
         reward_tensors = [torch.tensor(r, dtype=torch.float32) for r in rewards]
+        turns = [t for _, _, t in items]
         old: list[torch.Tensor] | None = None
         for _ in range(self.config.updates_per_iteration):
             total = torch.zeros(())
             if items:
-                new = self.token_logprobs([t for _, _, t in items])
+                new = self.token_logprobs(turns)
                 if old is None:  # the first step runs at θ = θ_old: its log-probs are π_old's
                     old = [x.detach() for x in new]
                 rl_loss, clipped = self._rl_loss(items, new, old, reward_tensors, len(groups))
                 total = total + rl_loss
                 result.update(loss=float(rl_loss.detach()), clipped_tokens=clipped)
-                result["trained_tokens"] = sum(len(t.completion_ids) for _, _, t in items)
+                result["trained_tokens"] = sum(len(t.completion_ids) for t in turns)
             if self.ptx is not None:
                 ptx_loss = self._ptx_loss()
                 total = total + self.config.ptx_weight * ptx_loss
@@ -516,32 +517,32 @@ def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8)
     ]
     device = next(model.parameters()).device
     masked = "logits_mask" in inspect.signature(model.forward).parameters
-    read: list[torch.Tensor] = []  # per row: log-probs [W - 1] by position (0 where not computed)
+    out: list[torch.Tensor | None] = [None] * len(turns)
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
         width = max(len(r) for r in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         valid = torch.zeros(len(chunk), width, dtype=torch.bool)
+        wanted = torch.zeros(len(chunk), width, dtype=torch.bool)  # positions that predict a completion token
         for i, row in enumerate(chunk):
             ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
-        ids, valid = ids.to(device), valid.to(device)
-        targets = ids[:, 1:]
+        mine = [k for k, (row, _, _) in enumerate(spans) if start <= row < start + batch]
+        for k in mine:
+            row, first, last = spans[k]
+            wanted[row - start, first:last] = True
+        ids, valid, wanted = ids.to(device), valid.to(device), wanted.to(device)
         if masked:
-            wanted = torch.zeros(len(chunk), width, dtype=torch.bool, device=device)
-            for row, first, last in spans:
-                if start <= row < start + batch:
-                    wanted[row - start, first:last] = True
-            logits = model(ids, attention_mask=valid, logits_mask=wanted).logits.float()
-            picked = logits.log_softmax(-1).gather(-1, ids.roll(-1, dims=1)[wanted][:, None]).squeeze(-1)
-            logp = torch.zeros(len(chunk), width, dtype=picked.dtype, device=device).masked_scatter(
-                wanted, picked
-            )
-            logp = logp[:, :-1]
+            logits = model(ids, attention_mask=valid, logits_mask=wanted).logits
         else:
-            logits = model(ids, attention_mask=valid).logits.float()
-            logp = logits[:, :-1].log_softmax(-1).gather(-1, targets[:, :, None]).squeeze(-1)
-        read.extend(logp.unbind(0))
-    return [read[row][first:last] for row, first, last in spans]
+            logits = model(ids, attention_mask=valid).logits[wanted]
+        targets = ids.roll(-1, dims=1)[wanted]  # the token after each wanted position
+        picked = logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [N], row-major
+        offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in ``picked`` of a wanted position
+        for k in mine:
+            row, first, last = spans[k]
+            begin = int(offset[row - start, first])
+            out[k] = picked[begin : begin + last - first]
+    return out  # type: ignore[return-value]
 
 
 def turn_rows(turns: Sequence[Turn]) -> tuple[list[list[int]], list[tuple[int, int]]]:

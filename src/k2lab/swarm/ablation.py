@@ -8,8 +8,9 @@ Arms (same tasks, seeds and sampling seeds; ``ParlConfig`` otherwise equal):
 * ``single_agent``  no sub-agent tools at all (the orchestrator can only query shards itself)
 
 The orchestrator is the **compact path** (``CompactOrchestrator``: a factorised categorical policy over
-orchestration actions starting from a single-agent prior) and the sub-agents are the procedural frozen ``ShardWorker``;
-the language-model path is exercised by the tests only (a tiny random model learns nothing in minutes).
+orchestration actions starting from a single-agent prior) and the sub-agents are the procedural frozen
+``ShardWorker``; the language-model path is exercised by the tests only (a tiny random model learns nothing
+in minutes).
 
 Reported per arm (mean over seeds, held-out tasks, greedy policy, after training): success, success on
 wide tasks (≥ B_main shards, serially impossible), CriticalSteps and its speed-up over the serial reference
