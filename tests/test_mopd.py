@@ -266,3 +266,49 @@ def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokeni
                 turn_logprobs(router.route(rollouts[0].episode), turns)
             )
         assert batched[spec.key]["kl"] == pytest.approx(float(gap.mean()), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["mopd", "sft"])
+def test_a_step_plays_its_prompts_together_as_each_would_alone(small_tokenizer, tmp_path, mode):
+    from k2lab.agentic.rl import derive_seed
+    from k2lab.agentic.rollout import run_episode
+
+    specs = [
+        ExpertSpec("arithmetic", "low", 3),
+        ExpertSpec("instruction", "low", 3),
+        ExpertSpec("arithmetic", "max", 5),
+    ]
+    teachers = {(s.domain, s.effort): nano_model(seed=40 + i) for i, s in enumerate(specs)}
+    config = MOPDConfig(prompts_per_step=6, seed=3)
+    trainer = MOPDTrainer(
+        nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, tmp_path, mode
+    )
+    played = trainer._sample_step(2)
+    assert [spec for spec, _, _ in played] == [trainer.cell(2, i) for i in range(6)]
+    for index, (spec, rollout, teacher) in enumerate(played):
+        assert teacher is teachers[(spec.domain, spec.effort)]
+        sampler = trainer.student if mode == "mopd" else teacher
+        policy = LocalPolicy(sampler, small_tokenizer, config.temperature, spec.max_new_tokens)
+        task, sample = derive_seed(3, "mopd-task", 2, index), derive_seed(3, "s", 2, index)
+        alone = run_episode(EffortEnv(spec), policy, task, sample_seed=sample)
+        assert [t.completion_ids for t in rollout.turns] == [t.completion_ids for t in alone.turns]
+        assert rollout.episode.reward == alone.episode.reward
+        assert rollout.episode.env == spec.key
+
+
+def test_teacher_logprobs_scores_each_turn_with_its_own_model(small_tokenizer):
+    from k2lab.agentic.mopd import teacher_logprobs, trainable_turns, turn_logprobs
+    from k2lab.agentic.rollout import run_episode
+
+    spec = ExpertSpec("arithmetic", "max", 6)
+    models = [nano_model(seed=50), nano_model(seed=51)]
+    policy = LocalPolicy(nano_model(seed=52), small_tokenizer, 1.0, spec.max_new_tokens)
+    turns = [t for seed in range(4) for t in trainable_turns(run_episode(EffortEnv(spec), policy, seed))]
+    pairs = [(turn, models[i % 2]) for i, turn in enumerate(turns)]
+    scored = teacher_logprobs(pairs, batch=3)
+    assert len(scored) == len(pairs) > 2
+    for (turn, model), logp in zip(pairs, scored, strict=True):
+        with torch.no_grad():
+            alone = turn_logprobs(model, [turn])[0]
+        assert torch.allclose(logp, alone, atol=1e-5)
+        assert not logp.requires_grad

@@ -1213,6 +1213,9 @@ def mopd_experts(
     updates: Annotated[int, typer.Option(min=1, help="Optimizer steps per iteration.")] = 2,
     budget_penalty: Annotated[float, typer.Option(help="λ of the token-budget penalty.")] = 0.1,
     lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 1e-3,
+    temperature: Annotated[
+        float, typer.Option(help="Sampling temperature of the first iteration (decays by 0.9 to 0.3).")
+    ] = 1.0,
     seed: Annotated[int, typer.Option(help="Seed of the first expert (expert i uses seed + i).")] = 0,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N iterations.")] = 1,
     keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept per expert.")] = 2,
@@ -1234,6 +1237,7 @@ def mopd_experts(
         groups_per_iteration=prompts,
         updates_per_iteration=updates,
         budget_penalty=budget_penalty,
+        temperature_start=temperature,
         optimizer=OptimizerConfig(lr=lr),
         checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints,

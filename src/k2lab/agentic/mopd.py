@@ -48,9 +48,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
-from k2lab.agentic.env import Episode
+from k2lab.agentic.env import Environment, Episode
 from k2lab.agentic.rl import budget_penalty, derive_seed, rounded_mean, turn_logprobs
-from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
+from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
@@ -71,6 +71,7 @@ __all__ = [
     "mopd_report",
     "run_mopd",
     "sft_loss",
+    "teacher_logprobs",
     "turn_logprobs",
 ]
 
@@ -147,6 +148,22 @@ class TeacherRouter:
 # ------------------------------------------------------------------------------------------ the trainer
 
 
+class CellDispatch(Environment):
+    """Steps each episode in its own cell's ``EffortEnv`` (``episode.env`` is the cell key), so episodes of
+    several cells can play in one batched ``run_episodes``; episodes come from the cells' own ``reset``."""
+
+    name = "cells"
+
+    def __init__(self, envs: dict[str, EffortEnv]) -> None:
+        self.envs = envs
+
+    def reset(self, seed: int) -> Episode:
+        raise TypeError("CellDispatch only steps episodes: reset one cell's EffortEnv instead")
+
+    def step(self, episode: Episode, message: dict[str, Any]) -> None:
+        self.envs[episode.env].step(episode, message)
+
+
 class MOPDTrainer:
     """On-policy multi-teacher distillation (``mode="mopd"``) or SFT on teacher samples (``"sft"``)."""
 
@@ -163,6 +180,7 @@ class MOPDTrainer:
         self.student, self.tokenizer, self.router = student.eval(), tokenizer, router
         self.specs, self.config, self.mode = list(specs), config, mode
         self.envs = {s.key: EffortEnv(s, timeout_s=config.step_timeout_s) for s in self.specs}
+        self.dispatch = CellDispatch(self.envs)
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.optimizer = MuonClip(student, config.optimizer, verbose=False)
@@ -208,32 +226,32 @@ class MOPDTrainer:
         """c_i = cells[(s · P + i) mod |cells|]: every step covers the grid round-robin."""
         return self.specs[(step * self.config.prompts_per_step + index) % len(self.specs)]
 
-    def _sample(self, step: int, index: int) -> tuple[ExpertSpec, Rollout, torch.nn.Module]:
-        """Roll out prompt ``index`` of ``step`` with the student (MOPD) or the cell's teacher (SFT)."""
-        spec, seed = self.cell(step, index), self.config.seed
-        env = self.envs[spec.key]
-        episode = env.reset(derive_seed(seed, "mopd-task", step, index))
-        teacher = self.router.route(episode)
-        sampler = self.student if self.mode == "mopd" else teacher
-        policy = LocalPolicy(sampler, self.tokenizer, self.config.temperature, spec.max_new_tokens)
-        rollout = run_episode(
-            env,
-            policy,
-            episode.seed,
-            rollout=Rollout(episode),
-            sample_seed=derive_seed(seed, "s", step, index),
-        )
-        return spec, rollout, teacher
+    def _sample_step(self, step: int) -> list[tuple[ExpertSpec, Rollout, torch.nn.Module]]:
+        """Roll out every prompt of ``step`` with the student (MOPD) or its cell's teacher (SFT): prompts
+        with the same sampler and per-turn token limit play together (``run_episodes``); returns
+        (cell, rollout, teacher) per prompt, in prompt order."""
+        seed, prompts = self.config.seed, []
+        for index in range(self.config.prompts_per_step):
+            spec = self.cell(step, index)
+            episode = self.envs[spec.key].reset(derive_seed(seed, "mopd-task", step, index))
+            teacher = self.router.route(episode)
+            sampler = self.student if self.mode == "mopd" else teacher
+            prompts.append((spec, Rollout(episode), teacher, sampler, derive_seed(seed, "s", step, index)))
+        batches: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for k, (spec, _, _, sampler, _) in enumerate(prompts):
+            batches[(id(sampler), spec.max_new_tokens)].append(k)
+        for (_, limit), members in batches.items():
+            policy = LocalPolicy(prompts[members[0]][3], self.tokenizer, self.config.temperature, limit)
+            rollouts = [prompts[k][1] for k in members]
+            run_episodes(self.dispatch, policy, rollouts, [prompts[k][4] for k in members])
+        return [(spec, rollout, teacher) for spec, rollout, teacher, _, _ in prompts]
 
     def train_step(self) -> dict[str, Any]:
         """Sample, score, one optimizer step on L(θ); returns (and logs) the metrics."""
         started, s = time.perf_counter(), self.step
-        samples = [self._sample(s, i) for i in range(self.config.prompts_per_step)]
+        samples = self._sample_step(s)
         turns = [(turn, teacher) for _, rollout, teacher in samples for turn in trainable_turns(rollout)]
-        teacher_logp: list[torch.Tensor] = []
-        if self.mode == "mopd":
-            with torch.no_grad():
-                teacher_logp = [turn_logprobs(t, [turn])[0] for turn, t in turns]
+        teacher_logp = teacher_logprobs(turns, self.config.logprob_batch) if self.mode == "mopd" else []
         result: dict[str, Any] = {"loss": None, "reverse_kl": None, "trained_tokens": 0}
         if turns:
             student_logp = torch.cat(
@@ -255,6 +273,22 @@ class MOPDTrainer:
         with open(self.out / METRICS, "a") as handle:
             handle.write(json.dumps(metrics, sort_keys=True) + "\n")
         return metrics
+
+
+def teacher_logprobs(turns: Sequence[tuple[Turn, torch.nn.Module]], batch: int = 8) -> list[torch.Tensor]:
+    """``turn_logprobs`` of each (turn, model) pair, the turns of one model scored together (no gradient);
+    returned in the order of ``turns``."""
+    by_model: dict[int, list[int]] = defaultdict(list)
+    for index, (_, model) in enumerate(turns):
+        by_model[id(model)].append(index)
+    out: list[torch.Tensor | None] = [None] * len(turns)
+    with torch.no_grad():
+        for indices in by_model.values():
+            model = turns[indices[0]][1]
+            scored = turn_logprobs(model, [turns[i][0] for i in indices], batch)
+            for i, logp in zip(indices, scored, strict=True):
+                out[i] = logp
+    return out  # type: ignore[return-value]
 
 
 def _reward_metrics(samples: Sequence[tuple[ExpertSpec, Rollout, Any]]) -> dict[str, Any]:
@@ -360,7 +394,7 @@ def _cell_scores(
     budget_weight: float,
 ) -> dict[str, float]:
     rows: dict[str, list[float]] = defaultdict(list)
-    gaps: list[torch.Tensor] = []
+    pairs: list[tuple[Turn, torch.nn.Module]] = []
     for e, turns in finished:
         rows["score"].append(float(e.reward or 0.0))
         rows["success"].append(float(bool(e.outcome and e.outcome.success)))
@@ -368,13 +402,16 @@ def _cell_scores(
         rows["penalized"].append(
             rows["score"][-1] - budget_penalty(e.completion_tokens, spec.budget, budget_weight)
         )
-        if turns and router.route(e) is not model:
-            with torch.no_grad():
-                own = torch.cat(turn_logprobs(model, turns))
-                teacher = torch.cat(turn_logprobs(router.route(e), turns))
-            gaps.append(own - teacher)
+        teacher = router.route(e)
+        if teacher is not model:
+            pairs += [(turn, model) for turn in turns] + [(turn, teacher) for turn in turns]
     scores = {k: rounded_mean(v) for k, v in rows.items()}
-    scores["kl"] = round(float(torch.cat(gaps).mean()), 6) if gaps else 0.0
+    scores["kl"] = 0.0
+    if pairs:  # mean over tokens of log π_model − log π_teacher; pairs hold model turns, then teacher turns
+        logps = teacher_logprobs(pairs)
+        own = torch.cat([x for x, (_, m) in zip(logps, pairs, strict=True) if m is model])
+        theirs = torch.cat([x for x, (_, m) in zip(logps, pairs, strict=True) if m is not model])
+        scores["kl"] = round(float((own - theirs).mean()), 6)
     return scores
 
 
