@@ -312,3 +312,13 @@ def test_teacher_logprobs_scores_each_turn_with_its_own_model(small_tokenizer):
             alone = turn_logprobs(model, [turn])[0]
         assert torch.allclose(logp, alone, atol=1e-5)
         assert not logp.requires_grad
+    generator = torch.Generator().manual_seed(0)
+    masks = [torch.rand(len(t.completion_ids), 300, generator=generator) < 0.5 for t in turns]
+    for mask, turn in zip(masks, turns, strict=True):
+        mask[torch.arange(len(turn.completion_ids)), torch.tensor(turn.completion_ids)] = True
+    masks[0] = None
+    restricted = teacher_logprobs(pairs, batch=3, allowed=masks)
+    for (turn, model), mask, logp in zip(pairs, masks, restricted, strict=True):
+        with torch.no_grad():
+            alone = turn_logprobs(model, [turn], 1, [mask])[0]
+        assert torch.allclose(logp, alone, atol=1e-5)

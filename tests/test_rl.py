@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agent.chat import encode_chat, normalize_messages, render_assistant_body
+from k2lab.agent.chat import SECTION_BEGIN, encode_chat, normalize_messages, render_assistant_body
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.envs import ArithmeticEnv
 from k2lab.agentic.rl import (
@@ -394,3 +394,90 @@ def test_update_raises_the_better_response_of_a_group(small_tokenizer, tmp_path)
         after = [float(x.sum()) for x in trainer.token_logprobs(turns)]
     assert losses["loss"] == pytest.approx(0.25)  # (1/2)·((1 − .5)² + (0 − .5)²) with zero log-ratios
     assert (after[0] - before[0]) - (after[1] - before[1]) > 0
+
+
+# ---- the enforced policy's log-probs
+
+
+def test_logprobs_over_allowed_tokens_hand_computed():
+    """log π_A(y_t) = z_t[y_t] − log Σ_{v∈A_t} exp z_t[v]; a None mask (or an all-true one) is the plain
+    log-softmax."""
+    from k2lab.agentic.rollout import Turn
+
+    model = nano_model().eval()
+    turns = [Turn([5, 6, 7], [8, 9, 10]), Turn([5, 6, 7, 8, 9, 10, 11], [12, 13]), Turn([3, 4], [40])]
+    vocab = model.config.vocab_size
+    allowed = []
+    for turn in turns:
+        mask = torch.zeros(len(turn.completion_ids), vocab, dtype=torch.bool)
+        for position, token in enumerate(turn.completion_ids):
+            mask[position, [token, 100 + position, 200]] = True
+        allowed.append(mask)
+    allowed[2] = None
+    with torch.no_grad():
+        got = turn_logprobs(model, turns, batch=2, allowed=allowed)
+        plain = turn_logprobs(model, turns, batch=2)
+        everything = turn_logprobs(
+            model, turns, 2, [torch.ones(len(t.completion_ids), vocab, dtype=torch.bool) for t in turns]
+        )
+    for turn, mask, value in zip(turns[:2], allowed[:2], got[:2], strict=True):
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(turn.prompt_ids) - 1 : -1]
+        expected = [
+            logits[p, token] - torch.logsumexp(logits[p][mask[p]], -1)
+            for p, token in enumerate(turn.completion_ids)
+        ]
+        torch.testing.assert_close(value, torch.stack(expected), rtol=1e-5, atol=1e-5)
+        assert bool((value > plain[turns.index(turn)]).all())  # renormalising over fewer tokens raises each
+    torch.testing.assert_close(got[2], plain[2])
+    for a, b in zip(everything, plain, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_enforcer_masks_replay_what_generation_applied(small_tokenizer, monkeypatch, tmp_path):
+    """``LocalPolicy.allowed_tokens`` replays the tool-call enforcer over a completion and gets the mask
+    generation applied at every position; the trainer scores with it unless ``enforced_logprobs`` is off."""
+    from k2lab.agent.enforcer import ToolCallConstraint
+
+    applied: list[torch.Tensor | None] = []
+    original = ToolCallConstraint.mask
+
+    def recording(self, logits):
+        applied.append(self.allowed_tokens())
+        original(self, logits)
+
+    monkeypatch.setattr(ToolCallConstraint, "mask", recording)
+    policy = LocalPolicy(nano_model(), small_tokenizer, temperature=1.0, max_new_tokens=24)
+    env = ArithmeticEnv()
+    section = small_tokenizer.special_tokens[SECTION_BEGIN]
+    for sample_seed in range(400):  # the first sample whose first turn opens a tool-call section
+        applied.clear()
+        rollout = run_episode(env, policy, seed=3, sample_seed=sample_seed)
+        turn = rollout.turns[0]
+        if section in turn.completion_ids[:-2]:
+            break
+    else:
+        pytest.fail("no sample opened a tool-call section")
+    tools = rollout.episode.tools
+    assert tools
+    generated = applied[: len(turn.completion_ids)]
+    replayed = policy.allowed_tokens(tools, turn.completion_ids)
+    assert replayed is not None
+    assert replayed.shape == (len(turn.completion_ids), policy.model.config.vocab_size)
+    assert not bool(replayed[turn.completion_ids.index(section) + 1 :].all())  # the grammar constrained
+    for position, mask in enumerate(generated):
+        want = torch.ones(replayed.shape[1], dtype=torch.bool) if mask is None else mask.clone()
+        want[turn.completion_ids[position]] = True
+        assert torch.equal(replayed[position], want), position
+    trainer = RLTrainer(
+        policy.model, small_tokenizer, RLConfig(envs=["arithmetic"]), tmp_path / "on", policy=policy
+    )
+    assert trainer.enforcer_masks([(rollout, turn)])[0] is not None
+    off = RLConfig(envs=["arithmetic"], enforced_logprobs=False)
+    assert (
+        RLTrainer(policy.model, small_tokenizer, off, tmp_path / "off", policy=policy).enforcer_masks(
+            [(rollout, turn)]
+        )
+        is None
+    )

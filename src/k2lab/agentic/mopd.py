@@ -17,7 +17,9 @@ context only)
 
 i.e. REINFORCE with reward A_t per token and no credit to earlier tokens (discount 0); since
 E_{y∼π_S}[Σ_t −A_t] = KL(π_S ‖ π_T) per token, it is reverse-KL distillation on the student's own
-distribution. log π is the model at temperature 1 without the decoding enforcer's mask. One MuonClip step
+distribution. log π is the model at temperature 1 renormalised over the tokens the student's tool-call
+enforcer allowed at that position (``k2lab.agentic.rl``: the policy that sampled; the teacher is scored
+over the same tokens), so forced tokens the model itself would not pick do not dominate A_t. One MuonClip step
 per step; metrics.jsonl gets one line (loss, per-token reverse KL estimate mean(−A_t), per-cell rewards).
 
 **Baseline** (``mode="sft"``): the same prompts, but the *teacher* of each cell samples and the student
@@ -181,6 +183,7 @@ class MOPDTrainer:
         self.specs, self.config, self.mode = list(specs), config, mode
         self.envs = {s.key: EffortEnv(s, timeout_s=config.step_timeout_s) for s in self.specs}
         self.dispatch = CellDispatch(self.envs)
+        self.enforcer = LocalPolicy(student, tokenizer)  # replays the samplers' tool-call masks
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.optimizer = MuonClip(student, config.optimizer, verbose=False)
@@ -250,15 +253,20 @@ class MOPDTrainer:
         """Sample, score, one optimizer step on L(θ); returns (and logs) the metrics."""
         started, s = time.perf_counter(), self.step
         samples = self._sample_step(s)
-        turns = [(turn, teacher) for _, rollout, teacher in samples for turn in trainable_turns(rollout)]
-        teacher_logp = teacher_logprobs(turns, self.config.logprob_batch) if self.mode == "mopd" else []
+        played = [(r, turn, teacher) for _, r, teacher in samples for turn in trainable_turns(r)]
+        turns = [(turn, teacher) for _, turn, teacher in played]
         result: dict[str, Any] = {"loss": None, "reverse_kl": None, "trained_tokens": 0}
         if turns:
-            student_logp = torch.cat(
-                turn_logprobs(self.student, [t for t, _ in turns], self.config.logprob_batch)
-            )
+            batch = self.config.logprob_batch
             if self.mode == "mopd":
-                target = torch.cat(teacher_logp)
+                allowed = [
+                    self.enforcer.allowed_tokens(r.episode.tools, t.completion_ids) for r, t, _ in played
+                ]
+                target = torch.cat(teacher_logprobs(turns, batch, allowed))
+            else:  # SFT: cross-entropy over the whole vocabulary
+                allowed = None
+            student_logp = torch.cat(turn_logprobs(self.student, [t for t, _ in turns], batch, allowed))
+            if self.mode == "mopd":
                 loss = mopd_loss(student_logp, target)
                 result["reverse_kl"] = round(float((student_logp.detach() - target).mean()), 6)
             else:
@@ -275,9 +283,13 @@ class MOPDTrainer:
         return metrics
 
 
-def teacher_logprobs(turns: Sequence[tuple[Turn, torch.nn.Module]], batch: int = 8) -> list[torch.Tensor]:
-    """``turn_logprobs`` of each (turn, model) pair, the turns of one model scored together (no gradient);
-    returned in the order of ``turns``."""
+def teacher_logprobs(
+    turns: Sequence[tuple[Turn, torch.nn.Module]],
+    batch: int = 8,
+    allowed: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """``turn_logprobs`` of each (turn, model) pair (over the turn's ``allowed`` tokens when given), the
+    turns of one model scored together (no gradient); returned in the order of ``turns``."""
     by_model: dict[int, list[int]] = defaultdict(list)
     for index, (_, model) in enumerate(turns):
         by_model[id(model)].append(index)
@@ -285,7 +297,8 @@ def teacher_logprobs(turns: Sequence[tuple[Turn, torch.nn.Module]], batch: int =
     with torch.no_grad():
         for indices in by_model.values():
             model = turns[indices[0]][1]
-            scored = turn_logprobs(model, [turns[i][0] for i in indices], batch)
+            masks = None if allowed is None else [allowed[i] for i in indices]
+            scored = turn_logprobs(model, [turns[i][0] for i in indices], batch, masks)
             for i, logp in zip(indices, scored, strict=True):
                 out[i] = logp
     return out  # type: ignore[return-value]
@@ -442,10 +455,12 @@ def report_rows(
                 "baseline_ratio": _ratio(b["score"], t["score"]),
                 "goal_met": s["score"] >= GOAL * t["score"],
                 "trivial": t["score"] <= 0,  # the teacher scores 0: the goal holds vacuously
+                "start_kl": None if start is None else start["kl"],
                 "student_kl": s["kl"],
                 "baseline_kl": b["kl"],
                 "success": {"teacher": t["success"], "student": s["success"], "baseline": b["success"]},
-                "tokens": {"teacher": t["tokens"], "student": s["tokens"], "baseline": b["tokens"]},
+                "tokens": {"teacher": t["tokens"], "student": s["tokens"], "baseline": b["tokens"]}
+                | ({} if start is None else {"start": start["tokens"]}),
             }
         )
     return rows
@@ -463,15 +478,18 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
     lines = [
         "| cell | B | start | teacher | MOPD student | SFT baseline | student/teacher | baseline/teacher | ≥90% "
-        "| KL student | KL baseline | tokens T / S / B |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KL start | KL student | KL baseline | tokens start / T / S / B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        tokens = " / ".join(f"{r['tokens'][who]:.0f}" for who in ("teacher", "student", "baseline"))
+        tokens = " / ".join(
+            "n/a" if who not in r["tokens"] else f"{r['tokens'][who]:.0f}"
+            for who in ("start", "teacher", "student", "baseline")
+        )
         lines.append(
             f"| {r['cell']} | {r['budget']} | {fmt(r.get('start'))} | {r['teacher']:.3f} | {r['student']:.3f} "
             f"| {r['baseline']:.3f} | {fmt(r['student_ratio'])} | {fmt(r['baseline_ratio'])} | {_met(r)} "
-            f"| {r['student_kl']:.3f} | {r['baseline_kl']:.3f} | {tokens} |"
+            f"| {fmt(r.get('start_kl'))} | {r['student_kl']:.3f} | {r['baseline_kl']:.3f} | {tokens} |"
         )
     lines.append("\n*: the teacher scores 0 on this cell, so the goal holds vacuously.")
     return "\n".join(lines) + "\n"

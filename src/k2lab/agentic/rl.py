@@ -25,9 +25,13 @@ Each iteration i:
    tool results are context only) sampled in this iteration (turns of a partial rollout sampled in earlier
    iterations are context, as in K1.5). m_t = 1, except with K2.5's token-level off-policy clipping
    (``offpolicy_clip = δ``): m_t = 1[|log π_θ − log π_old| ≤ δ] (computed without gradient), so tokens that
-   drifted too far get no gradient. log π is the model's distribution at temperature 1 without the
-   decoding enforcer's mask. The loss is averaged over the groups and minimised for
-   ``updates_per_iteration`` MuonClip steps; the first step sees θ = θ_old, where the gradient is
+   drifted too far get no gradient. log π is the policy that sampled, at temperature 1: with a local
+   policy's tool-call enforcer (``enforced_logprobs``, default) the model's distribution renormalised over
+   the tokens the enforcer allowed at that position, log π(y_t) = z_t[y_t] − log Σ_{v∈A_t} exp z_t[v].
+   Scored over the whole vocabulary instead, the few forced tokens per episode where the model puts most
+   of its mass on tokens the grammar rules out (p(y_t) < 0.1) carry most of the gradient, and a negative
+   advantage pushes mass onto tokens that can never be sampled. The loss is averaged over the groups and
+   minimised for ``updates_per_iteration`` MuonClip steps; the first step sees θ = θ_old, where the gradient is
    −(2τ/K) Σ_j (r_j − r̄) ∇ log π_θ(y_j|x): a group-relative policy gradient.
 5. PTX (optional): ``L + α · CE(next token)`` on packed pre-training batches (``k2lab.data``).
 6. The critic is refreshed on pairs from verifiable groups whose rewards differ.
@@ -126,6 +130,10 @@ class RLConfig(BaseModel):
     keep_checkpoints: int | None = Field(default=3, ge=1)
     step_timeout_s: float = Field(default=30.0, gt=0)
     logprob_batch: int = Field(default=8, ge=1)
+    enforced_logprobs: bool = Field(
+        default=True,
+        description="Score log π over the tokens the decoding enforcer allowed (the policy that sampled).",
+    )
     rollout_batch: int = Field(
         default=16, ge=1, description="Rows per batched generate call of local rollouts (1: one at a time)."
     )
@@ -407,11 +415,12 @@ class RLTrainer:
             return result
         reward_tensors = [torch.tensor(r, dtype=torch.float32) for r in rewards]
         turns = [t for _, _, t in items]
+        allowed = self.enforcer_masks([(groups[g].members[j], t) for g, j, t in items])
         old: list[torch.Tensor] | None = None
         for _ in range(self.config.updates_per_iteration):
             total = torch.zeros(())
             if items:
-                new = self.token_logprobs(turns)
+                new = self.token_logprobs(turns, allowed)
                 if old is None:  # the first step runs at θ = θ_old: its log-probs are π_old's
                     old = [x.detach() for x in new]
                 rl_loss, clipped = self._rl_loss(items, new, old, reward_tensors, len(groups))
@@ -446,9 +455,20 @@ class RLTrainer:
         losses = [k15_loss(r, ratio, self.config.tau) for r, ratio in zip(rewards, ratios, strict=True)]
         return torch.stack(losses).sum() / count, clipped
 
-    def token_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
-        """log π(y_t | prompt, y_<t) of each turn's completion tokens (temperature 1), in chunks."""
-        return turn_logprobs(self.model, turns, self.config.logprob_batch)
+    def token_logprobs(
+        self, turns: Sequence[Turn], allowed: Sequence[torch.Tensor | None] | None = None
+    ) -> list[torch.Tensor]:
+        """log π(y_t | prompt, y_<t) of each turn's completion tokens (temperature 1), in chunks; over the
+        ``allowed`` tokens of each position when given."""
+        return turn_logprobs(self.model, turns, self.config.logprob_batch, allowed)
+
+    def enforcer_masks(self, items: Sequence[tuple[Rollout, Turn]]) -> list[torch.Tensor | None] | None:
+        """Per (rollout, turn): the enforcer's allowed tokens at each completion position (None: scoring
+        over the whole vocabulary, for policies without an enforcer or with ``enforced_logprobs`` off)."""
+        replay = getattr(self.policy, "allowed_tokens", None)
+        if not self.config.enforced_logprobs or replay is None:
+            return None
+        return [replay(rollout.episode.tools, turn.completion_ids) for rollout, turn in items]
 
     def _ptx_loss(self) -> torch.Tensor:
         batch = next(self.ptx)
@@ -500,8 +520,18 @@ class RLTrainer:
         }
 
 
-def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8) -> list[torch.Tensor]:
+def turn_logprobs(
+    model: torch.nn.Module,
+    turns: Sequence[Turn],
+    batch: int = 8,
+    allowed: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
     """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1).
+
+    With ``allowed`` (per turn: bool [len(completion), V] or None) the distribution at each position is
+    renormalised over the allowed tokens (the decoding enforcer's policy):
+
+        log π_A(y_t) = z_t[y_t] − log Σ_{v ∈ A_t} exp z_t[v]        (z_t: the logits at position t)
 
     Turns are folded into rows first (``turn_rows``): a turn whose prompt starts with the previous turn's
     prompt + completion (the next turn of the same conversation, re-rendered to the same ids) reads its
@@ -536,13 +566,33 @@ def turn_logprobs(model: torch.nn.Module, turns: Sequence[Turn], batch: int = 8)
         else:
             logits = model(ids, attention_mask=valid).logits[wanted]
         targets = ids.roll(-1, dims=1)[wanted]  # the token after each wanted position
-        picked = logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [N], row-major
         offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in ``picked`` of a wanted position
+        logits = logits.float()
+        if allowed is not None:
+            logits = logits + _disallowed_bias(logits, [(k, spans[k]) for k in mine], offset, start, allowed)
+        picked = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [N], row-major
         for k in mine:
             row, first, last = spans[k]
             begin = int(offset[row - start, first])
             out[k] = picked[begin : begin + last - first]
     return out  # type: ignore[return-value]
+
+
+def _disallowed_bias(
+    logits: torch.Tensor,
+    spans: Sequence[tuple[int, tuple[int, int, int]]],
+    offset: torch.Tensor,
+    start: int,
+    allowed: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """−inf at the (position, token) pairs the enforcer ruled out, 0 elsewhere: [N, V] like ``logits``."""
+    bias = torch.zeros_like(logits)
+    for k, (row, first, last) in spans:
+        mask = allowed[k]
+        if mask is not None:
+            begin = int(offset[row - start, first])
+            bias[begin : begin + last - first].masked_fill_(~mask.to(bias.device), float("-inf"))
+    return bias
 
 
 def turn_rows(turns: Sequence[Turn]) -> tuple[list[list[int]], list[tuple[int, int]]]:

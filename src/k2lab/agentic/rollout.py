@@ -33,7 +33,10 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 from k2lab.agent.chat import (
     ChatFormatError,
@@ -148,6 +151,32 @@ class LocalPolicy:
             vocab = self.model.config.vocab_size
             self._grammars[key] = ToolCallGrammar.build(self.tokenizer, vocab, tools or None)
         return self._grammars[key]
+
+    def allowed_tokens(
+        self, tools: list[dict[str, Any]], completion_ids: Sequence[int]
+    ) -> torch.Tensor | None:
+        """The enforcer's mask at each generated position, replayed over ``completion_ids``: bool
+        [len(completion_ids), V] (True: the token could be sampled there), or None when no position was
+        constrained. The sampling policy is the model renormalised over these tokens."""
+        import torch
+
+        constraint = self._grammar(tools).constraint()
+        rows: list[torch.Tensor | None] = []
+        for token in completion_ids:
+            rows.append(constraint.allowed_tokens())
+            try:
+                constraint.advance(int(token))
+            except Exception:  # noqa: BLE001 - not generated under this grammar: leave the rest free
+                break
+        if all(row is None for row in rows):
+            return None
+        vocab = self.model.config.vocab_size
+        full = torch.ones(len(completion_ids), vocab, dtype=torch.bool)
+        for position, (row, token) in enumerate(zip(rows, completion_ids, strict=False)):
+            if row is not None:
+                full[position] = row
+                full[position, int(token)] = True  # it was sampled there, so it was allowed
+        return full
 
     def respond(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
