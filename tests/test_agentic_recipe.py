@@ -200,3 +200,25 @@ def test_cli_resumes_a_finished_run(tiny_run, base_dir, capsys):
         assert exit_.code in (0, None)
     printed = capsys.readouterr().out
     assert "reused" in printed and "agentic-mini" in printed and "tokens/task" in printed
+
+
+def test_acceptance_needs_a_significant_paired_gain_not_a_higher_point_estimate():
+    from k2lab.agentic.recipe import acceptance
+
+    def evaluation(success: float, calls: float) -> dict:
+        return {"success": success, "no_tool_probe": {"tool_calls": calls}}
+
+    evaluations = {"base": evaluation(0.0, 0.0), "sft": evaluation(0.225, 0.15), "rl": evaluation(0.24, 0.13)}
+    paired = {
+        "sft_vs_base": {"only_after": 45, "only_before": 0, "p_value": 5.7e-14},
+        "rl_vs_sft": {"only_after": 6, "only_before": 3, "p_value": 0.51},  # higher, but within noise
+    }
+    assert acceptance(evaluations, paired) == {
+        "sft_above_base": True,
+        "rl_above_sft": False,
+        "rl_fewer_no_tool_calls_than_sft": True,
+    }
+    paired["rl_vs_sft"] = {"only_after": 3, "only_before": 15, "p_value": 0.008}  # significant, the wrong way
+    assert acceptance(evaluations, paired)["rl_above_sft"] is False
+    paired["rl_vs_sft"] = {"only_after": 15, "only_before": 3, "p_value": 0.008}
+    assert acceptance(evaluations, paired)["rl_above_sft"] is True

@@ -1255,7 +1255,7 @@ def mopd_distill(
     steps: Annotated[int, typer.Option(min=1, help="Distillation steps.")] = 20,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per step (cells round-robin).")] = 9,
     temperature: Annotated[float, typer.Option(help="Student sampling temperature.")] = 1.0,
-    lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 2e-4,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N steps.")] = 1,
     keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept.")] = 3,
     seed: Annotated[int, typer.Option(help="Run seed (prompts and sampling).")] = 0,

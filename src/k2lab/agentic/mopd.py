@@ -89,7 +89,7 @@ class MOPDConfig(BaseModel):
     steps: int = Field(default=20, ge=1)
     prompts_per_step: int = Field(default=9, ge=1)
     temperature: float = Field(default=1.0, gt=0)
-    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4)
     checkpoint_every: int = Field(default=1, ge=1)
     keep_checkpoints: int | None = Field(default=3, ge=1)
     step_timeout_s: float = Field(default=30.0, gt=0)
