@@ -233,21 +233,24 @@ class MOPDTrainer:
         """Roll out every prompt of ``step`` with the student (MOPD) or its cell's teacher (SFT): prompts
         with the same sampler and per-turn token limit play together (``run_episodes``); returns
         (cell, rollout, teacher) per prompt, in prompt order."""
-        seed, prompts = self.config.seed, []
+        seed, samples = self.config.seed, []
+        batches: dict[tuple[int, int], tuple[torch.nn.Module, list[Rollout], list[int]]] = {}
         for index in range(self.config.prompts_per_step):
             spec = self.cell(step, index)
             episode = self.envs[spec.key].reset(derive_seed(seed, "mopd-task", step, index))
             teacher = self.router.route(episode)
             sampler = self.student if self.mode == "mopd" else teacher
-            prompts.append((spec, Rollout(episode), teacher, sampler, derive_seed(seed, "s", step, index)))
-        batches: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for k, (spec, _, _, sampler, _) in enumerate(prompts):
-            batches[(id(sampler), spec.max_new_tokens)].append(k)
-        for (_, limit), members in batches.items():
-            policy = LocalPolicy(prompts[members[0]][3], self.tokenizer, self.config.temperature, limit)
-            rollouts = [prompts[k][1] for k in members]
-            run_episodes(self.dispatch, policy, rollouts, [prompts[k][4] for k in members])
-        return [(spec, rollout, teacher) for spec, rollout, teacher, _, _ in prompts]
+            rollout = Rollout(episode)
+            samples.append((spec, rollout, teacher))
+            _, rollouts, sample_seeds = batches.setdefault(
+                (id(sampler), spec.max_new_tokens), (sampler, [], [])
+            )
+            rollouts.append(rollout)
+            sample_seeds.append(derive_seed(seed, "s", step, index))
+        for (_, limit), (sampler, rollouts, sample_seeds) in batches.items():
+            policy = LocalPolicy(sampler, self.tokenizer, self.config.temperature, limit)
+            run_episodes(self.dispatch, policy, rollouts, sample_seeds)
+        return samples
 
     def train_step(self) -> dict[str, Any]:
         """Sample, score, one optimizer step on L(θ); returns (and logs) the metrics."""
@@ -258,15 +261,14 @@ class MOPDTrainer:
         result: dict[str, Any] = {"loss": None, "reverse_kl": None, "trained_tokens": 0}
         if turns:
             batch = self.config.logprob_batch
-            if self.mode == "mopd":
-                allowed = [
-                    self.enforcer.allowed_tokens(r.episode.tools, t.completion_ids) for r, t, _ in played
-                ]
-                target = torch.cat(teacher_logprobs(turns, batch, allowed))
-            else:  # SFT: cross-entropy over the whole vocabulary
-                allowed = None
+            allowed = (  # SFT: cross-entropy over the whole vocabulary
+                [self.enforcer.allowed_tokens(r.episode.tools, t.completion_ids) for r, t, _ in played]
+                if self.mode == "mopd"
+                else None
+            )
             student_logp = torch.cat(turn_logprobs(self.student, [t for t, _ in turns], batch, allowed))
             if self.mode == "mopd":
+                target = torch.cat(teacher_logprobs(turns, batch, allowed))
                 loss = mopd_loss(student_logp, target)
                 result["reverse_kl"] = round(float((student_logp.detach() - target).mean()), 6)
             else:
@@ -407,7 +409,7 @@ def _cell_scores(
     budget_weight: float,
 ) -> dict[str, float]:
     rows: dict[str, list[float]] = defaultdict(list)
-    pairs: list[tuple[Turn, torch.nn.Module]] = []
+    scored: list[tuple[Turn, torch.nn.Module]] = []  # (turn, its teacher) where the teacher is not the model
     for e, turns in finished:
         rows["score"].append(float(e.reward or 0.0))
         rows["success"].append(float(bool(e.outcome and e.outcome.success)))
@@ -417,13 +419,12 @@ def _cell_scores(
         )
         teacher = router.route(e)
         if teacher is not model:
-            pairs += [(turn, model) for turn in turns] + [(turn, teacher) for turn in turns]
+            scored += [(turn, teacher) for turn in turns]
     scores = {k: rounded_mean(v) for k, v in rows.items()}
     scores["kl"] = 0.0
-    if pairs:  # mean over tokens of log π_model − log π_teacher; pairs hold model turns, then teacher turns
-        logps = teacher_logprobs(pairs)
-        own = torch.cat([x for x, (_, m) in zip(logps, pairs, strict=True) if m is model])
-        theirs = torch.cat([x for x, (_, m) in zip(logps, pairs, strict=True) if m is not model])
+    if scored:  # mean over tokens of log π_model − log π_teacher
+        own = torch.cat(teacher_logprobs([(turn, model) for turn, _ in scored]))
+        theirs = torch.cat(teacher_logprobs(scored))
         scores["kl"] = round(float((own - theirs).mean()), 6)
     return scores
 

@@ -566,33 +566,27 @@ def turn_logprobs(
         else:
             logits = model(ids, attention_mask=valid).logits[wanted]
         targets = ids.roll(-1, dims=1)[wanted]  # the token after each wanted position
-        offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in ``picked`` of a wanted position
+        offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in the [N] rows of a wanted position
+        begins = {k: int(offset[spans[k][0] - start, spans[k][1]]) for k in mine}  # turn k's first row
         logits = logits.float()
         if allowed is not None:
-            logits = logits + _disallowed_bias(logits, [(k, spans[k]) for k in mine], offset, start, allowed)
+            logits = _restrict(logits, [(allowed[k], begins[k]) for k in mine])
         picked = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [N], row-major
         for k in mine:
-            row, first, last = spans[k]
-            begin = int(offset[row - start, first])
-            out[k] = picked[begin : begin + last - first]
+            out[k] = picked[begins[k] : begins[k] + len(turns[k].completion_ids)]
     return out  # type: ignore[return-value]
 
 
-def _disallowed_bias(
-    logits: torch.Tensor,
-    spans: Sequence[tuple[int, tuple[int, int, int]]],
-    offset: torch.Tensor,
-    start: int,
-    allowed: Sequence[torch.Tensor | None],
-) -> torch.Tensor:
-    """−inf at the (position, token) pairs the enforcer ruled out, 0 elsewhere: [N, V] like ``logits``."""
+def _restrict(logits: torch.Tensor, masks: Sequence[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
+    """``logits`` [N, V] with −inf where the enforcer ruled a token out; ``masks`` holds (bool [n, V] or
+    None, first row) per turn."""
+    given = [(mask, begin) for mask, begin in masks if mask is not None]
+    if not given:
+        return logits
     bias = torch.zeros_like(logits)
-    for k, (row, first, last) in spans:
-        mask = allowed[k]
-        if mask is not None:
-            begin = int(offset[row - start, first])
-            bias[begin : begin + last - first].masked_fill_(~mask.to(bias.device), float("-inf"))
-    return bias
+    for mask, begin in given:
+        bias[begin : begin + len(mask)].masked_fill_(~mask.to(bias.device), float("-inf"))
+    return logits + bias
 
 
 def turn_rows(turns: Sequence[Turn]) -> tuple[list[list[int]], list[tuple[int, int]]]:
