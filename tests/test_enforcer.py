@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agent.enforcer import GrammarError, ToolCallGrammar
+from k2lab.agent.enforcer import GrammarError, ToolCallGrammar, pack_token_mask, unpack_token_mask
 from k2lab.infer.generate import GenerationConfig, generate
 
 from .conftest import randomize
@@ -146,3 +146,17 @@ def test_bad_tool_choice_is_a_clear_error(setup):
         ToolCallGrammar.build(tokenizer, 300, TOOLS, {"type": "function", "function": {"name": "nope"}})
     with pytest.raises(GrammarError, match="required"):
         ToolCallGrammar.build(tokenizer, 300, [], "required")
+
+
+def test_token_masks_pack_to_bits_and_back():
+    """Bit b of byte i holds token 8i + b; a vocabulary that is not a multiple of 8 pads with zeros."""
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[0, [0, 9]] = True
+    mask[1, [3, 7, 8, 10]] = True
+    packed = pack_token_mask(mask)
+    assert packed.dtype == torch.uint8
+    assert packed.tolist() == [[1, 2], [8 + 128, 1 + 4]]
+    assert torch.equal(unpack_token_mask(packed, 11), mask)
+    generator = torch.Generator().manual_seed(0)
+    big = torch.rand(5, 300, generator=generator) < 0.5
+    assert torch.equal(unpack_token_mask(pack_token_mask(big), 300), big)

@@ -17,6 +17,7 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.agent.chat import SECTION_BEGIN, encode_chat, normalize_messages, render_assistant_body
+from k2lab.agent.enforcer import pack_token_mask, unpack_token_mask
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.envs import ArithmeticEnv
 from k2lab.agentic.rl import (
@@ -431,6 +432,10 @@ def test_logprobs_over_allowed_tokens_hand_computed():
         torch.testing.assert_close(value, torch.stack(expected), rtol=1e-5, atol=1e-5)
         assert bool((value > plain[turns.index(turn)]).all())  # renormalising over fewer tokens raises each
     torch.testing.assert_close(got[2], plain[2])
+    with torch.no_grad():
+        packed = turn_logprobs(model, turns, 2, [m if m is None else pack_token_mask(m) for m in allowed])
+    for a, b in zip(packed, got, strict=True):
+        torch.testing.assert_close(a, b)
     for a, b in zip(everything, plain, strict=True):
         torch.testing.assert_close(a, b)
 
@@ -462,9 +467,11 @@ def test_enforcer_masks_replay_what_generation_applied(small_tokenizer, monkeypa
     tools = rollout.episode.tools
     assert tools
     generated = applied[: len(turn.completion_ids)]
-    replayed = policy.allowed_tokens(tools, turn.completion_ids)
-    assert replayed is not None
-    assert replayed.shape == (len(turn.completion_ids), policy.model.config.vocab_size)
+    packed = policy.allowed_tokens(tools, turn.completion_ids)
+    assert packed is not None
+    vocab = policy.model.config.vocab_size
+    assert packed.dtype == torch.uint8 and packed.shape == (len(turn.completion_ids), -(-vocab // 8))
+    replayed = unpack_token_mask(packed, vocab)
     assert not bool(replayed[turn.completion_ids.index(section) + 1 :].all())  # the grammar constrained
     for position, mask in enumerate(generated):
         want = torch.ones(replayed.shape[1], dtype=torch.bool) if mask is None else mask.clone()

@@ -33,7 +33,14 @@ from llguidance import LLMatcher, LLTokenizer
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 
-__all__ = ["GrammarError", "ToolCallConstraint", "ToolCallGrammar", "ll_tokenizer"]
+__all__ = [
+    "GrammarError",
+    "ToolCallConstraint",
+    "ToolCallGrammar",
+    "ll_tokenizer",
+    "pack_token_mask",
+    "unpack_token_mask",
+]
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = (
@@ -44,6 +51,20 @@ CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = (
 TURN_END = "<|im_end|>"
 # compact JSON as K2 writes it (json.dumps separators), no free whitespace between tokens
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def pack_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., V] → uint8 [..., ⌈V/8⌉]: bit b of byte i holds token 8i + b (the grammar matcher's little
+    bit order). A replayed mask kept for training costs V/8 bytes per position instead of V."""
+    pad = (-mask.shape[-1]) % 8
+    bits = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).unflatten(-1, (-1, 8))
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_token_mask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """uint8 [..., ⌈V/8⌉] (``pack_token_mask``) → bool [..., V]."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 1).flatten(-2)[..., :vocab_size].bool()
 
 
 class GrammarError(K2LabError):

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from k2lab.agent.enforcer import unpack_token_mask
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.env import Environment
 from k2lab.agentic.envs import EnvMixture, build_env
@@ -528,8 +529,9 @@ def turn_logprobs(
 ) -> list[torch.Tensor]:
     """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1).
 
-    With ``allowed`` (per turn: bool [len(completion), V] or None) the distribution at each position is
-    renormalised over the allowed tokens (the decoding enforcer's policy):
+    With ``allowed`` (per turn: bool [len(completion), V], its packed form from ``pack_token_mask``, or None)
+    the distribution at each position is renormalised over the allowed tokens (the decoding enforcer's
+    policy):
 
         log π_A(y_t) = z_t[y_t] − log Σ_{v ∈ A_t} exp z_t[v]        (z_t: the logits at position t)
 
@@ -578,13 +580,15 @@ def turn_logprobs(
 
 
 def _restrict(logits: torch.Tensor, masks: Sequence[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
-    """``logits`` [N, V] with −inf where the enforcer ruled a token out; ``masks`` holds (bool [n, V] or
-    None, first row) per turn."""
+    """``logits`` [N, V] with −inf where the enforcer ruled a token out; ``masks`` holds (bool [n, V], its
+    packed uint8 [n, ⌈V/8⌉] form, or None; first row) per turn."""
     given = [(mask, begin) for mask, begin in masks if mask is not None]
     if not given:
         return logits
     bias = torch.zeros_like(logits)
     for mask, begin in given:
+        if mask.dtype == torch.uint8:
+            mask = unpack_token_mask(mask, logits.shape[-1])
         bias[begin : begin + len(mask)].masked_fill_(~mask.to(bias.device), float("-inf"))
     return logits + bias
 

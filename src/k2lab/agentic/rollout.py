@@ -155,10 +155,13 @@ class LocalPolicy:
     def allowed_tokens(
         self, tools: list[dict[str, Any]], completion_ids: Sequence[int]
     ) -> torch.Tensor | None:
-        """The enforcer's mask at each generated position, replayed over ``completion_ids``: bool
-        [len(completion_ids), V] (True: the token could be sampled there), or None when no position was
-        constrained. The sampling policy is the model renormalised over these tokens."""
+        """The enforcer's mask at each generated position, replayed over ``completion_ids`` and packed
+        (``pack_token_mask``): uint8 [len(completion_ids), ⌈V/8⌉], bit set where the token could be sampled;
+        None when no position was constrained. The sampling policy is the model renormalised over these
+        tokens."""
         import torch
+
+        from k2lab.agent.enforcer import pack_token_mask
 
         constraint = self._grammar(tools).constraint()
         rows: list[torch.Tensor | None] = []
@@ -176,7 +179,7 @@ class LocalPolicy:
             if row is not None:
                 full[position] = row
                 full[position, int(token)] = True  # it was sampled there, so it was allowed
-        return full
+        return pack_token_mask(full)
 
     def respond(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
