@@ -262,9 +262,7 @@ class MOPDTrainer:
         if turns:
             batch = self.config.logprob_batch
             allowed = (  # SFT: cross-entropy over the whole vocabulary
-                [self.enforcer.allowed_tokens(r.episode.tools, t.completion_ids) for r, t, _ in played]
-                if self.mode == "mopd"
-                else None
+                self.enforcer.turn_masks([(r, t) for r, t, _ in played]) if self.mode == "mopd" else None
             )
             student_logp = torch.cat(turn_logprobs(self.student, [t for t, _ in turns], batch, allowed))
             if self.mode == "mopd":

@@ -466,10 +466,10 @@ class RLTrainer:
     def enforcer_masks(self, items: Sequence[tuple[Rollout, Turn]]) -> list[torch.Tensor | None] | None:
         """Per (rollout, turn): the enforcer's allowed tokens at each completion position (None: scoring
         over the whole vocabulary, for policies without an enforcer or with ``enforced_logprobs`` off)."""
-        replay = getattr(self.policy, "allowed_tokens", None)
+        replay = getattr(self.policy, "turn_masks", None)
         if not self.config.enforced_logprobs or replay is None:
             return None
-        return [replay(rollout.episode.tools, turn.completion_ids) for rollout, turn in items]
+        return replay(items)
 
     def _ptx_loss(self) -> torch.Tensor:
         batch = next(self.ptx)

@@ -181,6 +181,10 @@ class LocalPolicy:
                 full[position, int(token)] = True  # it was sampled there, so it was allowed
         return pack_token_mask(full)
 
+    def turn_masks(self, pairs: Sequence[tuple[Rollout, Turn]]) -> list[torch.Tensor | None]:
+        """``allowed_tokens`` of each (rollout, turn): the masks each turn's completion was sampled under."""
+        return [self.allowed_tokens(rollout.episode.tools, turn.completion_ids) for rollout, turn in pairs]
+
     def respond(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
     ) -> tuple[dict[str, Any], list[int]]:
