@@ -18,7 +18,7 @@ from k2lab.agent.tool_spec import validate_tools
 from k2lab.agentic.env import Episode
 from k2lab.agentic.experts import EXPECTED_REASONS, MODES, ExpertAgent
 from k2lab.agentic.factory import FactoryConfig, generate, rollout
-from k2lab.agentic.judge import judge, reason_category
+from k2lab.agentic.judge import judge, reason_category, solution_progress
 from k2lab.agentic.simulator import FailureRates, ToolSimulator
 from k2lab.agentic.tasks import BASES as BASES_BY_KEY
 from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
@@ -437,6 +437,68 @@ def test_partial_credit_ranks_failures_below_every_success(repository):
         assert rollout(strict, ExpertAgent(repository, mode="wrong_argument"), seed).reward == 0.0
     with pytest.raises(ValueError, match="partial_credit"):
         ToolTaskEnvironment(repository, partial_credit=1.0)
+
+
+def test_solution_progress_grades_planned_calls_and_answers_by_hand():
+    """One score per planned call (1 if made, else the best k / (n + 1) over calls of that tool) and one for
+    the answer's key facts; nothing for what doing nothing satisfies."""
+    rubric = {
+        "final_state": [
+            {"kind": "stock", "sku": "SKU-400", "qty": 51},
+            {"kind": "called", "tool": "restock", "args": {"sku": "SKU-400", "qty": 41}, "outcome": "ok"},
+            {"kind": "called", "tool": "list_skus", "args": {}, "outcome": "ok"},
+        ],
+        "items": [
+            {"kind": "finished"},
+            {"kind": "confirmed_result", "terms": [["SKU-400", "51"]]},
+            {"kind": "only_needed_tools", "allowed": ["restock", "list_skus"]},
+        ],
+    }
+
+    def call(tool, args, ok=True):
+        return {"tool": tool, "args": args, "ok": ok, "kind": "ok" if ok else "error"}
+
+    answer = [{"role": "assistant", "content": "SKU-400 now has 51 units."}]
+    nothing = [{"role": "assistant", "content": "Done."}]
+    assert solution_progress(rubric, [], nothing) == 0.0
+    # restock with the right SKU, wrong quantity (1 / 3); list_skus made (1); answer states 1 of 2 terms
+    wrong_qty = [call("restock", {"sku": "SKU-400", "qty": 14}), call("list_skus", {})]
+    half = [{"role": "assistant", "content": "SKU-400 is restocked."}]
+    assert solution_progress(rubric, wrong_qty, half) == pytest.approx((1 / 3 + 1 + 1 / 2) / 3)
+    # every value wrong scores 0 for that call, however often it is tried; the best attempt counts
+    tries = [call("restock", {"sku": "SKU-500", "qty": 1}), call("restock", "not json", ok=False)]
+    assert solution_progress(rubric, tries, nothing) == 0.0
+    tries.append(call("restock", {"qty": 41}))
+    assert solution_progress(rubric, tries, nothing) == pytest.approx((1 / 3) / 3)
+    solved = [call("restock", {"sku": "SKU-400", "qty": 41.0}), call("list_skus", {})]
+    assert solution_progress(rubric, solved, answer) == 1.0
+    assert solution_progress({"final_state": [], "items": [{"kind": "finished"}]}, [], answer) == 0.0
+
+
+def test_progress_credit_gives_inaction_nothing(repository):
+    """With ``credit="progress"`` a failure earns partial_credit x solution progress: an answer without a
+    tool call earns less than a call with the wrong argument, which the per-check credit does not ensure."""
+
+    def env(credit):
+        return ToolTaskEnvironment(
+            repository, FailureRates(), no_tool_fraction=0.0, partial_credit=0.5, credit=credit
+        )
+
+    progress, checks = env("progress"), env("checks")
+    ahead = 0
+    for seed in range(12):
+        good = rollout(progress, ExpertAgent(repository, imperfection=0.0), seed)
+        assert good.outcome.success and good.reward == 1.0
+        wrong = rollout(progress, ExpertAgent(repository, mode="wrong_argument"), seed)
+        assert not wrong.outcome.success and 0 <= wrong.reward < 0.5
+        idle = rollout(progress, ExpertAgent(repository, mode="premature_answer"), seed)
+        assert not idle.outcome.success and idle.reward <= wrong.reward
+        ahead += idle.reward < wrong.reward
+        # per-check credit pays the idle answer for "nothing changed", "no question", "no extra tool"
+        assert rollout(checks, ExpertAgent(repository, mode="premature_answer"), seed).reward >= 0.2
+    assert ahead >= 10  # ties: a call whose every value is wrong, and an answer without its facts
+    with pytest.raises(ValueError, match="credit"):
+        ToolTaskEnvironment(repository, credit="vibes")
 
 
 def test_tool_environments_by_name():

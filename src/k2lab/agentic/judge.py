@@ -18,7 +18,7 @@ from typing import Any
 
 from k2lab.agentic.env import Episode
 
-__all__ = ["CATEGORIES", "Verdict", "judge", "judge_episode", "reason_category"]
+__all__ = ["CATEGORIES", "Verdict", "judge", "judge_episode", "reason_category", "solution_progress"]
 
 CATEGORIES = (
     "final_state",
@@ -32,11 +32,13 @@ CATEGORIES = (
 
 @dataclass
 class Verdict:
-    """``kept`` when every check passed; ``reasons`` for the failures; ``checks`` lists every check."""
+    """``kept`` when every check passed; ``reasons`` for the failures; ``checks`` lists every check;
+    ``progress`` how much of the reference solution the trajectory reproduced (``solution_progress``)."""
 
     kept: bool
     reasons: list[str] = field(default_factory=list)
     checks: list[dict[str, Any]] = field(default_factory=list)
+    progress: float = 0.0
 
 
 def reason_category(reason: str) -> str:
@@ -71,7 +73,50 @@ def judge(
         category, problem = _item_problem(item, messages, calls, finished)
         _record(verdict, item, category, problem)
     verdict.kept = not verdict.reasons
+    verdict.progress = solution_progress(rubric, calls, messages)
     return verdict
+
+
+def solution_progress(rubric: dict[str, Any], calls: list[dict[str, Any]], messages: list[dict]) -> float:
+    """The share of the reference solution a trajectory reproduced, in [0, 1]: the mean of one score per
+    planned call (each ``called`` check) and one for the final answers' key facts (``confirmed_result``):
+
+        called:     1 if the planned call happened, else max over calls of that tool of  k / (n + 1)
+                    (k of its n expected arguments equal; so a call with every value wrong scores 0)
+        confirmed:  the fraction of the key terms that the final answers state (each answer its own terms)
+
+    Unlike the fraction of rubric checks met, it gives nothing for what doing nothing satisfies ("nothing
+    changed", "no unneeded tool", "no question"): a failed attempt ranks by how close it came. 0 when the
+    rubric plans no call and names no terms."""
+    scores = [
+        _call_progress(check, calls) for check in rubric.get("final_state", []) if check["kind"] == "called"
+    ]
+    for item in rubric.get("items", []):
+        if item["kind"] == "confirmed_result" and any(item["terms"]):
+            scores.append(_terms_stated(item["terms"], _final_answers(messages)))
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+def _call_progress(check: dict[str, Any], calls: list[dict[str, Any]]) -> float:
+    if _called(check, {}, {}, calls) is None:
+        return 1.0
+    wanted = _canonical(check.get("args") or {})
+    best = 0
+    for call in calls:
+        if call["tool"] != check["tool"] or not isinstance(call.get("args"), dict):
+            continue
+        given = _canonical(call["args"])
+        best = max(best, sum(key in given and given[key] == value for key, value in wanted.items()))
+    return best / (len(wanted) + 1)
+
+
+def _terms_stated(terms: list[list[str]], answers: list[str]) -> float:
+    stated = sum(
+        term.lower() in answer.lower()
+        for wanted, answer in zip(terms, answers, strict=False)
+        for term in wanted
+    )
+    return stated / sum(len(wanted) for wanted in terms)
 
 
 def _record(verdict: Verdict, check: dict[str, Any], category: str, problem: str | None) -> None:

@@ -50,6 +50,7 @@ class RecipeConfig:
     variants_per_tool: int = MINI_TOOLS["variants_per_tool"]
     max_distractors: int = MINI_TOOLS["max_distractors"]
     partial_credit: float = MINI_TOOLS["partial_credit"]
+    credit: str = "checks"
     sft_steps: int = 240
     sft_batch_size: int = 4
     sft_seq_len: int = 1024
@@ -83,6 +84,7 @@ class RecipeToolTasks(ToolTaskEnvironment):
         config: RecipeConfig,
         no_tool_fraction: float = 0.15,
         partial_credit: float = 0.0,
+        credit: str = "checks",
     ) -> None:
         from k2lab.agentic.tools import build_repository
 
@@ -92,6 +94,7 @@ class RecipeToolTasks(ToolTaskEnvironment):
             max_distractors=config.max_distractors,
             partial_credit=partial_credit,
             max_turns=config.max_turns,
+            credit=credit,
         )
         self.no_tool_budget = config.no_tool_budget
 
@@ -232,7 +235,7 @@ def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str,
     """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
     from k2lab.agentic.rl import run_rl
 
-    env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit)
+    env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit, config.credit)
     history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
     last = history[-1] if history else {}
     return {

@@ -847,6 +847,10 @@ class LLMUserSimulator:
 # ------------------------------------------------------------------------------------------ environment
 
 
+#: How a failed tool task earns partial credit (``ToolTaskEnvironment(credit=...)``).
+CREDITS = ("checks", "progress")
+
+
 class ToolTaskEnvironment(Environment):
     """The factory's tool tasks behind the ``Environment`` interface (see the module docstring).
 
@@ -856,9 +860,12 @@ class ToolTaskEnvironment(Environment):
     last phase is answered or ``max_turns`` is reached.
 
     ``domains`` restricts the tasks to some of the repository's domains, ``max_turns`` caps every task's
-    turn limit. The reward is 1 for a trajectory that meets its whole rubric; otherwise ``partial_credit`` times the
-    fraction of rubric checks it meets (0 by default: success only). A partial credit below 1 keeps every
-    success above every failure while giving RL groups whose members all fail a signal to rank them by.
+    turn limit. The reward is 1 for a trajectory that meets its whole rubric; otherwise ``partial_credit`` times
+    (``credit``) the fraction of rubric checks it meets (``"checks"``) or the share of the reference solution it
+    reproduced (``"progress"``: planned calls graded by their arguments and the answer's key facts,
+    ``k2lab.agentic.judge.solution_progress``; nothing for what doing nothing satisfies). The default partial
+    credit of 0 rewards success only. A partial credit below 1 keeps every success above every failure while
+    giving RL groups whose members all fail a signal to rank them by.
     """
 
     name = "tool_tasks"
@@ -874,16 +881,19 @@ class ToolTaskEnvironment(Environment):
         partial_credit: float = 0.0,
         domains: Sequence[str] | None = None,
         max_turns: int | None = None,
+        credit: str = "checks",
     ):
         if not 0.0 <= partial_credit < 1.0:
             raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
+        if credit not in CREDITS:
+            raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
         self.repository = repository or build_repository()
         self.simulator = ToolSimulator(self.repository, rates)
         self.generator = TaskGenerator(
             self.repository, no_tool_fraction, mcp_fraction, max_distractors, domains
         )
         self.user = user or ScriptedUserSimulator()
-        self.partial_credit, self.max_turns = partial_credit, max_turns
+        self.partial_credit, self.max_turns, self.credit = partial_credit, max_turns, credit
 
     def reset(self, seed: int) -> Episode:
         task, world = self.generator.generate(seed)
@@ -1005,7 +1015,10 @@ class ToolTaskEnvironment(Environment):
         outcome = (
             "solved" if verdict.kept else (verdict.reasons[0].split(":")[0] if verdict.reasons else reason)
         )
-        met = sum(bool(check.get("ok")) for check in verdict.checks) / max(1, len(verdict.checks))
+        if self.credit == "progress":
+            met = verdict.progress
+        else:
+            met = sum(bool(check.get("ok")) for check in verdict.checks) / max(1, len(verdict.checks))
         reward = 1.0 if verdict.kept else self.partial_credit * met
         episode.finish(
             verdict.kept, outcome, reward=reward, ended=reason, reasons=verdict.reasons, checks=verdict.checks
