@@ -112,6 +112,18 @@ def test_recipe_env_caps_turns_and_budgets_no_tool_tasks():
     assert not episode.needs_tools and episode.token_budget == 11 and episode.max_turns <= 3
     with pytest.raises(ValueError):
         eval_seeds(RecipeConfig(eval_seed=0, factory_seed=0))
+    assert env.credit == "progress" and RecipeToolTasks(RecipeConfig(credit="checks")).credit == "checks"
+
+
+def test_an_unknown_credit_is_refused_before_any_stage(tmp_path, capsys):
+    from k2lab.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main(["recipe", "agentic-mini", "--out", str(out), "--credit", "vibes"])
+    assert exit_.value.code != 0
+    assert "credit must be one of checks, progress" in capsys.readouterr().err.replace("\n", " ")
+    assert not out.exists()
 
 
 def test_no_tool_probe_seeds_are_held_out_no_tool_tasks():

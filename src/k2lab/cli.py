@@ -1135,6 +1135,13 @@ def recipe_agentic_mini(
     rl_group_size: Annotated[
         int | None, typer.Option(min=2, help="RL samples per prompt (K) (default 4).")
     ] = None,
+    credit: Annotated[
+        str | None,
+        typer.Option(
+            help="RL partial credit of a failed task: 'progress' (planned calls graded by their arguments, "
+            "the answer's key facts; default) or 'checks' (fraction of rubric checks met)."
+        ),
+    ] = None,
     eval_n: Annotated[
         int | None, typer.Option(min=1, help="Held-out evaluation tasks (default 200).")
     ] = None,
@@ -1164,6 +1171,7 @@ def recipe_agentic_mini(
         "rl_iterations": rl_iterations,
         "rl_groups": rl_groups,
         "rl_group_size": rl_group_size,
+        "credit": credit,
         "eval_n": eval_n,
         "no_tool_eval_n": no_tool_eval_n,
         "eval_seed": eval_seed,

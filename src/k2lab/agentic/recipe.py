@@ -7,7 +7,9 @@ resumes; SFT and RL also resume from their own checkpoints mid-stage):
 * ``factory``: ``factory_n`` trajectories from the agentic data factory (seed ``factory_seed``);
 * ``sft``: the base fine-tuned on the kept trajectories (``TrainConfig.sft``);
 * ``rl``: ``run_rl`` from the SFT model on the factory's tool tasks, no-tool tasks over-sampled and given a
-  token budget so the budget penalty applies;
+  token budget so the budget penalty applies; a failed task earns ``partial_credit`` x its solution
+  progress (``credit="progress"``: planned calls graded by their arguments, the answer's key facts) rather
+  than x the fraction of rubric checks met (``"checks"``), which pays an answer that does nothing;
 * ``eval``: base, SFT and RL on ``eval_n`` held-out tasks (seeds ``eval_seed * 1_000_003 + i``, a factory
   seed no training stage uses; RL draws hashed task seeds), batched greedy decoding
   (``k2lab.agentic.evaluate``), and on a probe of ``no_tool_eval_n`` held-out tasks that need no tool
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from k2lab.agentic.env import Episode
-from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment
+from k2lab.agentic.tasks import CREDITS, MINI_TOOLS, ToolTaskEnvironment
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
@@ -50,7 +52,7 @@ class RecipeConfig:
     variants_per_tool: int = MINI_TOOLS["variants_per_tool"]
     max_distractors: int = MINI_TOOLS["max_distractors"]
     partial_credit: float = MINI_TOOLS["partial_credit"]
-    credit: str = "checks"
+    credit: str = "progress"
     sft_steps: int = 240
     sft_batch_size: int = 4
     sft_seq_len: int = 1024
@@ -84,7 +86,6 @@ class RecipeToolTasks(ToolTaskEnvironment):
         config: RecipeConfig,
         no_tool_fraction: float = 0.15,
         partial_credit: float = 0.0,
-        credit: str = "checks",
     ) -> None:
         from k2lab.agentic.tools import build_repository
 
@@ -94,7 +95,7 @@ class RecipeToolTasks(ToolTaskEnvironment):
             max_distractors=config.max_distractors,
             partial_credit=partial_credit,
             max_turns=config.max_turns,
-            credit=credit,
+            credit=config.credit,
         )
         self.no_tool_budget = config.no_tool_budget
 
@@ -235,7 +236,7 @@ def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str,
     """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
     from k2lab.agentic.rl import run_rl
 
-    env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit, config.credit)
+    env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit)
     history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
     last = history[-1] if history else {}
     return {
@@ -309,6 +310,8 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     eval_seeds(config)
+    if config.credit not in CREDITS:
+        raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {config.credit!r}")
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}
