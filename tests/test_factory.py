@@ -494,6 +494,7 @@ def test_progress_credit_gives_inaction_nothing(repository):
         idle = rollout(progress, ExpertAgent(repository, mode="premature_answer"), seed)
         assert not idle.outcome.success and idle.reward <= wrong.reward
         ahead += idle.reward < wrong.reward
+        assert wrong.reward == pytest.approx(0.5 * wrong.outcome.details["progress"], abs=1e-6)
         # per-check credit pays the idle answer for "nothing changed", "no question", "no extra tool"
         assert rollout(checks, ExpertAgent(repository, mode="premature_answer"), seed).reward >= 0.2
     assert ahead >= 10  # ties: a call whose every value is wrong, and an answer without its facts

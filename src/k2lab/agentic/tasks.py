@@ -1021,7 +1021,13 @@ class ToolTaskEnvironment(Environment):
             met = sum(bool(check.get("ok")) for check in verdict.checks) / max(1, len(verdict.checks))
         reward = 1.0 if verdict.kept else self.partial_credit * met
         episode.finish(
-            verdict.kept, outcome, reward=reward, ended=reason, reasons=verdict.reasons, checks=verdict.checks
+            verdict.kept,
+            outcome,
+            reward=reward,
+            ended=reason,
+            reasons=verdict.reasons,
+            checks=verdict.checks,
+            progress=round(verdict.progress, 6),
         )
 
 
