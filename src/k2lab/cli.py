@@ -1147,7 +1147,7 @@ def recipe_agentic_mini(
     ] = None,
     no_tool_eval_n: Annotated[
         int | None,
-        typer.Option(min=0, help="Held-out tasks that need no tool, for the tool-call probe (default 100)."),
+        typer.Option(min=0, help="Held-out tasks that need no tool, for the tool-call probe (default 300)."),
     ] = None,
     eval_seed: Annotated[
         int | None, typer.Option(help="Factory seed of the held-out tasks, unused in training (default 7).")

@@ -62,13 +62,13 @@ class RecipeConfig:
     rl_group_size: int = 4
     rl_lr: float = 2e-4
     rl_updates: int = 1
-    rl_no_tool_fraction: float = 0.3
+    rl_no_tool_fraction: float = 0.6
     budget_penalty: float = 0.5
     no_tool_budget: int = 24
     max_new_tokens: int = 128
     max_turns: int = MINI_TOOLS["max_turns"]
     eval_n: int = 200
-    no_tool_eval_n: int = 100
+    no_tool_eval_n: int = 300
     eval_seed: int = 7
     eval_batch_size: int = 32
     threads: int | None = None
