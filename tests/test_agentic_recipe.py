@@ -180,12 +180,15 @@ def test_tiny_end_to_end_run_writes_every_output(tiny_run):
     assert set(report["evaluation"]) == {"base", "sft", "rl"}
     assert all(r["tasks"] == 20 for r in report["evaluation"].values())
     assert all(r["no_tool_probe"]["tasks"] == 6 for r in report["evaluation"].values())
-    assert set(report["paired"]) == {"sft_vs_base", "rl_vs_sft"}
-    assert all(p["tasks"] == 20 for p in report["paired"].values())
+    assert set(report["paired"]) == {"sft_vs_base", "rl_vs_sft", "rl_vs_sft_no_tool_call"}
+    assert report["paired"]["sft_vs_base"]["tasks"] == report["paired"]["rl_vs_sft"]["tasks"] == 20
     assert set(report["seconds"]) == {"base", "factory", "sft", "rl", "eval"}
     assert set(report["acceptance"]) == {"sft_above_base", "rl_above_sft", "rl_fewer_no_tool_calls_than_sft"}
+    assert report["paired"]["rl_vs_sft_no_tool_call"]["tasks"] == 6
+    assert all("quiet" not in r["no_tool_probe"] for r in report["evaluation"].values())
     text = (out / "report.md").read_text()
     assert "success [95% Wilson CI]" in text and "| rl |" in text and "| rl_vs_sft |" in text
+    assert "| rl_vs_sft_no_tool_call |" in text
     assert json.loads((out / "report.json").read_text())["evaluation"]["rl"]["tasks"] == 20
 
 
@@ -234,3 +237,8 @@ def test_acceptance_needs_a_significant_paired_gain_not_a_higher_point_estimate(
     assert acceptance(evaluations, paired)["rl_above_sft"] is False
     paired["rl_vs_sft"] = {"only_after": 15, "only_before": 3, "p_value": 0.008}
     assert acceptance(evaluations, paired)["rl_above_sft"] is True
+    # with the probe's pairs, fewer calls per task is not enough either
+    paired["rl_vs_sft_no_tool_call"] = {"only_after": 11, "only_before": 6, "p_value": 0.33}
+    assert acceptance(evaluations, paired)["rl_fewer_no_tool_calls_than_sft"] is False
+    paired["rl_vs_sft_no_tool_call"] = {"only_after": 7, "only_before": 0, "p_value": 0.016}
+    assert acceptance(evaluations, paired)["rl_fewer_no_tool_calls_than_sft"] is True

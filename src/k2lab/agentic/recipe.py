@@ -280,8 +280,9 @@ def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
 
 
 def no_tool_summary(probe: dict[str, Any]) -> dict[str, Any]:
-    """Tool calls per task, the share of tasks with any tool call (with its Wilson interval) and success on
-    the no-tool probe."""
+    """Tool calls per task, the share of tasks with any tool call (with its Wilson interval), success on the
+    no-tool probe, and per task whether it stayed without a tool call (``quiet``: rows for
+    ``paired_comparison``)."""
     from k2lab.agentic.evaluate import wilson_interval
 
     episodes = probe["episodes"]
@@ -293,6 +294,7 @@ def no_tool_summary(probe: dict[str, Any]) -> dict[str, Any]:
         "calling_share": calling / len(episodes) if episodes else None,
         "calling_ci95": list(wilson_interval(calling, len(episodes))),
         "success": probe["success"],
+        "quiet": [{"seed": e["seed"], "success": e["tool_calls"] == 0} for e in episodes],
     }
 
 
@@ -330,10 +332,11 @@ def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, 
     """report.json, report.md and agentic_mini.png from the stage records."""
     from k2lab.agentic.evaluate import paired_comparison
 
-    evaluations, episodes = {}, {}
+    evaluations, episodes, quiet = {}, {}, {}
     for name, path in records["eval"]["reports"].items():
         report = json.loads(Path(path).read_text())
         episodes[name] = report.pop("episodes")
+        quiet[name] = report["no_tool_probe"].pop("quiet", None)
         evaluations[name] = report
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
@@ -346,6 +349,8 @@ def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, 
         "sft_vs_base": paired_comparison(episodes["base"], episodes["sft"]),
         "rl_vs_sft": paired_comparison(episodes["sft"], episodes["rl"]),
     }
+    if quiet["sft"] is not None and quiet["rl"] is not None:  # evaluations written before it lack the rows
+        report["paired"]["rl_vs_sft_no_tool_call"] = paired_comparison(quiet["sft"], quiet["rl"])
     report["acceptance"] = acceptance(evaluations, report["paired"])
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
     atomic_write_text(out / "report.md", markdown(report))
@@ -359,13 +364,18 @@ ALPHA = 0.05
 def acceptance(evaluations: dict[str, dict[str, Any]], paired: dict[str, dict[str, Any]]) -> dict[str, bool]:
     """The goals: SFT above base and RL above SFT on the same held-out tasks (the later stage solves more of
     the tasks only one of the two solves, and McNemar's exact p < ``ALPHA``: a higher point estimate alone
-    is not "above"), and fewer tool calls per task on the no-tool probe after RL."""
-    sft, rl = evaluations["sft"], evaluations["rl"]
+    is not "above"), and, on the no-tool probe, RL making no tool call on more of the tasks where only one
+    of RL and SFT calls, at p < ``ALPHA`` (``rl_vs_sft_no_tool_call``; without those pairs, from reports
+    written before them, fewer tool calls per task)."""
+    if "rl_vs_sft_no_tool_call" in paired:
+        fewer_calls = _better(paired["rl_vs_sft_no_tool_call"])
+    else:
+        sft, rl = evaluations["sft"], evaluations["rl"]
+        fewer_calls = (rl["no_tool_probe"]["tool_calls"] or 0) < (sft["no_tool_probe"]["tool_calls"] or 0)
     return {
         "sft_above_base": _better(paired["sft_vs_base"]),
         "rl_above_sft": _better(paired["rl_vs_sft"]),
-        "rl_fewer_no_tool_calls_than_sft": (rl["no_tool_probe"]["tool_calls"] or 0)
-        < (sft["no_tool_probe"]["tool_calls"] or 0),
+        "rl_fewer_no_tool_calls_than_sft": fewer_calls,
     }
 
 
@@ -420,6 +430,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for name, pair in report["paired"].items():
         lines.append(f"| {name} | {pair['only_after']} | {pair['only_before']} | {pair['p_value']:.3g} |")
+    if "rl_vs_sft_no_tool_call" in report["paired"]:
+        lines += ["", "rl_vs_sft_no_tool_call: no-tool probe tasks, solved = made no tool call."]
     lines += ["", "## wall time per stage (s)", ""]
     lines += [f"- {name}: {seconds:.0f}" for name, seconds in report["seconds"].items()]
     lines += [f"- total: {report['total_seconds']:.0f}", "", f"## acceptance (paired p < {ALPHA})", ""]
