@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from k2lab.agentic.env import Episode
-from k2lab.agentic.tasks import CREDITS, MINI_TOOLS, ToolTaskEnvironment
+from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, check_credit
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
@@ -312,8 +312,7 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     eval_seeds(config)
-    if config.credit not in CREDITS:
-        raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {config.credit!r}")
+    check_credit(config.credit)  # before any stage: the RL stage's environment would refuse it late
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}

@@ -851,6 +851,12 @@ class LLMUserSimulator:
 CREDITS = ("checks", "progress")
 
 
+def check_credit(credit: str) -> None:
+    """Raise ``ValueError`` unless ``credit`` is one of ``CREDITS``."""
+    if credit not in CREDITS:
+        raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
+
+
 class ToolTaskEnvironment(Environment):
     """The factory's tool tasks behind the ``Environment`` interface (see the module docstring).
 
@@ -885,8 +891,7 @@ class ToolTaskEnvironment(Environment):
     ):
         if not 0.0 <= partial_credit < 1.0:
             raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
-        if credit not in CREDITS:
-            raise ValueError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
+        check_credit(credit)
         self.repository = repository or build_repository()
         self.simulator = ToolSimulator(self.repository, rates)
         self.generator = TaskGenerator(
