@@ -17,7 +17,16 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.agentic.effort import EffortEnv, ExpertSpec, expert_specs, train_experts
-from k2lab.agentic.mopd import MOPDConfig, MOPDTrainer, TeacherRouter, mopd_advantages, mopd_loss, sft_loss
+from k2lab.agentic.mopd import (
+    MOPDConfig,
+    MOPDTrainer,
+    TeacherRouter,
+    dense_reverse_kl,
+    mopd_advantages,
+    mopd_dense_loss,
+    mopd_loss,
+    sft_loss,
+)
 from k2lab.agentic.rl import RLConfig
 from k2lab.agentic.rollout import LocalPolicy
 from k2lab.checkpoint import load_model, save_model
@@ -64,6 +73,45 @@ def test_mopd_loss_and_gradient_hand_computed():
     assert teacher_logits.grad is None  # the teacher only scores (sg)
     # over-weighted token 1 at position 1 is pushed down, under-weighted token 0 at position 2 up
     assert student_logits.grad[0, 1] > 0 and student_logits.grad[1, 0] < 0
+
+
+def test_dense_reverse_kl_hand_computed_with_ruled_out_tokens():
+    # position 1: p_S = [1/4, 3/4], p_T = [1/2, 1/2]; position 2: token 2 ruled out, p_S = p_T = [1/2, 1/2]
+    inf = float("inf")
+    student = torch.tensor([[math.log(0.25), math.log(0.75), -inf], [math.log(0.5), math.log(0.5), -inf]])
+    teacher = torch.tensor([[math.log(0.5), math.log(0.5), -inf], [math.log(0.5), math.log(0.5), -inf]])
+    kl_1 = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert dense_reverse_kl(student, teacher).tolist() == pytest.approx([kl_1, 0.0])
+    assert float(mopd_dense_loss(student, teacher)) == pytest.approx(kl_1 / 2)
+    assert float(mopd_dense_loss(torch.zeros(0, 3), torch.zeros(0, 3))) == 0.0
+
+
+def test_dense_gradient_is_the_expected_sampled_gradient():
+    """∇ KL(π_S ‖ π_T) = E_{y∼π_S}[∇ L_sampled(y)]: enumerate y with its probability (3 positions, a ruled-out
+    token at one of them) and compare with the dense loss's gradient; no NaN flows from the −inf entries."""
+    generator = torch.Generator().manual_seed(0)
+    logits_s = torch.randn(3, 5, generator=generator)
+    logits_t = torch.randn(3, 5, generator=generator)
+    ruled_out = torch.zeros(3, 5, dtype=torch.bool)
+    ruled_out[1, 3:] = True
+    bias = torch.zeros(3, 5).masked_fill(ruled_out, float("-inf"))
+    teacher = (logits_t + bias).log_softmax(-1)
+
+    dense_logits = logits_s.clone().requires_grad_(True)
+    mopd_dense_loss((dense_logits + bias).log_softmax(-1), teacher).backward()
+
+    expected = torch.zeros(3, 5)
+    probs = (logits_s + bias).softmax(-1)
+    for t in range(3):
+        for y in range(5):
+            if ruled_out[t, y]:
+                continue
+            z = logits_s[t : t + 1].clone().requires_grad_(True)
+            logp = (z + bias[t : t + 1]).log_softmax(-1)[:, y]
+            mopd_loss(logp, teacher[t : t + 1, y]).backward()  # one sampled token at one position (N = 1)
+            expected[t] += probs[t, y] * z.grad[0] / 3  # the dense loss averages over the N = 3 positions
+    assert torch.isfinite(dense_logits.grad).all()
+    assert torch.allclose(dense_logits.grad, expected, atol=1e-6)
 
 
 def test_sft_baseline_loss_is_mean_negative_logprob():
@@ -158,10 +206,11 @@ def test_train_experts_subset_and_resume_skips(sft_dir, tmp_path):
         train_experts(sft_dir, tmp_path, config, [ExpertSpec("instruction", "low", 3)])
 
 
-def test_distillation_resumes_exactly(small_tokenizer, tmp_path):
+@pytest.mark.parametrize("objective", ["sampled", "dense"])
+def test_distillation_resumes_exactly(small_tokenizer, tmp_path, objective):
     specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 5)]
     teachers = {(s.domain, s.effort): nano_model(seed=10 + i) for i, s in enumerate(specs)}
-    config = MOPDConfig(steps=3, prompts_per_step=2)
+    config = MOPDConfig(steps=3, prompts_per_step=2, objective=objective)
 
     def trainer(out):
         return MOPDTrainer(nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, out)
@@ -182,6 +231,23 @@ def test_distillation_resumes_exactly(small_tokenizer, tmp_path):
     assert metrics(tmp_path / "a")[0]["trained_tokens"] > 0
     for name, value in straight.student.state_dict().items():
         assert torch.equal(value, resumed.student.state_dict()[name]), name
+
+
+def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_path):
+    """Both objectives sample step 0 from the same student with the same seeds: the same trained tokens
+    (positions, not positions × vocabulary), and the dense loss is the exact KL the sampled one estimates."""
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 5)]
+    teachers = {(s.domain, s.effort): nano_model(seed=10 + i) for i, s in enumerate(specs)}
+    first = {}
+    for objective in ("sampled", "dense"):
+        config = MOPDConfig(steps=1, prompts_per_step=2, objective=objective)
+        trainer = MOPDTrainer(
+            nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, tmp_path / objective
+        )
+        first[objective] = trainer.train_step()
+    assert first["dense"]["trained_tokens"] == first["sampled"]["trained_tokens"] > 0
+    assert first["dense"]["mean_reward"] == first["sampled"]["mean_reward"]
+    assert first["dense"]["reverse_kl"] == first["dense"]["loss"] > 0
 
 
 def write_experts(directory: Path, tokenizer, specs) -> None:

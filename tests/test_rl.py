@@ -107,14 +107,21 @@ def test_turns_of_one_conversation_share_a_row_with_the_same_logprobs():
     assert places == [(0, 3), (0, 7), (1, 3), (1, 5)]
     with torch.no_grad():
         merged = turn_logprobs(model, turns, batch=2)
+        distributions = turn_logprobs(model, turns, batch=2, full=True)
         alone = [turn_logprobs(model, [turn])[0] for turn in turns]
     for got, want, turn in zip(merged, alone, turns, strict=True):
         assert got.shape == (len(turn.completion_ids),)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
         with torch.no_grad():  # the reference: the full [T, V] logits of the turn alone
-            full = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-        torch.testing.assert_close(got, full[len(turn.prompt_ids) - 1 :], rtol=1e-5, atol=1e-5)
+            full = model(ids).logits[0, :-1].log_softmax(-1)
+        reference = full[len(turn.prompt_ids) - 1 :]
+        torch.testing.assert_close(
+            got, reference.gather(-1, ids[0, len(turn.prompt_ids) :, None]).squeeze(-1), rtol=1e-5, atol=1e-5
+        )
+        distribution = distributions[turns.index(turn)]  # full=True: the whole next-token distribution
+        assert distribution.shape == (len(turn.completion_ids), full.shape[-1])
+        torch.testing.assert_close(distribution, reference, rtol=1e-5, atol=1e-5)
 
     class FullLogits(torch.nn.Module):  # a model whose forward has no logits_mask: the full-logits path
         def __init__(self, inner):

@@ -1263,6 +1263,13 @@ def mopd_distill(
     steps: Annotated[int, typer.Option(min=1, help="Distillation steps.")] = 20,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per step (cells round-robin).")] = 9,
     temperature: Annotated[float, typer.Option(help="Student sampling temperature.")] = 1.0,
+    objective: Annotated[
+        str,
+        typer.Option(
+            help="'sampled': the log-ratio reward of the sampled token (REINFORCE); 'dense': its exact "
+            "expectation, the per-token KL(student || teacher) over the whole next-token distribution."
+        ),
+    ] = "sampled",
     lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 2e-4,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N steps.")] = 1,
     keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept.")] = 3,
@@ -1281,6 +1288,7 @@ def mopd_distill(
         steps=steps,
         prompts_per_step=prompts,
         temperature=temperature,
+        objective=objective,
         optimizer=OptimizerConfig(lr=lr),
         checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints,

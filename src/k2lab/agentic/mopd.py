@@ -17,7 +17,14 @@ context only)
 
 i.e. REINFORCE with reward A_t per token and no credit to earlier tokens (discount 0); since
 E_{y∼π_S}[Σ_t −A_t] = KL(π_S ‖ π_T) per token, it is reverse-KL distillation on the student's own
-distribution. log π is the model at temperature 1 renormalised over the tokens the student's tool-call
+distribution. ``objective="dense"`` takes that expectation exactly at every sampled context instead of
+estimating it from the one sampled token (the same objective and the same expected gradient, without the
+sampling noise of y_t; each token then carries the teacher's whole next-token distribution):
+
+    L(θ) = (1/N) Σ_t KL(π_θ(·|ctx_t) ‖ π_T(·|ctx_t)) = (1/N) Σ_t Σ_v π_θ(v|ctx_t) (log π_θ(v|ctx_t) − log π_T(v|ctx_t))
+
+    ∇L   = (1/N) Σ_t E_{v∼π_θ}[(log π_θ(v) − log π_T(v)) ∇ log π_θ(v)] = E_y[∇L_sampled]   (since Σ_v ∇π_θ(v) = 0)
+ log π is the model at temperature 1 renormalised over the tokens the student's tool-call
 enforcer allowed at that position (``k2lab.agentic.rl``: the policy that sampled; the teacher is scored
 over the same tokens), so forced tokens the model itself would not pick do not dominate A_t. One MuonClip step
 per step; metrics.jsonl gets one line (loss, per-token reverse KL estimate mean(−A_t), per-cell rewards).
@@ -68,7 +75,9 @@ __all__ = [
     "MOPDTrainer",
     "TeacherRouter",
     "evaluate_cells",
+    "dense_reverse_kl",
     "mopd_advantages",
+    "mopd_dense_loss",
     "mopd_loss",
     "mopd_report",
     "run_mopd",
@@ -89,6 +98,7 @@ class MOPDConfig(BaseModel):
     steps: int = Field(default=20, ge=1)
     prompts_per_step: int = Field(default=9, ge=1)
     temperature: float = Field(default=1.0, gt=0)
+    objective: Literal["sampled", "dense"] = "sampled"
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4)
     checkpoint_every: int = Field(default=1, ge=1)
     keep_checkpoints: int | None = Field(default=3, ge=1)
@@ -110,6 +120,21 @@ def mopd_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor) -> torch.T
     if logp_student.numel() == 0:
         return logp_student.sum()
     return -(mopd_advantages(logp_teacher, logp_student) * logp_student).sum() / logp_student.numel()
+
+
+def dense_reverse_kl(logp_student: torch.Tensor, logp_teacher: torch.Tensor) -> torch.Tensor:
+    """KL(π_S ‖ π_T) per position, [N], from full log-distributions [N, V]: Σ_v π_S(v) (log π_S(v) − log π_T(v)).
+    Tokens the enforcer ruled out are −inf in both and contribute 0."""
+    allowed = torch.isfinite(logp_student)
+    gap = torch.where(allowed, logp_student - logp_teacher, torch.zeros_like(logp_student))
+    return (logp_student.exp() * gap).sum(-1)
+
+
+def mopd_dense_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor) -> torch.Tensor:
+    """L = (1/N) Σ_t KL(π_S(·|ctx_t) ‖ π_T(·|ctx_t)) over N generated positions (``objective="dense"``)."""
+    if logp_student.numel() == 0:
+        return logp_student.sum()
+    return dense_reverse_kl(logp_student, logp_teacher).mean()
 
 
 def sft_loss(logp_student: torch.Tensor) -> torch.Tensor:
@@ -264,17 +289,25 @@ class MOPDTrainer:
             allowed = (  # SFT: cross-entropy over the whole vocabulary
                 self.enforcer.turn_masks([(r, t) for r, t, _ in played]) if self.mode == "mopd" else None
             )
-            student_logp = torch.cat(turn_logprobs(self.student, [t for t, _ in turns], batch, allowed))
-            if self.mode == "mopd":
+            dense = self.mode == "mopd" and self.config.objective == "dense"
+            student_logp = torch.cat(
+                turn_logprobs(self.student, [t for t, _ in turns], batch, allowed, full=dense)
+            )
+            if self.mode == "sft":
+                loss = sft_loss(student_logp)
+            elif dense:
+                loss = mopd_dense_loss(
+                    student_logp, torch.cat(teacher_logprobs(turns, batch, allowed, full=True))
+                )
+                result["reverse_kl"] = round(float(loss.detach()), 6)
+            else:
                 target = torch.cat(teacher_logprobs(turns, batch, allowed))
                 loss = mopd_loss(student_logp, target)
                 result["reverse_kl"] = round(float((student_logp.detach() - target).mean()), 6)
-            else:
-                loss = sft_loss(student_logp)
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad()
-            result.update(loss=round(float(loss.detach()), 6), trained_tokens=int(student_logp.numel()))
+            result.update(loss=round(float(loss.detach()), 6), trained_tokens=int(student_logp.shape[0]))
         self.step += 1
         metrics = {"step": s, "mode": self.mode, **result, **_reward_metrics(samples)}
         metrics["seconds"] = round(time.perf_counter() - started, 3)
@@ -287,9 +320,11 @@ def teacher_logprobs(
     turns: Sequence[tuple[Turn, torch.nn.Module]],
     batch: int = 8,
     allowed: Sequence[torch.Tensor | None] | None = None,
+    full: bool = False,
 ) -> list[torch.Tensor]:
-    """``turn_logprobs`` of each (turn, model) pair (over the turn's ``allowed`` tokens when given), the
-    turns of one model scored together (no gradient); returned in the order of ``turns``."""
+    """``turn_logprobs`` of each (turn, model) pair (over the turn's ``allowed`` tokens when given; whole
+    next-token distributions with ``full``), the turns of one model scored together (no gradient); returned
+    in the order of ``turns``."""
     by_model: dict[int, list[int]] = defaultdict(list)
     for index, (_, model) in enumerate(turns):
         by_model[id(model)].append(index)
@@ -298,7 +333,7 @@ def teacher_logprobs(
         for indices in by_model.values():
             model = turns[indices[0]][1]
             masks = None if allowed is None else [allowed[i] for i in indices]
-            scored = turn_logprobs(model, [turns[i][0] for i in indices], batch, masks)
+            scored = turn_logprobs(model, [turns[i][0] for i in indices], batch, masks, full)
             for i, logp in zip(indices, scored, strict=True):
                 out[i] = logp
     return out  # type: ignore[return-value]

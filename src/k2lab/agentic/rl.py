@@ -526,8 +526,10 @@ def turn_logprobs(
     turns: Sequence[Turn],
     batch: int = 8,
     allowed: Sequence[torch.Tensor | None] | None = None,
+    full: bool = False,
 ) -> list[torch.Tensor]:
-    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1).
+    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1): [len(completion)] per turn,
+    or with ``full`` the whole next-token distribution log π(· | prompt, y_<t), [len(completion), V].
 
     With ``allowed`` (per turn: bool [len(completion), V], its packed form from ``pack_token_mask``, or None)
     the distribution at each position is renormalised over the allowed tokens (the decoding enforcer's
@@ -573,9 +575,10 @@ def turn_logprobs(
         logits = logits.float()
         if allowed is not None:
             logits = _restrict(logits, [(allowed[k], begins[k]) for k in mine])
-        picked = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [N], row-major
+        logp = logits.log_softmax(-1)  # [N, V], row-major
+        values = logp if full else logp.gather(-1, targets[:, None]).squeeze(-1)
         for k in mine:
-            out[k] = picked[begins[k] : begins[k] + len(turns[k].completion_ids)]
+            out[k] = values[begins[k] : begins[k] + len(turns[k].completion_ids)]
     return out  # type: ignore[return-value]
 
 
