@@ -250,6 +250,15 @@ def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_p
     assert first["dense"]["reverse_kl"] == first["dense"]["loss"] > 0
 
 
+def test_an_unknown_objective_is_refused_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["mopd", "distill", "--experts", str(tmp_path / "none"), "--student", str(tmp_path / "none"),
+              "--out", str(tmp_path / "out"), "--objective", "topk"])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "objective" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def write_experts(directory: Path, tokenizer, specs) -> None:
     """An experts directory as ``k2lab mopd experts`` leaves it: the manifest and one policy per cell (here
     distinct random nano models, so every cell has its own teacher)."""

@@ -17,17 +17,22 @@ context only)
 
 i.e. REINFORCE with reward A_t per token and no credit to earlier tokens (discount 0); since
 E_{y∼π_S}[Σ_t −A_t] = KL(π_S ‖ π_T) per token, it is reverse-KL distillation on the student's own
-distribution. ``objective="dense"`` takes that expectation exactly at every sampled context instead of
-estimating it from the one sampled token (the same objective and the same expected gradient, without the
-sampling noise of y_t; each token then carries the teacher's whole next-token distribution):
+distribution. ``objective="dense"`` (the default) takes that expectation exactly at every sampled context
+instead of estimating it from the one sampled token (the same objective and the same expected gradient,
+without the sampling noise of y_t; each token then carries the teacher's whole next-token distribution).
+K3's report found a finer top-k objective no better at its scale and kept the sampled reward
+(``objective="sampled"``); at this project's scale (~300 episodes) the sampling noise dominates, and the
+dense form is measurably better (README):
 
     L(θ) = (1/N) Σ_t KL(π_θ(·|ctx_t) ‖ π_T(·|ctx_t)) = (1/N) Σ_t Σ_v π_θ(v|ctx_t) (log π_θ(v|ctx_t) − log π_T(v|ctx_t))
 
     ∇L   = (1/N) Σ_t E_{v∼π_θ}[(log π_θ(v) − log π_T(v)) ∇ log π_θ(v)] = E_y[∇L_sampled]   (since Σ_v ∇π_θ(v) = 0)
- log π is the model at temperature 1 renormalised over the tokens the student's tool-call
+
+Either way log π is the model at temperature 1 renormalised over the tokens the student's tool-call
 enforcer allowed at that position (``k2lab.agentic.rl``: the policy that sampled; the teacher is scored
 over the same tokens), so forced tokens the model itself would not pick do not dominate A_t. One MuonClip step
-per step; metrics.jsonl gets one line (loss, per-token reverse KL estimate mean(−A_t), per-cell rewards).
+per step; metrics.jsonl gets one line (loss, per-token reverse KL: the exact mean KL when dense, the
+estimate mean(−A_t) when sampled, per-cell rewards).
 
 **Baseline** (``mode="sft"``): the same prompts, but the *teacher* of each cell samples and the student
 minimises plain cross-entropy on the teacher's tokens, L = −(1/N) Σ_t log π_θ(y_t|ctx_t) (SFT on teacher
@@ -98,7 +103,7 @@ class MOPDConfig(BaseModel):
     steps: int = Field(default=20, ge=1)
     prompts_per_step: int = Field(default=9, ge=1)
     temperature: float = Field(default=1.0, gt=0)
-    objective: Literal["sampled", "dense"] = "sampled"
+    objective: Literal["sampled", "dense"] = "dense"
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4)
     checkpoint_every: int = Field(default=1, ge=1)
     keep_checkpoints: int | None = Field(default=3, ge=1)
