@@ -1266,11 +1266,11 @@ def mopd_distill(
     objective: Annotated[
         str,
         typer.Option(
-            help="'sampled': the log-ratio reward log pi_teacher - log pi_student of the sampled token "
-            "(REINFORCE, K3's estimator); 'dense': its exact expectation, the per-token KL(student || teacher) "
-            "over the whole next-token distribution (no sampling noise, [tokens, vocab] memory)."
+            help="'dense': the per-token KL(student || teacher) over the whole next-token distribution, the "
+            "exact expectation of the log-ratio reward (no sampling noise, [tokens, vocab] memory); "
+            "'sampled': the reward log pi_teacher - log pi_student of the sampled token (K3's estimator)."
         ),
-    ] = "sampled",
+    ] = "dense",
     lr: Annotated[float, typer.Option(help="MuonClip learning rate.")] = 2e-4,
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Checkpoint every N steps.")] = 1,
     keep_checkpoints: Annotated[int, typer.Option(min=1, help="Checkpoints kept.")] = 3,
