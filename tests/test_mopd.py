@@ -233,6 +233,22 @@ def test_distillation_resumes_exactly(small_tokenizer, tmp_path, objective):
         assert torch.equal(value, resumed.student.state_dict()[name]), name
 
 
+def test_resuming_with_another_objective_is_refused_and_loses_nothing(small_tokenizer, tmp_path):
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    teachers = {("arithmetic", "low"): nano_model(seed=10)}
+
+    def trainer(**settings):
+        config = MOPDConfig(prompts_per_step=1, **settings)
+        return MOPDTrainer(nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, tmp_path)
+
+    trainer(steps=1, objective="sampled").run()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(K2LabError, match="objective: 'sampled' then, 'dense' now"):
+        trainer(steps=2, objective="dense")
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert trainer(steps=2, objective="sampled").step == 1  # a longer run of the same settings resumes
+
+
 def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_path):
     """Both objectives sample step 0 from the same student with the same seeds: the same trained tokens
     (positions, not positions × vocabulary), and the dense loss is the exact KL the sampled one estimates."""

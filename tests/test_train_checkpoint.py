@@ -27,6 +27,7 @@ from k2lab.train.checkpoint import (
     list_checkpoints,
     load_latest_checkpoint,
     restore_rng_state,
+    resume_state,
     save_training_checkpoint,
     verify_checkpoint,
 )
@@ -69,6 +70,19 @@ def test_round_trip_and_manifest(tmp_path: Path) -> None:
     assert loaded["optimizer"]["param_groups"][0]["ns_dtype"] is torch.bfloat16
     assert loaded["data"] == state["data"] and loaded["config"]["betas"] == (0.9, 0.95)
     assert not any(p.name.startswith(".") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_resume_state_refuses_other_settings_before_touching_the_metrics(tmp_path: Path) -> None:
+    settings = {"lr": 1e-3, "seed": 0, "iterations": 4, "keep_checkpoints": 2}
+    save_training_checkpoint(tmp_path, 2, {"iteration": 2, "config": settings})
+    lines = "".join(json.dumps({"iteration": i}) + "\n" for i in range(3))
+    (tmp_path / "metrics.jsonl").write_text(lines)
+    with pytest.raises(CheckpointError, match=r"lr: 0.001 then, 0.002 now; seed: 0 then, 1 now"):
+        resume_state(tmp_path, "metrics.jsonl", "iteration", settings | {"lr": 2e-3, "seed": 1})
+    assert (tmp_path / "metrics.jsonl").read_text() == lines
+    longer = settings | {"iterations": 8, "keep_checkpoints": 1}  # length and retention may change
+    assert resume_state(tmp_path, "metrics.jsonl", "iteration", longer)["iteration"] == 2
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # iteration 2 is redone
 
 
 def test_no_checkpoint_is_none(tmp_path: Path) -> None:

@@ -227,12 +227,16 @@ class MOPDTrainer:
             "model": self.student.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "rng": capture_rng_state(),
-            "config": self.config.model_dump(mode="json"),
+            "config": self._settings(),
             "mode": self.mode,
         }
 
+    def _settings(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the checkpoint: the config and the mode."""
+        return self.config.model_dump(mode="json") | {"mode": self.mode}
+
     def _resume(self) -> None:
-        state = resume_state(self.out, METRICS, "step")
+        state = resume_state(self.out, METRICS, "step", self._settings())
         if state is None:
             return
         self.student.load_state_dict(state["model"])
@@ -376,6 +380,12 @@ def run_mopd(
     specs = manifest_specs(load_manifest(experts_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
+    student = load_model(student_checkpoint)
+    trainer = MOPDTrainer(
+        student, tokenizer, TeacherRouter.load(experts_dir, specs), specs, config, out, mode
+    )
     atomic_write_text(
         out / "mopd.json",
         json.dumps(
@@ -388,12 +398,6 @@ def run_mopd(
             indent=2,
         )
         + "\n",
-    )
-    torch.manual_seed(config.seed)
-    tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
-    student = load_model(student_checkpoint)
-    trainer = MOPDTrainer(
-        student, tokenizer, TeacherRouter.load(experts_dir, specs), specs, config, out, mode
     )
     history = trainer.run(on_step=on_step)
     save_model(student, out / "model")

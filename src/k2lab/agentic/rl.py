@@ -285,7 +285,7 @@ class RLTrainer:
         }
 
     def _resume(self) -> None:
-        state = resume_state(self.out, METRICS, "iteration")
+        state = resume_state(self.out, METRICS, "iteration", self.config.model_dump(mode="json"))
         if state is None:
             return
         self.model.load_state_dict(state["model"])

@@ -348,7 +348,7 @@ class ParlTrainer:
         }
 
     def _resume(self) -> None:
-        state = resume_state(self.out, METRICS, "iteration")
+        state = resume_state(self.out, METRICS, "iteration", self.config.model_dump(mode="json"))
         if state is None:
             return
         self.orchestrator.load_state_dict(state["orchestrator"])

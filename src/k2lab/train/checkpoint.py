@@ -368,13 +368,22 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda_state.cpu(), device)
 
 
-def resume_state(run_dir: Path, metrics_file: str, counter: str) -> dict | None:
+RESUMABLE_CHANGES = frozenset(
+    {"iterations", "steps", "checkpoint_every", "keep_checkpoints", "step_timeout_s"}
+)
+
+
+def resume_state(
+    run_dir: Path, metrics_file: str, counter: str, config: dict[str, Any] | None = None
+) -> dict | None:
     """The latest checkpoint's state for an RL-style loop logging one JSON line per ``counter`` value
     (``"iteration"``, ``"step"``) to ``run_dir / metrics_file``.
 
-    Metrics lines at or after the checkpoint's counter are dropped (they are about to be redone); with no
-    checkpoint the metrics file is removed and None returned. The caller restores its own objects from
-    the state (``state[counter]`` is where it continues).
+    With ``config`` (the run's ``model_dump(mode="json")`` settings, saved under ``state["config"]``) a
+    checkpoint written with different settings is refused before anything is touched
+    (``check_resumed_config``). Metrics lines at or after the checkpoint's counter are dropped (they are
+    about to be redone); with no checkpoint the metrics file is removed and None returned. The caller
+    restores its own objects from the state (``state[counter]`` is where it continues).
     """
     path = Path(run_dir) / metrics_file
     latest = load_latest_checkpoint(Path(run_dir))
@@ -382,8 +391,35 @@ def resume_state(run_dir: Path, metrics_file: str, counter: str) -> dict | None:
         path.unlink(missing_ok=True)
         return None
     state = latest[1]
+    if config is not None:
+        check_resumed_config(state.get("config"), config, run_dir)
     if path.is_file():
         lines = [x for x in path.read_text().splitlines() if x.strip()]
         kept = [x for x in lines if json.loads(x)[counter] < int(state[counter])]
         path.write_text("".join(x + "\n" for x in kept))
     return state
+
+
+def check_resumed_config(
+    saved: dict[str, Any] | None,
+    current: dict[str, Any],
+    run_dir: Path | str,
+    may_change: frozenset[str] = RESUMABLE_CHANGES,
+) -> None:
+    """Raise ``CheckpointError`` when a run is resumed with settings other than those it was started with.
+
+    Only the length of the run and its checkpointing (``may_change``) may differ: continuing with another
+    objective, learning rate or seed would splice two different runs into one history. ``saved`` None
+    (checkpoints written before configs were saved) is accepted.
+    """
+    if saved is None:
+        return
+    changed = sorted(
+        k for k in saved.keys() | current.keys() if k not in may_change and saved.get(k) != current.get(k)
+    )
+    if changed:
+        details = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in changed)
+        raise CheckpointError(
+            f"{run_dir} was started with other settings ({details}); resume it with the settings it started "
+            "with, or choose a new output directory"
+        )
