@@ -126,6 +126,24 @@ def test_an_unknown_credit_is_refused_before_any_stage(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_reward_flags_reach_the_recipe_and_out_of_range_is_refused(tmp_path, monkeypatch):
+    import k2lab.agentic.recipe as recipe
+    from k2lab.cli import main
+
+    seen: list[RecipeConfig] = []
+    monkeypatch.setattr(recipe, "run_recipe", lambda config, log: seen.append(config) or {})
+    monkeypatch.setattr(recipe, "print_report", lambda report, console: None)
+    command = ["recipe", "agentic-mini", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--partial-credit", "0", "--rl-no-tool-fraction", "0.3"])
+    assert exit_.value.code == 0
+    assert (seen[0].partial_credit, seen[0].rl_no_tool_fraction) == (0.0, 0.3)
+    assert RecipeConfig().partial_credit == 0.5 and RecipeConfig().rl_no_tool_fraction == 0.6
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--partial-credit", "1.5"])
+    assert exit_.value.code == 2 and len(seen) == 1
+
+
 def test_no_tool_probe_seeds_are_held_out_no_tool_tasks():
     config = RecipeConfig(eval_n=200, no_tool_eval_n=30)
     probe = no_tool_eval_seeds(config)

@@ -1142,6 +1142,18 @@ def recipe_agentic_mini(
             "the answer's key facts; default) or 'checks' (fraction of rubric checks met)."
         ),
     ] = None,
+    partial_credit: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="RL reward of a failed task = this x its credit (default 0.5; 0: reward for success only).",
+        ),
+    ] = None,
+    rl_no_tool_fraction: Annotated[
+        float | None,
+        typer.Option(min=0.0, max=1.0, help="Share of RL prompts that need no tool (default 0.6)."),
+    ] = None,
     eval_n: Annotated[
         int | None, typer.Option(min=1, help="Held-out evaluation tasks (default 200).")
     ] = None,
@@ -1172,6 +1184,8 @@ def recipe_agentic_mini(
         "rl_groups": rl_groups,
         "rl_group_size": rl_group_size,
         "credit": credit,
+        "partial_credit": partial_credit,
+        "rl_no_tool_fraction": rl_no_tool_fraction,
         "eval_n": eval_n,
         "no_tool_eval_n": no_tool_eval_n,
         "eval_seed": eval_seed,
