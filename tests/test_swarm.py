@@ -164,7 +164,7 @@ def test_compact_orchestrator_factorised_policy_and_greedy_choice():
     assert orchestrator.greedy_action(0) == 0
     with torch.no_grad():  # 60 % of the mass on fanning out, spread so that no fan-out beats solo alone
         orchestrator.logits[0] = torch.tensor([0.0, math.log(1.5)])
-    assert float(orchestrator.action_log_probs()[0, 1:].exp().max()) < 0.4
+    assert float(orchestrator.action_log_probs().detach()[0, 1:].exp().max()) < 0.4
     assert orchestrator.greedy_action(0) != 0  # a flat argmax over 21 actions would say solo
     with torch.no_grad():
         orchestrator.width_logits[0, 2] = 1.0
