@@ -80,7 +80,8 @@ def test_resume_state_refuses_other_settings_before_touching_the_metrics(tmp_pat
     with pytest.raises(CheckpointError, match=r"lr: 0.001 then, 0.002 now; seed: 0 then, 1 now"):
         resume_state(tmp_path, "metrics.jsonl", "iteration", settings | {"lr": 2e-3, "seed": 1})
     assert (tmp_path / "metrics.jsonl").read_text() == lines
-    longer = settings | {"iterations": 8, "keep_checkpoints": 1}  # length and retention may change
+    # the run's length and retention may change, and a field only one side has (a k2lab upgrade) is ignored
+    longer = {"lr": 1e-3, "iterations": 8, "keep_checkpoints": 1, "new_field": 1}
     assert resume_state(tmp_path, "metrics.jsonl", "iteration", longer)["iteration"] == 2
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # iteration 2 is redone
 

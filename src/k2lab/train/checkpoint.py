@@ -409,16 +409,16 @@ def check_resumed_config(
     """Raise ``CheckpointError`` when a run is resumed with settings other than those it was started with.
 
     Only the length of the run and its checkpointing (``may_change``) may differ: continuing with another
-    objective, learning rate or seed would splice two different runs into one history. ``saved`` None
-    (checkpoints written before configs were saved) is accepted.
+    objective, learning rate or seed would splice two different runs into one history. Settings only one
+    side has (a field added or removed by a newer k2lab) and ``saved`` None (checkpoints written before
+    configs were saved) are accepted, so an upgrade does not strand a run.
     """
     if saved is None:
         return
-    changed = sorted(
-        k for k in saved.keys() | current.keys() if k not in may_change and saved.get(k) != current.get(k)
-    )
+    shared = (saved.keys() & current.keys()) - may_change
+    changed = sorted(k for k in shared if saved[k] != current[k])
     if changed:
-        details = "; ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in changed)
+        details = "; ".join(f"{k}: {saved[k]!r} then, {current[k]!r} now" for k in changed)
         raise CheckpointError(
             f"{run_dir} was started with other settings ({details}); resume it with the settings it started "
             "with, or choose a new output directory"
