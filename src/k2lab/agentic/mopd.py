@@ -227,8 +227,7 @@ class MOPDTrainer:
             "model": self.student.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "rng": capture_rng_state(),
-            "config": self._settings(),
-            "mode": self.mode,
+            "config": self._settings(),  # with the mode
         }
 
     def _settings(self) -> dict[str, Any]:
