@@ -8,7 +8,8 @@ Comparisons:
 
 * ``forward_backward_tokens_per_s`` — one training step without the optimizer: ``logits = model(ids)``,
   fp32 cross-entropy against the next tokens (labels shifted, last position ignored), ``loss.backward()``
-  (gradients cleared before each call).
+  (gradients cleared before each call), both sides under the same ``--precision`` (``auto``: what
+  ``k2lab.hardware`` picks for this CPU — bf16 autocast where bf16 is native, fp32 where it is emulated).
   Throughput is ``batch × seq / seconds``. Default: batch 8 × seq 256.
 * ``greedy_decode_tokens_per_s`` — greedy generation of ``--new-tokens`` tokens per prompt, prefill included:
   ``k2lab.infer.generate`` (latent MLA cache, absorbed decode) versus ``model.generate(do_sample=False)``
@@ -22,6 +23,8 @@ Usage::
 
     python benchmarks/bench_k2_model.py                      # table
     python benchmarks/bench_k2_model.py --json --threads 2   # one JSON object per comparison and line
+    python benchmarks/bench_k2_model.py --precision fp32     # force a precision (default auto)
+    python benchmarks/bench_k2_model.py --smoke              # k2-nano, tiny shapes, one repeat
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from timing import alternating_medians  # benchmarks/timing.py
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    alternating_medians,
+    apply_smoke,
+    machine_line,
+    machine_report,
+)
 
 import k2lab
+from k2lab.hardware import choose
 from k2lab.hf.bridge import to_transformers
 from k2lab.infer import GenerationConfig, generate
 
@@ -63,14 +73,17 @@ def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
     return F.pad(ids[:, 1:], (0, 1), value=-100)
 
 
-def train_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, hf: bool) -> None:
+def train_step(
+    model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, hf: bool, dtype: torch.dtype
+) -> None:
     """Forward, next-token cross-entropy in fp32 over all B·T logits, backward. ids, labels: [B, T].
 
     Shifting the labels rather than slicing the logits (as transformers' own causal-LM loss does) keeps
     the [B, T, V] logits free of copies on both sides.
     """
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
     loss.backward()
 
@@ -82,8 +95,12 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
     labels = next_token_labels(ids)
     ours.train()
     theirs.train()
+    dtype = choose("benchmark", args.precision).dtype
     t_ours, t_theirs = alternating_medians(
-        [lambda: train_step(ours, ids, labels, hf=False), lambda: train_step(theirs, ids, labels, hf=True)],
+        [
+            lambda: train_step(ours, ids, labels, hf=False, dtype=dtype),
+            lambda: train_step(theirs, ids, labels, hf=True, dtype=dtype),
+        ],
         args.repeats,
     )
     ours.zero_grad(set_to_none=True)
@@ -96,6 +113,7 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
         t_theirs,
         args,
         {"batch": args.batch, "seq": args.seq},
+        {"precision": "bf16" if dtype == torch.bfloat16 else "fp32"},
     )
 
 
@@ -208,8 +226,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--only", choices=["train", "decode"], help="run one comparison only")
+    parser.add_argument(
+        "--precision", choices=["auto", "fp32", "bf16"], default="auto", help="forward+backward precision"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
-    args = parser.parse_args(argv)
+    add_smoke_argument(parser)
+    tiny = dict(preset="k2-nano", batch=2, seq=16, decode_batch=2, prompt=8, new_tokens=4, long_prompt=0)
+    args = apply_smoke(parser.parse_args(argv), **tiny)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args
@@ -221,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     config = k2lab.load_preset(args.preset)
     ours = k2lab.build_model(config, seed=0)
     theirs = to_transformers(ours)
+    machine = machine_report(256 if args.smoke else 2048)
     rows = []
     if args.only in (None, "train"):
         rows.append(bench_forward_backward(ours, theirs, args))
@@ -233,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     if args.json:
+        print(json.dumps(machine), flush=True)
         for row in rows:
             print(json.dumps(asdict(row)), flush=True)
     else:
         print_table(rows)
+        print(machine_line(machine))
     return 0
 
 

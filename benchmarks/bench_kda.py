@@ -34,7 +34,13 @@ from pathlib import Path
 import cache_bytes  # benchmarks/cache_bytes.py
 import torch
 import torch.nn.functional as F
-from timing import alternating_medians  # benchmarks/timing.py
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    alternating_medians,
+    apply_smoke,
+    machine_line,
+    machine_report,
+)
 
 from k2lab.ops.kda import chunk_kda, recurrent_kda
 
@@ -167,7 +173,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="longest T for the loop-based forms (all but k2lab_chunk)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    return parser.parse_args(argv)
+    add_smoke_argument(parser)
+    tiny = dict(lengths=[64], heads=2, head_dim=16, loop_max_t=64)
+    return apply_smoke(parser.parse_args(argv), **tiny)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -194,11 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     fns = implementations()
     previous: dict[tuple[str, str], tuple[int, float]] = {}
     load_before = os.getloadavg()[0]
+    machine = machine_report(256 if args.smoke else 2048)
     rows = [row for T in sorted(args.lengths) for row in bench_length(args, fns, T, previous)]
     load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     if args.json:
         report = {
             "name": "kda_cpu",
+            "machine": machine,
             "threads": args.threads,
             "shape": {"B": 1, "H": args.heads, "HV": args.heads, "K": args.head_dim, "V": args.head_dim},
             "gate": args.gate,
@@ -214,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             f"median of {args.repeats}; 1-min load average {load['before']:.1f} before, {load['after']:.1f} after "
             f"on {load['cpus']} CPUs"
         )
+        print(machine_line(machine))
         print_table(rows)
         cache = decode_cache_bytes(args.cache_png)
         print("decode cache per sequence (MiB, bf16 latents + fp32 KDA states):")

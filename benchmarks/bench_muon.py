@@ -4,15 +4,16 @@ Comparisons (medians of ``--repeats`` after a warmup, one process, same threads)
 
 * ``muon_step_s`` — one optimizer step over every hidden matrix of k2-mini with fixed random gradients.
   k2lab's ``Muon`` takes the 3-D expert tensors [E, out, in] and orthogonalises them in one batched
-  Newton–Schulz (bf16, the default, as torch); ``torch.optim.Muon`` takes 2-D parameters only, so it gets every expert
-  matrix as a separate parameter (bf16 Newton–Schulz, its only mode). Same lr, weight decay, momentum,
+  Newton–Schulz in the precision ``k2lab.hardware`` picks (bf16 where the CPU multiplies bf16 natively, fp32
+  where bf16 would be emulated); ``torch.optim.Muon`` takes 2-D parameters only, so it gets every expert
+  matrix as a separate parameter (bf16 Newton–Schulz, its only mode, whatever the CPU). Same lr, weight decay, momentum,
   Nesterov and ``match_rms_adamw`` scaling. ``ratio = torch / k2lab`` (> 1: k2lab faster).
 * ``qk_clip_share`` — a full k2-mini training step (forward, backward, MuonClip step) with per-head max-logit
   recording and clipping, against the same step with both off; ``share = (with − without) / with``.
 
 Usage::
 
-    python benchmarks/bench_muon.py [--json] [--repeats 7] [--batch 8 --seq 256]
+    python benchmarks/bench_muon.py [--json] [--repeats 7] [--batch 8 --seq 256] [--smoke]
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from timing import alternating_medians  # benchmarks/timing.py
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    alternating_medians,
+    apply_smoke,
+    machine_line,
+    machine_report,
+)
 
 import k2lab
 from k2lab.optim import Muon, MuonClip, OptimizerConfig
@@ -59,6 +66,7 @@ def bench_muon_step(args: argparse.Namespace) -> dict:
         "k2lab": t_ours,
         "torch": t_torch,
         "ratio": t_torch / t_ours,
+        "k2lab_ns_dtype": str(our_opt.param_groups[0]["ns_dtype"]).removeprefix("torch."),
         "k2lab_tensors": len(ours),
         "torch_tensors": len(theirs),
         "parameters": sum(p.numel() for p in ours),
@@ -77,7 +85,8 @@ def bench_qk_clip_share(args: argparse.Namespace) -> dict:
         optimizer = MuonClip(model, OptimizerConfig(name="muonclip" if clip else "muon"), verbose=False)
         optimizer.qk_clip.record(clip)
         if not clip:
-            optimizer.qk_clip.recorded_maxima = lambda: [torch.zeros(1)]  # nothing recorded, nothing clipped
+            nothing = [torch.zeros(1) for _ in optimizer.qk_clip.layer_indices]  # nothing recorded or clipped
+            optimizer.qk_clip.recorded_maxima = lambda: nothing
 
         def step() -> None:
             logits = model(ids[:, :-1]).logits
@@ -106,22 +115,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
-    return parser.parse_args(argv)
+    add_smoke_argument(parser)
+    return apply_smoke(parser.parse_args(argv), preset="k2-nano", batch=2, seq=16)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    machine = machine_report(256 if args.smoke else 2048)
     rows = [bench_muon_step(args), bench_qk_clip_share(args)]
+    if args.json:
+        print(json.dumps(machine), flush=True)
     for row in rows:
         row["threads"] = args.threads
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
         step, clip = rows
+        print(machine_line(machine))
         print(
-            f"Muon step on {args.preset}: k2lab {step['k2lab'] * 1e3:.1f} ms ({step['k2lab_tensors']} tensors), "
-            f"torch.optim.Muon {step['torch'] * 1e3:.1f} ms ({step['torch_tensors']} tensors): "
+            f"Muon step on {args.preset}: k2lab {step['k2lab'] * 1e3:.1f} ms ({step['k2lab_tensors']} tensors, "
+            f"{step['k2lab_ns_dtype']} Newton–Schulz), "
+            f"torch.optim.Muon {step['torch'] * 1e3:.1f} ms ({step['torch_tensors']} tensors, bf16): "
             f"k2lab {step['ratio']:.2f}x faster"
         )
         print(

@@ -18,6 +18,7 @@ k2lab`` (the speed-up).
 Usage::
 
     python benchmarks/bench_rl_update.py --threads 2
+    python benchmarks/bench_rl_update.py --smoke      # k2-nano, two short episodes, one repeat
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ import argparse
 import json
 
 import torch
-from timing import alternating_medians  # benchmarks/timing.py
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    alternating_medians,
+    apply_smoke,
+    machine_report,
+)
 
 from k2lab import build_model, load_preset
 from k2lab.agentic.rl import turn_logprobs
@@ -78,11 +84,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--preset", default="k2-mini")
+    add_smoke_argument(parser)
+    tiny = dict(preset="k2-nano", episodes=2, turns=2, prompt=12, observation=4, completion=4, batch=2)
+    args = apply_smoke(parser.parse_args(), **tiny)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = build_model(load_preset("k2-mini"))
+    model = build_model(load_preset(args.preset))
     turns = synthetic_turns(args, model.config.vocab_size)
 
     with torch.no_grad():
@@ -107,6 +116,7 @@ def main() -> None:
                 "per_turn_s": round(per_turn_s, 3),
                 "ratio": round(per_turn_s / k2lab_s, 2),
                 "threads": torch.get_num_threads(),
+                "machine": machine_report(256 if args.smoke else 2048),
             }
         )
     )

@@ -7,8 +7,10 @@ Sides:
 
 * **k2lab** — one step of ``k2lab.train.trainer.Trainer``, exactly as ``k2lab train`` runs it:
   ``train_step()`` (forward with per-head max-logit recording, fp32 cross-entropy, backward, global
-  gradient-norm clip at 1.0, lr schedule) then ``update()`` (MuonClip: Muon on hidden matrices with bf16
-  Newton–Schulz, AdamW on embeddings / head / norms, QK-Clip at τ = 100; DeepSeek-V3 router-bias rule).
+  gradient-norm clip at 1.0, lr schedule) then ``update()`` (MuonClip: Muon on hidden matrices with
+  Newton–Schulz in the precision ``k2lab.hardware`` picks — bf16 where the CPU multiplies bf16 natively, fp32
+  where it would be emulated —, AdamW on embeddings / head / norms, QK-Clip at τ = 100; DeepSeek-V3
+  router-bias rule).
 * **transformers** — ``model(input_ids).logits``, the same fp32 cross-entropy, ``backward()``,
   ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW`` step (β = (0.9, 0.95), weight decay 0.1, torch's
   default implementation for CPU tensors), ``zero_grad``.
@@ -16,15 +18,15 @@ Sides:
   (k2lab's AdamW for every parameter), against the same transformers step, so that both sides run the
   same optimizer algorithm and the ratio isolates model + trainer.
 
-Each row runs in fp32 and under bf16 autocast (``torch.autocast("cpu", bfloat16)`` around the forward on
-both sides; the loss is computed in fp32). Timing: one warmup step per side, then ``--repeats`` steps
+Each row runs in fp32 and, where the CPU has native bf16 (``--precision`` overrides), under bf16 autocast
+(``torch.autocast("cpu", bfloat16)`` around the forward on both sides; the loss is computed in fp32). Timing: one warmup step per side, then ``--repeats`` steps
 alternating k2lab / transformers (so machine noise hits both alike), median wall time per side.
 ``ratio = k2lab tokens/s ÷ transformers tokens/s`` (> 1: k2lab faster).
 
 MFU (model FLOPs utilisation) = achieved model FLOP/s ÷ this machine's measured matmul peak for the
-precision used. The peak is measured in the same run: the median time of a square ``torch.mm`` of
-``--peak-size`` (default 2048³, 2·n³ FLOP) in fp32 and in bf16, the fastest of 7 calls, measured before
-and after the training rows (the larger of the two is the peak). Model FLOPs per step (forward + backward, PaLM-style,
+precision used. The peak is measured in the same run (``timing.measure_peaks``): a square ``torch.mm`` of
+``--peak-size`` (default 2048³, 2·n³ FLOP) in fp32 and in bf16 (256³ where bf16 is emulated), the fastest
+of 5 calls, measured before and after the training rows (the larger of the two is the peak). Model FLOPs per step (forward + backward, PaLM-style,
 no recomputation)::
 
     FLOPs = 6 · N · B·T  +  6 · L · H · (d_qk + d_v) · B·T²
@@ -40,7 +42,8 @@ counted for all T² pairs (the causal half is not discounted, as in PaLM's formu
 Usage::
 
     python benchmarks/bench_train.py                 # table
-    python benchmarks/bench_train.py --json          # one JSON object per line: peaks, then rows
+    python benchmarks/bench_train.py --json          # one JSON object per line: machine, peaks, then rows
+    python benchmarks/bench_train.py --smoke         # k2-nano, tiny batch, one repeat: does it still run?
 """
 
 from __future__ import annotations
@@ -52,16 +55,24 @@ import itertools
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import alternating_medians  # benchmarks/timing.py
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    alternating_medians,
+    apply_smoke,
+    machine_line,
+    machine_report,
+    measure_peaks,
+)
 
 import k2lab
+from k2lab.data.packing import Batch
+from k2lab.hardware import native_bf16_flags
 from k2lab.hf.bridge import to_transformers
 from k2lab.params import count_parameters
 from k2lab.train.config import TrainConfig
@@ -102,25 +113,6 @@ def model_flops_per_step(config: k2lab.ModelConfig, batch: int, seq: int) -> tup
     return 6.0 * active * tokens + attention, active
 
 
-def matmul_peak(size: int, dtype: torch.dtype, repeats: int = 7) -> float:
-    """FLOP/s of a square ``torch.mm`` of ``size`` in ``dtype``: the fastest of ``repeats`` after 2 warmups.
-
-    A peak is the best sustained rate, so the fastest call counts (a median would fold the other
-    engineers' load on a shared machine into the peak and inflate the MFU).
-    """
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(dtype)
-    b = torch.randn(size, size, generator=generator).to(dtype)
-    for _ in range(2):
-        torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2.0 * size**3 / min(times)
-
-
 def k2lab_step(model, ids, labels, precision: str, optimizer: str, run_dir: Path) -> Callable[[], None]:
     """One ``Trainer`` step (train_step + update) on the fixed batch."""
     config = TrainConfig(
@@ -132,7 +124,7 @@ def k2lab_step(model, ids, labels, precision: str, optimizer: str, run_dir: Path
         out=str(run_dir),
     )
     with contextlib.redirect_stdout(io.StringIO()):  # the optimizer-grouping table; --json owns stdout
-        trainer = Trainer(config, model, itertools.repeat((ids, labels)), [], run_dir)
+        trainer = Trainer(config, model, itertools.repeat(Batch(ids, labels)), [], run_dir)
 
     def step() -> None:
         _, loads = trainer.train_step()
@@ -199,10 +191,6 @@ def bench_row(args, precision: str, optimizer: str, peaks: dict[str, float], run
     )
 
 
-def measure_peaks(size: int) -> dict[str, float]:
-    return {"fp32": matmul_peak(size, torch.float32), "bf16": matmul_peak(size, torch.bfloat16)}
-
-
 def print_table(rows: list[Comparison], peaks: dict[str, float], args) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -235,9 +223,8 @@ def print_table(rows: list[Comparison], peaks: dict[str, float], args) -> None:
     console = Console(width=max(120, Console().width))
     console.print(table)
     console.print(
-        f"matmul peak ({args.peak_size}³): fp32 {peaks['fp32'] / 1e12:.3f} TFLOP/s, "
-        f"bf16 {peaks['bf16'] / 1e12:.3f} TFLOP/s; model FLOPs per step {rows[0].model_gflop_per_step} GFLOP "
-        "(transformers side: torch.optim.AdamW)"
+        f"{machine_line(machine_report(peaks=peaks))}; model FLOPs per step {rows[0].model_gflop_per_step} "
+        "GFLOP (transformers side: torch.optim.AdamW)"
     )
 
 
@@ -250,11 +237,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--peak-size", type=int, default=2048, help="square matmul size for the peak")
     parser.add_argument(
-        "--precision", choices=["fp32", "bf16"], action="append", help="precisions to run (default both)"
+        "--precision",
+        choices=["fp32", "bf16"],
+        action="append",
+        help="precisions to run (default fp32, and bf16 where the CPU has native bf16)",
     )
     parser.add_argument("--no-adamw-rows", action="store_true", help="skip the k2lab-with-AdamW rows")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    args = parser.parse_args(argv)
+    add_smoke_argument(parser)
+    args = apply_smoke(parser.parse_args(argv), preset="k2-nano", batch=2, seq=16, peak_size=128)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args
@@ -263,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    precisions = args.precision or ["fp32", "bf16"]
+    precisions = args.precision or (["fp32", "bf16"] if native_bf16_flags() else ["fp32"])
     optimizers = ["muonclip"] if args.no_adamw_rows else ["muonclip", "adamw"]
     before = measure_peaks(args.peak_size)
     rows = []
@@ -272,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             for optimizer in optimizers:
                 rows.append(bench_row(args, precision, optimizer, before, Path(scratch)))
     after = measure_peaks(args.peak_size)
-    peaks = {key: max(before[key], after[key]) for key in before}
+    peaks = {**before, **{key: max(before[key], after[key]) for key in ("fp32", "bf16")}}
     for row in rows:  # MFU against the higher of the two peak measurements
         scale = before[row.precision] / peaks[row.precision]
         row.k2lab_mfu = round(row.k2lab_mfu * scale, 4)
         row.transformers_mfu = round(row.transformers_mfu * scale, 4)
         row.peak_tflops = round(peaks[row.precision] / 1e12, 4)
     if args.json:
+        print(json.dumps(machine_report(peaks=peaks)), flush=True)
         print(
             json.dumps(
                 {

@@ -4,7 +4,7 @@
 bytes are what its tensors would hold: MLA latent rows grow with the context, KDA states do not. For the
 mini presets the same figure is checked against a cache actually allocated on the CPU.
 
-    python benchmarks/cache_bytes.py [--png cache_bytes.png] [--json]
+    python benchmarks/cache_bytes.py [--png cache_bytes.png] [--json] [--smoke]
 """
 
 from __future__ import annotations
@@ -71,17 +71,19 @@ def main() -> None:
     )
     parser.add_argument("--png", default="cache_bytes.png")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="two short contexts (the suite runs this)")
     args = parser.parse_args()
+    contexts = CONTEXTS[:2] if args.smoke else CONTEXTS
     for preset in ("k2-mini", "k3-mini"):
         check_against_allocated(preset)
-    data = curves()
+    data = curves(contexts=contexts)
     if args.json:
-        print(json.dumps({"contexts": list(CONTEXTS), "bytes": data}, indent=2))
+        print(json.dumps({"contexts": list(contexts), "bytes": data}, indent=2))
     else:
         for preset, values in data.items():
-            cells = "  ".join(f"{n:>8}: {v / 2**20:10.1f} MiB" for n, v in zip(CONTEXTS, values, strict=True))
+            cells = "  ".join(f"{n:>8}: {v / 2**20:10.1f} MiB" for n, v in zip(contexts, values, strict=True))
             print(f"{preset:<22} {cells}")
-    plot(data, CONTEXTS, args.png)
+    plot(data, contexts, args.png)
     print(f"plot: {args.png}")
 
 

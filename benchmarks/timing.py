@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
@@ -22,3 +25,64 @@ def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: i
             fn()
             fn_times.append(time.perf_counter() - start)
     return [statistics.median(fn_times) for fn_times in times]
+
+
+# ---- what every benchmark states about its machine, and its smoke mode ------------------------------------
+EMULATED_BF16_PEAK_SIZE = 256  # an emulated bf16 2048³ product takes ~1 min on an AVX2-only CPU
+
+
+def measure_peaks(size: int = 2048, repeats: int = 5) -> dict[str, float]:
+    """Square-matmul peaks (FLOP/s, fastest of ``repeats``) in fp32 at ``size``³ and in bf16 at ``size``³
+    where the CPU has native bf16, else at ``EMULATED_BF16_PEAK_SIZE``³ (``bf16_size`` says which)."""
+    from k2lab.hardware import matmul_rate, native_bf16_flags
+
+    bf16_size = size if native_bf16_flags() else min(size, EMULATED_BF16_PEAK_SIZE)
+    return {
+        "fp32": matmul_rate(torch.float32, size, repeats),
+        "bf16": matmul_rate(torch.bfloat16, bf16_size, repeats),
+        "size": size,
+        "bf16_size": bf16_size,
+    }
+
+
+def machine_report(peak_size: int = 2048, peaks: dict[str, float] | None = None) -> dict[str, object]:
+    """CPU model, torch capability, threads, native-bf16 flags, measured fp32/bf16 matmul peaks (GFLOP/s),
+    and the precision ``k2lab.hardware`` picks: the facts a benchmark table must state."""
+    from k2lab.hardware import choose, describe_machine
+
+    peaks = peaks or measure_peaks(peak_size)
+    return {
+        "name": "machine",
+        **describe_machine(),
+        "fp32_peak_gflops": round(peaks["fp32"] / 1e9, 1),
+        "bf16_peak_gflops": round(peaks["bf16"] / 1e9, 1),
+        "peak_sizes": {"fp32": peaks["size"], "bf16": peaks["bf16_size"]},
+        "auto_precision": choose("benchmark").describe(),
+    }
+
+
+def machine_line(report: dict[str, object]) -> str:
+    flags = "+".join(report["native_bf16"]) or "no native bf16"  # type: ignore[arg-type]
+    sizes = report["peak_sizes"]
+    return (
+        f"machine: {report['cpu']}, {report['capability']} ({flags}), {report['threads']} threads; matmul peak "
+        f"fp32 {report['fp32_peak_gflops']} GFLOP/s ({sizes['fp32']}³), bf16 {report['bf16_peak_gflops']} "  # type: ignore[index]
+        f"GFLOP/s ({sizes['bf16']}³); auto precision {report['auto_precision']}"  # type: ignore[index]
+    )
+
+
+def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes and one repeat: checks that the script still runs (the test suite runs every "
+        "benchmark this way); its figures mean nothing",
+    )
+
+
+def apply_smoke(args: argparse.Namespace, **tiny: object) -> argparse.Namespace:
+    """With ``--smoke``, replace the named settings by their tiny values (and ``repeats`` by 1)."""
+    if getattr(args, "smoke", False):
+        for key, value in {"repeats": 1, **tiny}.items():
+            setattr(args, key, value)
+    return args

@@ -24,8 +24,8 @@ def test_matches_fla_naive(naive_attnres, n_sources, dtype):
     got = attnres(query, sources, weight, 1e-6)
     want = naive_attnres(query, sources, weight, rms_eps=1e-6)
     assert got.dtype == dtype and got.shape == (2, 5, D)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if dtype == torch.float32:  # logits as r·(v·(w⊙g)) rather than w·(RMSNorm(v)⊙g): a few fp32 ulps apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:  # both compute in fp32 and round once; at most one bf16 ulp apart
         torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-6)
 

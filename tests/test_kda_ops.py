@@ -271,7 +271,7 @@ def test_dispatch_maps_arguments_to_fla_kernels(monkeypatch):
 def test_chunk_kda_after_inference_mode_still_differentiable():
     """Cached index tensors first built under ``torch.inference_mode`` (generation) must serve autograd too."""
     q, k, v, g, beta = (t.requires_grad_() for t in _inputs_for_cache_test())
-    kda_ops._score_index.cache_clear()
+    kda_ops._build_score_index.cache_clear()
     with torch.inference_mode():
         chunk_kda(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), chunk_size=8)
     out, _ = chunk_kda(q, k, v, g, beta, chunk_size=8)

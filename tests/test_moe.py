@@ -127,3 +127,15 @@ def test_grouped_matmul_matches_loop(dtype, dims):
     ref_grads = torch.autograd.grad(ref.sum(), [x, w])
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_grouped_matmul_follows_autocast_like_mm():
+    """Under bf16 autocast the grouped product runs in bf16, as ``x @ w[e].T`` would for each expert."""
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 9, 4])
+    x, w = torch.randn(16, 32), torch.randn(4, 48, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = grouped_matmul(x, w, counts)
+        want = grouped_matmul_loop(x, w, counts.tolist())
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)

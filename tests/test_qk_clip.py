@@ -126,15 +126,24 @@ def train(optimizer_name, tau=5.0, lr=0.05):
 
 
 def test_high_lr_run_muon_runs_past_tau_muonclip_stays_at_tau():
+    """Bounds from the mechanism, not from one machine's rounding: plain Muon never clips and its logits run
+    past τ; MuonClip's clipped maxima never exceed τ (each head is scaled by exactly γ = τ / S_max) and,
+    since every step undoes what the update before it added, its late maxima stay far closer to τ than plain
+    Muon's (each step's overshoot is one update's worth, not the sum of all of them)."""
     tau = 5.0
     plain = train("muon", tau=tau)
     clipped = train("muonclip", tau=tau)
     assert max(s["max_logit"] for s in plain) > 1.5 * tau
     assert all(s["qk_clipped_heads"] == 0 for s in plain)
     assert all(s["max_logit_clipped"] <= tau * (1 + 1e-6) for s in clipped)
-    # the clip follows the update, so the next step's maximum sits near τ, not far past it
-    assert max(s["max_logit"] for s in clipped[5:]) < 1.3 * tau
-    assert clipped[-1]["qk_clip_ever_frac"] > 0
+    assert sum(s["qk_clipped_heads"] for s in clipped) > 0 and clipped[-1]["qk_clip_ever_frac"] > 0
+
+    def late_excess(history):  # mean max logit above τ over the last third of the run
+        late = [s["max_logit"] for s in history[2 * len(history) // 3 :]]
+        return sum(late) / len(late) - tau
+
+    assert late_excess(plain) > 0
+    assert late_excess(clipped) < 0.5 * late_excess(plain)
     assert {"max_logit/layer0", "muon_update_rms", "ns_orthogonality_error"} <= set(clipped[-1])
     # match_rms_adamw scaling: the update RMS sits near 0.2 (Moonlight)
     assert 0.1 < clipped[-1]["muon_update_rms"] < 0.3

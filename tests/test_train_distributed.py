@@ -37,7 +37,7 @@ def one_thread():
 
 
 def recipe(tmp_path, corpus, out, batch_size=4):
-    # ns_bf16 = false: with bf16 Newton–Schulz, the float reduction order that differs between one and two
+    # ns_precision = "fp32": with bf16 Newton–Schulz, the float reduction order that differs between one and two
     # processes flips bf16 roundings, which AdamW's sign-like early steps and discrete expert routing
     # amplify into percent-level loss differences after ~10 steps. In fp32 the runs agree to ~1e-7.
     path = tmp_path / f"recipe-{out.name}.toml"
@@ -57,7 +57,7 @@ sample_tokens = 4
 out = "{out}"
 [optimizer]
 lr = 0.01
-ns_bf16 = false
+ns_precision = "fp32"
 [schedule]
 warmup_steps = 2
 """

@@ -341,7 +341,16 @@ def train(
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every K steps.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
-    precision: Annotated[str | None, typer.Option(help="auto, fp32 or bf16.")] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="Model step: auto (bf16 where native, k2lab.hardware), fp32 or bf16.")
+    ] = None,
+    ns_precision: Annotated[
+        str | None, typer.Option(help="Newton–Schulz: auto, fp32 or bf16 (env K2LAB_NS_PRECISION for auto).")
+    ] = None,
+    compile_step: Annotated[
+        str | None,
+        typer.Option("--compile", help="torch.compile the training step: auto (on for CUDA), on or off."),
+    ] = None,
 ) -> None:
     """Pre-train a K2 model with MuonClip on packed text, with telemetry, checkpoints and exact resume."""
     from k2lab.train.config import load_train_config
@@ -357,7 +366,13 @@ def train(
         batch_size=batch_size,
         seq_len=seq_len,
         precision=precision,
-        **{"optimizer.name": optimizer, "optimizer.lr": lr, "optimizer.qk_clip_tau": qk_clip_tau},
+        compile=compile_step,
+        **{
+            "optimizer.name": optimizer,
+            "optimizer.lr": lr,
+            "optimizer.qk_clip_tau": qk_clip_tau,
+            "optimizer.ns_precision": ns_precision,
+        },
     )
     run_training(config, resume=resume)
 

@@ -43,7 +43,7 @@ def main() -> None:
 
     initial = [p.detach().clone() for p in reference.parameters()]
     settings = OptimizerConfig(
-        name="muonclip", lr=0.02, qk_clip_tau=2.0, ns_bf16=os.environ.get("K2LAB_TEST_NS", "fp32") == "bf16"
+        name="muonclip", lr=0.02, qk_clip_tau=2.0, ns_precision=os.environ.get("K2LAB_TEST_NS", "fp32")
     )
     sharded_opt = MuonClip(sharded, settings, verbose=False)
     reference_opt = MuonClip(reference, settings, verbose=False)

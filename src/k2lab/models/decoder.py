@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         self, state: BlockAttnResState, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
     ) -> None:
         """Block AttnRes form: read the depth sources before each sub-layer, add its output to the partial sum."""
-        state.add(self.mix(self.attn_norm(self.attn_res(state.sources())), inputs, cache))
-        state.add(self.mlp(self.mlp_norm(self.mlp_res(state.sources()))))
+        state.add(self.mix(self.attn_norm(self.attn_res.read(state)), inputs, cache))
+        state.add(self.mlp(self.mlp_norm(self.mlp_res.read(state))))
 
 
 def document_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             state.start_layer(i)
             layer.forward_attnres(state, inputs, None if cache is None else cache.layer(i))
-        return self.final_res(state.sources())
+        return self.final_res.read(state)
 
     def set_rope_scaling(self, rope_scaling: YarnScaling | None) -> None:
         """Switch YaRN (context extension): new rotary frequencies and softmax temperature, same weights."""

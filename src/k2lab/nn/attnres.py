@@ -24,30 +24,44 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k2lab.nn.norm import RMSNorm
 
-__all__ = ["AttnRes", "BlockAttnResState", "attnres"]
+__all__ = ["AttnRes", "BlockAttnResState", "attnres", "source_inverse_rms"]
+
+
+def source_inverse_rms(source: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """r = 1 / √(mean(v²) + ε) of a source [..., D] -> [...] in fp32 (RMSNorm(v) = r·v)."""
+    return torch.rsqrt(source.float().pow(2).mean(-1) + eps)
 
 
 def attnres(
-    query: torch.Tensor, sources: Sequence[torch.Tensor], key_norm_weight: torch.Tensor, eps: float = 1e-6
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    key_norm_weight: torch.Tensor,
+    eps: float = 1e-6,
+    inverse_rms: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """h = Σ_i softmax_i(query · RMSNorm(v_i) ⊙ key_norm_weight) v_i.
 
     query [D], sources S ≥ 1 tensors [..., D] of one shape, key_norm_weight [D] -> [..., D] in the first
-    source's dtype; computed in fp32.
+    source's dtype; computed in fp32. The keys are never materialised: w · (r_i v_i ⊙ g) = r_i (v_i · (w ⊙ g)),
+    one matrix-vector product per source, with r_i = ``source_inverse_rms(v_i)`` (passed in ``inverse_rms``
+    when the caller keeps them, as ``BlockAttnResState`` does for completed blocks).
     """
     if not sources:
         raise ValueError("attnres needs at least one source")
-    dim = sources[0].shape[-1]
-    values = torch.stack([source.float() for source in sources])  # [S, ..., D]
-    keys = F.rms_norm(values, (dim,), key_norm_weight.float(), eps)  # [S, ..., D]
-    logits = keys @ query.float()  # [S, ...]
+    values = [source.float() for source in sources]
+    if inverse_rms is None:
+        inverse_rms = [source_inverse_rms(v, eps) for v in values]
+    projected = query.float() * key_norm_weight.float()  # w ⊙ g [D]
+    logits = torch.stack([(v @ projected) * r for v, r in zip(values, inverse_rms, strict=True)])  # [S, ...]
     weights = logits.softmax(dim=0).unsqueeze(-1)  # [S, ..., 1]
-    return (weights * values).sum(0).to(sources[0].dtype)
+    h = weights[0] * values[0]
+    for weight, value in zip(weights[1:], values[1:], strict=True):
+        h = torch.addcmul(h, weight, value)
+    return h.to(sources[0].dtype)
 
 
 class AttnRes(nn.Module):
@@ -67,8 +81,14 @@ class AttnRes(nn.Module):
         self.query.zero_()
         self.key_norm.weight.fill_(1.0)
 
-    def forward(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-        return attnres(self.query, sources, self.key_norm.weight, self.key_norm.eps)
+    def forward(
+        self, sources: Sequence[torch.Tensor], inverse_rms: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        return attnres(self.query, sources, self.key_norm.weight, self.key_norm.eps, inverse_rms)
+
+    def read(self, state: BlockAttnResState) -> torch.Tensor:
+        """The mixture of ``state``'s sources, with the completed blocks' key statistics computed once."""
+        return self(state.sources(), state.inverse_rms(self.key_norm.eps))
 
 
 class BlockAttnResState:
@@ -79,11 +99,11 @@ class BlockAttnResState:
         state = BlockAttnResState(embed(ids), block_size)
         for l, layer in enumerate(layers):
             state.start_layer(l)                              # closes the block when l % B == 0, l > 0
-            a = layer.attn(layer.attn_norm(layer.attn_res(state.sources())))
+            a = layer.attn(layer.attn_norm(layer.attn_res.read(state)))   # = attn_res(state.sources())
             state.add(a)
-            f = layer.mlp(layer.mlp_norm(layer.mlp_res(state.sources())))
+            f = layer.mlp(layer.mlp_norm(layer.mlp_res.read(state)))
             state.add(f)
-        logits = lm_head(norm(final_res(state.sources())))
+        logits = lm_head(norm(final_res.read(state)))
     """
 
     def __init__(self, embedding: torch.Tensor, block_size: int) -> None:
@@ -92,6 +112,7 @@ class BlockAttnResState:
         self.block_size = block_size
         self.blocks: list[torch.Tensor] = [embedding]  # embedding, then completed block sums
         self.partial: torch.Tensor | None = None
+        self._block_rms: dict[float, list[torch.Tensor]] = {}  # per ε: r of each completed block
 
     def start_layer(self, layer_idx: int) -> None:
         """Call before layer ``layer_idx``'s attention: at a block boundary the partial sum becomes a block."""
@@ -111,3 +132,10 @@ class BlockAttnResState:
     def sources(self) -> list[torch.Tensor]:
         """[embedding, completed blocks …, partial (if not empty)], each [..., D]."""
         return [*self.blocks] if self.partial is None else [*self.blocks, self.partial]
+
+    def inverse_rms(self, eps: float) -> list[torch.Tensor]:
+        """``source_inverse_rms`` of each of ``sources()``: kept for the embedding and completed blocks (read
+        by every later sub-layer), computed afresh for the partial sum (it changes after every read)."""
+        kept = self._block_rms.setdefault(eps, [])
+        kept.extend(source_inverse_rms(block, eps) for block in self.blocks[len(kept) :])
+        return kept if self.partial is None else [*kept, source_inverse_rms(self.partial, eps)]

@@ -23,6 +23,15 @@ from k2lab.nn.activations import swiglu
 from k2lab.ops.grouped_mm import grouped_matmul
 
 
+def expert_counts(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert [E] (int64) of expert ids ``indices`` (any shape): ``bincount`` with a static shape,
+    so ``torch.compile`` keeps it in the graph."""
+    flat = indices.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64)
+    )
+
+
 class RoutedExperts(nn.Module):
     """Weights: gate_EFD, up_EFD [E, F, D] and down_EDF [E, D, F] (``[E, out, in]`` per expert)."""
 
@@ -57,7 +66,7 @@ class RoutedExperts(nn.Module):
         order = flat_expert.argsort(stable=True)
         token_of_row = order // top_k
         if counts_E is None:
-            counts_E = torch.bincount(flat_expert, minlength=self.n_experts)
+            counts_E = expert_counts(flat_expert, self.n_experts)
 
         # index_select/index_add_ rather than x[rows]: the backward of advanced indexing
         # (index_put_ with accumulate) is several times slower on CPU.

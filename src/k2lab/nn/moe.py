@@ -19,7 +19,7 @@ from torch import nn
 from k2lab.config import ModelConfig
 from k2lab.nn.activations import mlp_activation
 from k2lab.nn.balancing import sequence_balance_loss
-from k2lab.nn.experts import RoutedExperts
+from k2lab.nn.experts import RoutedExperts, expert_counts
 from k2lab.nn.mlp import GatedMLP
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.router import SigmoidRouter
@@ -60,7 +60,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_ND = x.reshape(-1, x.shape[-1])
         routing = self.router(x_ND)
-        counts_E = torch.bincount(routing.indices.reshape(-1), minlength=self.experts.n_experts)
+        counts_E = expert_counts(routing.indices, self.experts.n_experts)
         self.last_expert_counts = counts_E
         if self.training and self.record_scores:
             self.recorded_scores.append(routing.scores.detach())

@@ -158,9 +158,15 @@ def _levels(chunk: int) -> list[int]:
     return [chunk >> i for i in range(chunk.bit_length() - 1)]
 
 
+@torch.compiler.assume_constant_result  # torch.compile calls it once instead of tracing C² index writes
+def _score_index(chunk: int, device: torch.device) -> torch.Tensor:
+    """:func:`_build_score_index`, cached (a plain function, so that torch.compile sees the mark above)."""
+    return _build_score_index(chunk, device)
+
+
 @functools.lru_cache(maxsize=32)
 @torch.inference_mode(False)  # cached across calls: must not be an inference tensor, which autograd refuses
-def _score_index(chunk: int, device: torch.device) -> torch.Tensor:
+def _build_score_index(chunk: int, device: torch.device) -> torch.Tensor:
     """Gather map from the concatenated level scores of :func:`_intra_chunk_scores` to ``[2, C, C]``.
 
     Level ``b`` stores, for each of its ``C/b`` blocks, rows ``t`` of the second half (q then k per row)

@@ -17,10 +17,11 @@ from collections import defaultdict
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 from rich.table import Table
 
+from k2lab.hardware import Precision, choose
 from k2lab.nn.kda import KimiDeltaAttention
 from k2lab.nn.mla import MultiHeadLatentAttention
 from k2lab.optim.muon import NS_COEFFICIENTS, Muon
@@ -42,10 +43,25 @@ class OptimizerConfig(BaseModel):
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
     ns_steps: int = Field(default=5, gt=0, lt=100)
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
-    ns_bf16: bool = True
+    ns_precision: Precision = Field(
+        default="auto",
+        description="Newton–Schulz dtype: auto = bf16 where the hardware runs it natively (k2lab.hardware).",
+    )
     per_head_muon: bool = False
     qk_clip_tau: float = Field(default=100.0, gt=0)
     qk_clip_alpha: float = Field(default=0.5, ge=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_ns_bf16(cls, data: object) -> object:
+        """Recipes and checkpoints written before ``ns_precision`` said ``ns_bf16 = true|false``."""
+        if isinstance(data, dict) and "ns_bf16" in data:
+            data = dict(data)
+            legacy = data.pop("ns_bf16")
+            if not isinstance(legacy, bool):
+                raise ValueError(f"ns_bf16 must be true or false, got {legacy!r}")
+            data.setdefault("ns_precision", "bf16" if legacy else "fp32")
+        return data
 
 
 def _is_adamw_parameter(name: str, parameter: torch.Tensor) -> bool:
@@ -111,7 +127,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, verbose: bo
         ns_coefficients=config.ns_coefficients,
         ns_steps=config.ns_steps,
         adjust_lr_fn=config.adjust_lr_fn,
-        ns_dtype=torch.bfloat16 if config.ns_bf16 else torch.float32,
+        ns_dtype=choose("newton_schulz", config.ns_precision).dtype,
     )
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]

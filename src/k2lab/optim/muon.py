@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from k2lab.hardware import choose
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
@@ -113,9 +115,10 @@ def _global_rms(square_sum: float, count: int) -> float:
 class Muon(Optimizer):
     """Drop-in for ``torch.optim.Muon`` that also takes 3-D expert weights and AdamW groups.
 
-    Beyond torch.optim.Muon's arguments: ``ns_dtype`` (bf16 by default, as torch.optim.Muon, which it then
-    reproduces to fp32 rounding; on this project's CPUs bf16 matmul runs on AMX at ~6× the fp32 rate;
-    ``torch.float32`` gives a more exact orthogonalisation), and per parameter group
+    Beyond torch.optim.Muon's arguments: ``ns_dtype`` (``None``: what ``k2lab.hardware.choose`` picks for
+    Newton–Schulz — bf16 where the device multiplies bf16 natively, as torch.optim.Muon always does, which
+    it then reproduces to fp32 rounding; fp32 where bf16 would be emulated, ~250× slower on AVX2-only
+    CPUs, and a more exact orthogonalisation), and per parameter group
     ``row_blocks`` (Per-Head Muon: list of row-block sizes) and ``kind="adamw"`` (with ``betas``,
     ``adam_eps``) for the parameters Muon should not touch (embeddings, head, norms, biases), so one
     optimizer object carries every parameter, one state dict and one lr schedule.
@@ -133,7 +136,7 @@ class Muon(Optimizer):
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
     ) -> None:
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1:
             raise ValueError(
@@ -152,7 +155,7 @@ class Muon(Optimizer):
             eps=eps,
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype,
+            ns_dtype=ns_dtype or choose("newton_schulz").dtype,
             row_blocks=None,
             betas=(0.9, 0.95),
             adam_eps=1e-8,

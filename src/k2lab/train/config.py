@@ -64,7 +64,16 @@ class TrainConfig(BaseModel):
     )
     grad_accum: int = Field(default=1, gt=0)
     grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping.")
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto",
+        description="Model-step precision: auto = bf16 autocast where the hardware runs it natively "
+        "(k2lab.hardware), else fp32.",
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="torch.compile the training forward+backward: auto = on for CUDA, off on CPU "
+        "(k2lab.train.compile).",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     balance: BalanceConfig = Field(default_factory=BalanceConfig)

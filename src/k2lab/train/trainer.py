@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +30,12 @@ from rich.console import Console
 from k2lab.config import load_preset
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
+from k2lab.hardware import Choice, choose
 from k2lab.models import CausalLM, build_model
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train import distributed
+from k2lab.train.compile import compile_decision, compiled
 from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import rope_scaling_for, stage_index
 from k2lab.train.schedule import lr_multiplier
@@ -42,14 +45,12 @@ from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 console = Console()
 
 
-def use_bf16(precision: str) -> bool:
-    """bf16 autocast where the CPU/GPU runs bf16 matmuls natively (AMX / AVX512-BF16 / CUDA)."""
-    if precision != "auto":
-        return precision == "bf16"
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+def precision_choices(config: TrainConfig, device: str = "cpu") -> dict[str, Choice]:
+    """The run's compute dtypes (``k2lab.hardware``): the model step under autocast and Newton–Schulz."""
+    return {
+        "autocast": choose("autocast", config.precision, device),
+        "newton_schulz": choose("newton_schulz", config.optimizer.ns_precision, device),
+    }
 
 
 @dataclass
@@ -72,7 +73,11 @@ class Trainer:
         self.val_batches = val_batches
         self.run_dir = run_dir
         self.muonclip = MuonClip(model, config.optimizer, verbose=distributed.is_main())
-        self.bf16 = use_bf16(config.precision)
+        device = next(model.parameters()).device.type
+        self.precision = precision_choices(config, device)
+        self.bf16 = self.precision["autocast"].dtype == torch.bfloat16
+        self.compiled, self.compile_reason = compile_decision(config.compile, device)
+        self.train_forward = compiled(model) if self.compiled else model
         self.lm: CausalLM = language_model(model)
         for moe in self.lm.moe_layers():
             moe.balance_alpha = config.balance.sequence_loss_alpha
@@ -85,10 +90,12 @@ class Trainer:
         return torch.autocast(device, dtype=torch.bfloat16) if self.bf16 else nullcontext()
 
     def loss_of(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy of ``batch`` and the summed MoE balance loss."""
+        """Mean next-token cross-entropy of ``batch`` and the summed MoE balance loss (the compiled forward
+        in training when ``compile`` is on; validation stays eager)."""
         labels = batch.labels
+        forward = self.train_forward if self.model.training else self.model
         with self.autocast():
-            logits = self.model(batch.input_ids, segment_ids=batch.segment_ids, **(batch.media or {})).logits
+            logits = forward(batch.input_ids, segment_ids=batch.segment_ids, **(batch.media or {})).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         aux = sum((moe.aux_loss for moe in self.lm.moe_layers() if moe.aux_loss is not None), torch.zeros(()))
         return loss, aux
@@ -169,6 +176,21 @@ def text_preset(name: str):
     return load_preset(VLM_PRESETS[name][0] if name in VLM_PRESETS else name)
 
 
+def tokenizer_vocab_for(preset: str) -> int:
+    """The BPE vocabulary a run of ``preset`` trains when the recipe names none: the preset's own, or the
+    byte-level minimum (256 bytes + special tokens) where the preset's is smaller (the nano presets' 128)."""
+    from k2lab.data.tokenizer import MIN_VOCAB_SIZE
+
+    own = text_preset(preset).vocab_size
+    if own < MIN_VOCAB_SIZE:
+        console.print(
+            f"{preset}'s vocabulary ({own}) is below the byte-level BPE's minimum; training a "
+            f"{MIN_VOCAB_SIZE}-token tokenizer (the model's vocabulary follows it)"
+        )
+        return MIN_VOCAB_SIZE
+    return own
+
+
 def language_model(model: torch.nn.Module) -> CausalLM:
     """The decoder of a ``CausalLM`` (itself) or of a ``VisionLanguageModel``."""
     return getattr(model, "language_model", model)
@@ -235,7 +257,7 @@ def sample_text(model: CausalLM, tokenizer, prompt: str, tokens: int, seed: int)
     return prompt + tokenizer.decode(generate(model, [ids], settings)[0], skip_special_tokens=True)
 
 
-def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
+def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Train per ``config``; writes the run directory and returns the final summary.
 
     Under ``torchrun`` every process runs this: data-parallel FSDP2 over the global ``batch_size``
@@ -246,7 +268,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, float]:
         return _run_training(config, resume)
 
 
-def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
+def _run_training(config: TrainConfig, resume: bool) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from k2lab.checkpoint import save_model
@@ -289,6 +311,9 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
             trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches
             console.print(f"resumed {run_dir} at step {trainer.step}")
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
+    for path, choice in trainer.precision.items():
+        console.print(f"precision of {path.replace('_', '-')}: {choice.describe()}", markup=False)
+    console.print(f"compiled training step: {'on' if trainer.compiled else 'off'} ({trainer.compile_reason})")
     tau = config.optimizer.qk_clip_tau
     progress = Progress(
         TextColumn("[bold]train[/] {task.completed}/{task.total}"),
@@ -336,7 +361,10 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, float]:
                 if distributed.is_main():
                     save_training_checkpoint(run_dir, trainer.step, state, config.keep_last)
 
-    summary = {"val_loss": val_loss, "steps": trainer.step}
+    summary: dict = {"val_loss": val_loss, "steps": trainer.step}
+    summary["precision"] = {path: choice.name for path, choice in trainer.precision.items()}
+    summary["precision_reason"] = {path: choice.reason for path, choice in trainer.precision.items()}
+    summary["compiled"] = trainer.compiled
     if not math.isnan(baseline):
         summary["unigram_baseline"] = baseline
     model = distributed.gather_model(model, fresh_model)
@@ -381,7 +409,7 @@ def prepare_pretraining(
     from k2lab.data import load_corpus, load_tokenizer, train_tokenizer, unigram_baseline
 
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    vocab = config.vocab_size or text_preset(config.preset).vocab_size
+    vocab = config.vocab_size or tokenizer_vocab_for(config.preset)
     with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
     console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")

@@ -1,0 +1,41 @@
+"""Every script in benchmarks/ still runs: its smoke mode (tiny shapes, one repeat) in a fresh process.
+
+An API change that breaks a benchmark breaks this test; the figures themselves are not checked (performance
+is measured by running the scripts, never asserted in tests).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "timing.py")
+SMOKE_ARGS = {
+    "bench_k2_model.py": ["--json"],
+    "bench_kda.py": ["--json", "--cache-png", "kda.png"],
+    "bench_muon.py": ["--json"],
+    "bench_rl_update.py": [],
+    "bench_train.py": ["--json"],
+    "cache_bytes.py": ["--png", "cache.png"],
+}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    assert set(SCRIPTS) == set(SMOKE_ARGS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke_run(script, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *SMOKE_ARGS[script]]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if "--json" in SMOKE_ARGS[script] or script == "bench_rl_update.py":
+        machine = [json.loads(line) for line in lines]
+        text = json.dumps(machine)
+        assert '"capability"' in text and "peak_gflops" in text  # every table states its machine
