@@ -1,5 +1,6 @@
 """The training loop end to end on a tiny corpus: metrics, checkpoints, and exact resume after SIGKILL."""
 
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,18 @@ def test_short_run_writes_everything(tmp_path, corpus):
     for name in ("dashboard.png", "sample.txt", "summary.json", "model/k2lab.json", "tensorboard"):
         assert (out / name).exists(), name
     assert summary["steps"] == 6
+    # the run records which precision the hardware module chose for each hot path, and why
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["precision"] == {"autocast": "fp32", "newton_schulz": summary["precision"]["newton_schulz"]}
+    assert saved["precision_reason"]["autocast"] == "requested" and saved["compiled"] is False
+
+
+def test_nano_presets_get_a_tokenizer_they_can_train_with():
+    from k2lab.data.tokenizer import MIN_VOCAB_SIZE
+    from k2lab.train.trainer import tokenizer_vocab_for
+
+    assert tokenizer_vocab_for("k2-nano") == tokenizer_vocab_for("k3-nano") == MIN_VOCAB_SIZE
+    assert tokenizer_vocab_for("k2-mini") == 8192
 
 
 def test_refuses_to_overwrite_a_run(tmp_path, corpus):

@@ -3,7 +3,7 @@
 Machines of one class differ: a CPU with AMX or AVX512-BF16 multiplies bf16 matrices natively (≈ 4–6× its
 fp32 rate), one with AVX2 only emulates bf16 (≈ 250× *slower* than fp32). Every path that could compute in
 bf16 (the model step under autocast, Newton–Schulz, benchmarks) asks :func:`choose` instead of hard-coding
-a dtype:
+a dtype (decoding runs in the checkpoint's own dtype):
 
     choose("autocast", requested="auto")  ->  Choice(dtype=torch.bfloat16, reason="...")
 
@@ -38,7 +38,7 @@ import torch
 from k2lab.errors import K2LabError
 
 Precision = Literal["auto", "fp32", "bf16"]
-PATHS = ("autocast", "newton_schulz", "decode", "benchmark")
+PATHS = ("autocast", "newton_schulz", "benchmark")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 BF16_MIN_SPEEDUP = 1.3  # bf16 must beat fp32 by this much to be worth its rounding
