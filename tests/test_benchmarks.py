@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "timing.py")
 SMOKE_ARGS = {
     "bench_k2_model.py": ["--json"],
+    "bench_k3_step.py": ["--json"],
     "bench_kda.py": ["--json", "--cache-png", "kda.png"],
     "bench_muon.py": ["--json"],
     "bench_rl_update.py": [],

@@ -30,45 +30,10 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
 
     Each factor is bounded by its cap in floating point too (tanh ≤ 1, σ ≤ 1 and rounding is monotone), so the
     bound holds exactly, for inputs up to ±inf in the gate and any finite up value.
-    One autograd node (``_SiTUGLU``) that keeps only g and u and recomputes the three transcendentals in its
-    backward, instead of the ten fp32 intermediates a chain of elementwise ops would keep.
     """
-    return _SiTUGLU.apply(gate, up, beta1, beta2)
-
-
-def _situ_factors(
-    gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tanh(g/β1), σ(g), tanh(u/β2) in fp32 (fp64 inputs stay fp64)."""
-    dtype = torch.promote_types(gate.dtype, torch.float32)
-    g, u = gate.to(dtype), up.to(dtype)
-    return torch.tanh(g / beta1), torch.sigmoid(g), torch.tanh(u / beta2)
-
-
-class _SiTUGLU(torch.autograd.Function):
-    """h = A(g)·B(u) with A = β1·tanh(g/β1)·σ(g), B = β2·tanh(u/β2); the backward by hand:
-
-    ∂h/∂g = B · [(1 − tanh²(g/β1))·σ(g) + β1·tanh(g/β1)·σ(g)(1 − σ(g))],   ∂h/∂u = A · (1 − tanh²(u/β2))
-    """
-
-    @staticmethod
-    def forward(ctx, gate, up, beta1, beta2):  # noqa: ANN001, ANN205 - autograd.Function's signature
-        tanh_g, sigma, tanh_u = _situ_factors(gate, up, beta1, beta2)
-        ctx.save_for_backward(gate, up)
-        ctx.betas = (beta1, beta2)
-        return ((beta1 * tanh_g) * sigma * (beta2 * tanh_u)).to(gate.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        gate, up = ctx.saved_tensors
-        beta1, beta2 = ctx.betas
-        tanh_g, sigma, tanh_u = _situ_factors(gate, up, beta1, beta2)
-        grad = grad.to(tanh_g.dtype)
-        a = beta1 * tanh_g * sigma
-        da = sigma * (1 - tanh_g * tanh_g + beta1 * tanh_g * (1 - sigma))
-        grad_gate = grad * (beta2 * tanh_u) * da
-        grad_up = grad * a * (1 - tanh_u * tanh_u)
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+    g, u = gate.float(), up.float()
+    out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
+    return out.to(gate.dtype)
 
 
 @dataclass(frozen=True)
