@@ -71,6 +71,11 @@ def trainer_steps(recipe: str, args: argparse.Namespace, scratch: Path) -> tuple
         model.train()
         loss, aux = trainer.loss_of(batch)
         (loss + aux).backward()
+        # what update() reads and clears every step (else the recordings grow and a compiled forward
+        # meets new guards at each call)
+        trainer.muonclip.qk_clip.recorded_maxima()
+        for moe in trainer.lm.moe_layers():
+            moe.recorded_scores.clear()
         model.zero_grad(set_to_none=True)
 
     return full, forward_backward
