@@ -20,8 +20,9 @@ import torch
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
-def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The fused kernel needs fp32/bf16 and rows whose byte strides are multiples of 16."""
+def _grouped_mm_supported(x: torch.Tensor, *widths: int) -> bool:
+    """The fused kernel needs fp32/bf16 (bf16 on CUDA) and, for x's element size, ``widths`` (the product's
+    inner and outer row widths) whose byte strides are multiples of 16."""
     if (
         not _HAS_GROUPED_MM
         or x.dtype not in (torch.float32, torch.bfloat16)
@@ -31,7 +32,7 @@ def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
     size = x.element_size()
-    return all(dim * size % 16 == 0 for dim in (x.shape[1], w.shape[1], w.shape[2]))
+    return all(width * size % 16 == 0 for width in widths)
 
 
 def grouped_matmul_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -47,7 +48,7 @@ def _counts(offsets: torch.Tensor) -> list[int]:
 @torch.library.custom_op("k2lab::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, in], w [E, out, in] (x's dtype), offsets int32 [E] (running row counts) -> [N, out]."""
-    if _grouped_mm_supported(x, w):
+    if _grouped_mm_supported(x, x.shape[1], w.shape[1], w.shape[2]):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
     return grouped_matmul_loop(x, w, _counts(offsets))
 
@@ -60,10 +61,10 @@ def _(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("k2lab::grouped_mm_weight_grad", mutates_args=())
 def _weight_grad_op(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """grad [N, out], x [N, in], offsets [E] -> dw [E, out, in] (zero for an expert without rows)."""
-    if _grouped_mm_supported(x, grad.new_empty(1, grad.shape[1], x.shape[1])):
+    if _grouped_mm_supported(x, x.shape[1], grad.shape[1]):
         return torch._grouped_mm(grad.t(), x, offs=offsets)
-    pairs = zip(grad.split(_counts(offsets)), x.split(_counts(offsets)), strict=True)
-    return torch.stack([g.T @ rows for g, rows in pairs])
+    counts = _counts(offsets)
+    return torch.stack([g.T @ rows for g, rows in zip(grad.split(counts), x.split(counts), strict=True)])
 
 
 @_weight_grad_op.register_fake

@@ -73,10 +73,9 @@ class Trainer:
         self.val_batches = val_batches
         self.run_dir = run_dir
         self.muonclip = MuonClip(model, config.optimizer, verbose=distributed.is_main())
-        device = next(model.parameters()).device.type
-        self.precision = precision_choices(config, device)
-        self.bf16 = self.precision["autocast"].dtype == torch.bfloat16
-        self.compiled, self.compile_reason = compile_decision(config.compile, device)
+        self.device = next(model.parameters()).device.type
+        self.precision = precision_choices(config, self.device)
+        self.compiled, self.compile_reason = compile_decision(config.compile, self.device)
         self.train_forward = compiled(model) if self.compiled else model
         self.lm: CausalLM = language_model(model)
         for moe in self.lm.moe_layers():
@@ -86,8 +85,9 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------------
     def autocast(self):
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        """Autocast to the dtype ``k2lab.hardware`` chose for the model step (none when that is fp32)."""
+        dtype = self.precision["autocast"].dtype
+        return torch.autocast(self.device, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     def loss_of(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean next-token cross-entropy of ``batch`` and the summed MoE balance loss (the compiled forward
