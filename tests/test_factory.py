@@ -15,25 +15,16 @@ from jsonschema import Draft202012Validator
 
 from k2lab.agent.chat import normalize_messages, parse_chat, render_chat
 from k2lab.agent.tool_spec import validate_tools
+from k2lab.agentic.domains import BASE_TOOLS, BASES, DOMAINS, initial_world
+from k2lab.agentic.domains.base import BaseTool, ToolError
+from k2lab.agentic.domains.math import safe_calculate
 from k2lab.agentic.env import Episode
 from k2lab.agentic.experts import EXPECTED_REASONS, MODES, ExpertAgent
 from k2lab.agentic.factory import FactoryConfig, generate, rollout
 from k2lab.agentic.judge import judge, reason_category, solution_progress
 from k2lab.agentic.simulator import FailureRates, ToolSimulator
-from k2lab.agentic.tasks import BASES as BASES_BY_KEY
 from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
-from k2lab.agentic.tools import (
-    BASE_TOOLS,
-    DOMAINS,
-    BaseTool,
-    SyntheticTool,
-    ToolError,
-    build_repository,
-    evolve,
-    initial_world,
-    load_mcp_tools,
-    safe_calculate,
-)
+from k2lab.agentic.tools import SyntheticTool, build_repository, evolve, load_mcp_tools
 from k2lab.cli import main
 from k2lab.errors import K2LabError
 
@@ -607,7 +598,7 @@ def test_cli_generate_end_to_end(tmp_path, mcp_file):
         record = json.loads(line)
         names = {tool["function"]["name"] for tool in record["tools"]}
         assert names <= canonical
-        assert {BASES_BY_KEY[name].domain for name in names} <= {record["domain"]}
+        assert {BASES[name].domain for name in names} <= {record["domain"]}
 
 
 def test_every_base_tool_is_reachable_by_some_task(env):

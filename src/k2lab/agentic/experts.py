@@ -23,10 +23,12 @@ import random
 from typing import Any
 
 from k2lab.agent.chat import tool_call_id
+from k2lab.agentic.domains.base import DAYS, Phase, Step
+from k2lab.agentic.domains.math import LENGTH_UNITS
 from k2lab.agentic.env import Episode
 from k2lab.agentic.simulator import invent_value
-from k2lab.agentic.tasks import Phase, Step, Task
-from k2lab.agentic.tools import DAYS, LENGTH_UNITS, ToolRepository
+from k2lab.agentic.tasks import Task
+from k2lab.agentic.tools import ToolRepository
 
 __all__ = ["EXPECTED_REASONS", "MODES", "ExpertAgent", "LLMAgent"]
 

@@ -1,8 +1,9 @@
 """The rubric judge: keeps only trajectories that satisfy their task's rubric, with reasons for the rest.
 
 A rubric (``k2lab.agentic.tasks``) has ``final_state`` checks, verified on the episode's world (compared
-with its initial copy) and its call log, and trajectory ``items``, verified on the messages. Every failed
-check yields one reason ``"<category>: <what is wrong>"``; categories: ``final_state``, ``unfinished``,
+with its initial copy) and its call log (the domains' own check kinds, ``k2lab.agentic.domains.CHECKS``,
+plus the generic ``unchanged`` and ``called``), and trajectory ``items``, verified on the messages. Every
+failed check yields one reason ``"<category>: <what is wrong>"``; categories: ``final_state``, ``unfinished``,
 ``confirmation``, ``unnecessary_question``, ``unnecessary_tool_call`` and ``tool_on_no_tool_task``.
 
 The judge is rule-based (the world state makes tool tasks verifiable); an LLM judge for open-ended rubric
@@ -12,10 +13,11 @@ items could be added behind the same ``Verdict``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from k2lab.agentic.domains import CHECKS
+from k2lab.agentic.domains.base import StateCheck
 from k2lab.agentic.env import Episode
 
 __all__ = ["CATEGORIES", "Verdict", "judge", "judge_episode", "reason_category", "solution_progress"]
@@ -140,83 +142,6 @@ def _state_problem(check: dict[str, Any], world: dict, initial: dict, calls: lis
         return f"{check['kind']} could not be checked ({type(error).__name__}: {error})"
 
 
-def _order_placed(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    new = world["retail"]["orders"][len(initial["retail"]["orders"]) :]
-    if len(new) != 1:
-        return f"expected one new order, found {len(new)}"
-    if new[0]["items"] != check["items"]:
-        return f"the order holds {new[0]['items']}, expected {check['items']}"
-    return None
-
-
-def _cart_empty(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    cart = world["retail"]["cart"]
-    return f"the cart still holds {cart}" if cart else None
-
-
-def _event(world: dict, title: str) -> dict | None:
-    return next((e for e in world["calendar"]["events"] if e["title"] == title), None)
-
-
-def _event_at(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    event = _event(world, check["title"])
-    if event is None:
-        return f"no event titled {check['title']!r}"
-    if (event["day"], event["hour"]) != (check["day"], check["hour"]):
-        found, wanted = f"{event['day']} {event['hour']}:00", f"{check['day']} {check['hour']}:00"
-        return f"{check['title']!r} is on {found}, expected {wanted}"
-    return None
-
-
-def _event_absent(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    return f"{check['title']!r} is still on the calendar" if _event(world, check["title"]) else None
-
-
-def _balance(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    value = world["bank"]["accounts"].get(check["account"])
-    if value is None or abs(value - check["amount"]) > 0.005:
-        return f"balance of {check['account']} is {value}, expected {check['amount']:.2f}"
-    return None
-
-
-def _file_contains(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    text = world["files"]["files"].get(check["path"])
-    if text is None:
-        return f"{check['path']} does not exist"
-    return None if check["text"] in text else f"{check['path']} does not contain {check['text']!r}"
-
-
-def _file_absent(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    return f"{check['path']} still exists" if check["path"] in world["files"]["files"] else None
-
-
-def _stock(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    value = world["inventory"]["stock"].get(check["sku"])
-    return None if value == check["qty"] else f"{check['sku']} has {value} units, expected {check['qty']}"
-
-
-def _shipment(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    new = world["inventory"]["shipments"][len(initial["inventory"]["shipments"]) :]
-    wanted = (check["sku"], check["qty"], check["address"])
-    if [(s["sku"], s["qty"], s["address"]) for s in new] != [wanted]:
-        return (
-            f"expected one new shipment {wanted}, found {[(s['sku'], s['qty'], s['address']) for s in new]}"
-        )
-    return None
-
-
-def _booking(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    bookings = world["travel"]["bookings"]
-    if any(b["flight_id"] == check["flight_id"] and b["passenger"] == check["passenger"] for b in bookings):
-        return None
-    return f"no booking of {check['passenger']!r} on {check['flight_id']}"
-
-
-def _booking_absent(check: dict, world: dict, initial: dict, calls: list) -> str | None:
-    ids = [b["booking_id"] for b in world["travel"]["bookings"]]
-    return f"booking {check['booking_id']} still exists" if check["booking_id"] in ids else None
-
-
 def _unchanged(check: dict, world: dict, initial: dict, calls: list) -> str | None:
     section = check.get("section")
     before, after = (initial, world) if section is None else (initial[section], world[section])
@@ -248,21 +173,8 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-STATE_CHECKS: dict[str, Callable[[dict, dict, dict, list], str | None]] = {
-    "order_placed": _order_placed,
-    "cart_empty": _cart_empty,
-    "event_at": _event_at,
-    "event_absent": _event_absent,
-    "balance": _balance,
-    "file_contains": _file_contains,
-    "file_absent": _file_absent,
-    "stock": _stock,
-    "shipment": _shipment,
-    "booking": _booking,
-    "booking_absent": _booking_absent,
-    "unchanged": _unchanged,
-    "called": _called,
-}
+#: Final-state check kind -> verifier: the domains' own kinds and the generic ``unchanged`` and ``called``.
+STATE_CHECKS: dict[str, StateCheck] = {**CHECKS, "unchanged": _unchanged, "called": _called}
 
 
 # ------------------------------------------------------------------------------------------ trajectory
