@@ -1,6 +1,7 @@
 import pytest
 
-from k2lab.config import ConfigError, ModelConfig, available_presets, load_preset
+from k2lab.config import ConfigError, ModelConfig
+from k2lab.presets import available_presets, load_preset
 
 
 def test_presets_listed():

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k2lab import build_model
-from k2lab.config import load_preset
 from k2lab.nn.activations import GLUActivation, mlp_activation, situ_glu, swiglu
 from k2lab.nn.experts import RoutedExperts
 from k2lab.nn.mlp import GatedMLP, SwiGLU
 from k2lab.nn.moe import MoE
+from k2lab.presets import load_preset
 
 # ---- SiTU-GLU -----------------------------------------------------------------------------------------------
 

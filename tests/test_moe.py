@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k2lab.config import load_preset
 from k2lab.nn.experts import RoutedExperts
 from k2lab.nn.router import SigmoidRouter
 from k2lab.ops.grouped_mm import grouped_matmul, grouped_matmul_loop
+from k2lab.presets import load_preset
 
 
 def make_router(**overrides):

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from k2lab.config import load_preset
 from k2lab.params import count_parameters
+from k2lab.presets import load_preset
 
 
 def test_k2_total_and_active_exact():

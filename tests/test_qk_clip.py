@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from k2lab.config import load_preset
 from k2lab.optim import OptimizerConfig, QKClip
 from k2lab.optim.stability import stability_run
+from k2lab.presets import load_preset
 from tests.conftest import nano_variant
 
 

@@ -10,10 +10,10 @@ import textwrap
 import pytest
 import torch
 
-from k2lab.config import load_preset
 from k2lab.nn.balancing import deepseek_bias_update, quantile_balance, quantile_bias, quantile_bias_update
 from k2lab.nn.moe import MoE
 from k2lab.nn.router import SigmoidRouter
+from k2lab.presets import load_preset
 
 from .conftest import free_port
 
@@ -172,7 +172,7 @@ def test_moe_records_then_balances_its_router():
 WORKER = textwrap.dedent(
     """
     import json, torch, torch.distributed as dist
-    from k2lab.config import load_preset
+    from k2lab.presets import load_preset
     from k2lab.nn.balancing import quantile_bias, quantile_bias_update
     from k2lab.nn.router import SigmoidRouter
     dist.init_process_group("gloo")

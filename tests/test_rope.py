@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from k2lab.config import load_preset
 from k2lab.nn.rope import apply_rotary, yarn_inverse_frequencies
+from k2lab.presets import load_preset
 
 
 def test_k2_yarn_keeps_pairs_0_to_19_and_divides_20_to_31_by_32():

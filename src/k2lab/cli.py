@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from k2lab.config import format_validation_error, load_preset
+from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
+from k2lab.presets import available_presets, get_preset, language_model_config, load_preset
 
 app = typer.Typer(
     name="k2lab",
@@ -41,14 +42,13 @@ ThreadsOption = Annotated[
 
 @app.command()
 def presets() -> None:
-    """List the model presets with their parameter counts."""
-    from k2lab.config import available_presets
+    """List the model presets with their parameter counts (text, then vision-language)."""
     from k2lab.params import count_parameters, humanize
 
     table = Table(title="k2lab presets")
     for column in ("preset", "layers (MLA / KDA)", "hidden", "experts (top-k)", "total", "active"):
         table.add_column(column, justify="left" if column == "preset" else "right")
-    for name in available_presets():
+    for name in available_presets("text"):
         config = load_preset(name)
         report = count_parameters(config)
         kinds = config.layer_types
@@ -67,21 +67,21 @@ def presets() -> None:
 def _print_vlm_presets() -> None:
     """The vision-language presets: language model + vision tower (exact counts on the meta device)."""
     from k2lab.params import humanize
-    from k2lab.vision.presets import VLM_PRESETS, load_vlm_preset, vlm_parameter_counts
+    from k2lab.presets import load_vlm_preset, vlm_parameter_counts
 
     table = Table(title="vision-language presets (train with --preset NAME)")
     for column in ("preset", "language model", "tower", "tower params", "projector", "total"):
         table.add_column(
             column, justify="left" if column in ("preset", "language model", "tower") else "right"
         )
-    for name, (text, _) in VLM_PRESETS.items():
+    for name in available_presets("vision-language"):
         config = load_vlm_preset(name)
         vision = config.vision
         kind = "MoonViT-3D" if vision.is_moonvit_3d_family else "MoonViT-V2"
         counts = vlm_parameter_counts(config)
         table.add_row(
             name,
-            text,
+            get_preset(name).language_model,
             f"{kind} {vision.num_hidden_layers}×{vision.hidden_size}",
             humanize(counts["vision_tower"]),
             humanize(counts["projector"]),
@@ -97,14 +97,19 @@ def params(
         bool, typer.Option("--json", help="Print one JSON object instead of a table.")
     ] = False,
 ) -> None:
-    """Count total and active-per-token parameters of a preset, built on the meta device (no memory)."""
-    from k2lab.params import PUBLISHED, count_parameters, humanize
+    """Count total and active-per-token parameters of a preset, built on the meta device (no memory).
 
-    report = count_parameters(load_preset(preset))
+    For a vision-language preset: its language model, then the tower and projector."""
+    from k2lab.params import PUBLISHED, count_parameters, humanize
+    from k2lab.presets import load_vlm_preset, vlm_parameter_counts
+
+    report = count_parameters(language_model_config(preset))
+    vision = vlm_parameter_counts(load_vlm_preset(preset)) if get_preset(preset).is_vision_language else None
     if as_json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps({**report.to_dict(), **({"vision_language": vision} if vision else {})}))
         return
-    table = Table(title=f"{preset}: parameters (exact, from the model built on the meta device)")
+    part = " of the language model" if vision else ""
+    table = Table(title=f"{preset}: parameters{part} (exact, from the model built on the meta device)")
     table.add_column("component")
     table.add_column("parameters", justify="right")
     table.add_column("share", justify="right")
@@ -125,6 +130,11 @@ def params(
     console.print(table)
     if report.per_expert:
         console.print(f"one routed expert: {report.per_expert:,} parameters × {report.moe_layers} MoE layers")
+    if vision is not None:
+        console.print(
+            f"vision-language: language model {vision['language_model']:,} + tower {vision['vision_tower']:,}"
+            f" + projector {vision['projector']:,} = {vision['total']:,} parameters ({humanize(vision['total'])})"
+        )
     if preset in PUBLISHED:
         published = PUBLISHED[preset]
         figures = ", ".join(f"{key} {humanize(value)}" for key, value in published.items() if key != "note")

@@ -1,4 +1,4 @@
-"""Validated model configuration and the preset registry.
+"""Validated model configuration (the presets that name configs live in ``k2lab.presets``).
 
 Field names follow the public DeepSeek-V3 / Kimi-K2 ``config.json`` vocabulary (``n_routed_experts``,
 ``num_experts_per_tok``, ``q_lora_rank`` ...) so a reader can hold our config beside a real checkpoint's.
@@ -7,10 +7,7 @@ Everything else in the package reads only this object.
 
 from __future__ import annotations
 
-import json
 import math
-from functools import cache
-from importlib import resources
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -21,8 +18,6 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "YarnScaling",
-    "available_presets",
-    "load_preset",
     "format_validation_error",
 ]
 
@@ -214,30 +209,3 @@ def format_validation_error(error: ValidationError) -> str:
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{location}: {message}" if location else message)
     return "; ".join(lines)
-
-
-@cache
-def _preset_files() -> dict[str, str]:
-    folder = resources.files("k2lab") / "presets"
-    return {
-        entry.name.removesuffix(".json"): entry.read_text()
-        for entry in folder.iterdir()
-        if entry.name.endswith(".json")
-    }
-
-
-def available_presets() -> list[str]:
-    return sorted(_preset_files())
-
-
-def load_preset(name: str, **overrides: object) -> ModelConfig:
-    """The named preset (``k2``, ``k2-mini`` ...), optionally with fields overridden."""
-    files = _preset_files()
-    if name not in files:
-        raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(available_presets())}")
-    data = json.loads(files[name])
-    data.update(overrides)
-    try:
-        return ModelConfig.model_validate(data)
-    except ValidationError as error:
-        raise ConfigError(f"preset {name!r} is invalid: {format_validation_error(error)}") from error

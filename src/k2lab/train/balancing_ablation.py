@@ -239,7 +239,7 @@ def run_balancing(ablation: BalancingConfig, console: Console | None = None) -> 
 
 def analyse(ablation: BalancingConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Settings, the runs, and the fairness checks (same tokens, same step-1 loss)."""
-    from k2lab.config import load_preset
+    from k2lab.presets import load_preset
 
     base = ablation.base
     model = load_preset(base.preset, **base.model_overrides)

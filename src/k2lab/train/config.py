@@ -29,6 +29,7 @@ from k2lab.agentic.sft import SFTConfig
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 from k2lab.optim.grouping import OptimizerConfig
+from k2lab.presets import available_presets, get_preset
 from k2lab.train.curriculum import CurriculumStage, validate_stages
 from k2lab.train.schedule import ScheduleConfig
 from k2lab.vision.mixture import VisionDataConfig
@@ -102,14 +103,12 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _vision_defaults(self) -> TrainConfig:
-        from k2lab.vision.presets import is_vlm_preset
-
-        if is_vlm_preset(self.preset) and self.vision is None:
+        vision_language = get_preset(self.preset).is_vision_language
+        if vision_language and self.vision is None:
             object.__setattr__(self, "vision", VisionDataConfig())
-        if self.vision is not None and not is_vlm_preset(self.preset):
-            raise ValueError(
-                f"[vision] needs a vision-language preset (k25-mini, k25, k3-vl-mini), not {self.preset!r}"
-            )
+        if self.vision is not None and not vision_language:
+            names = ", ".join(available_presets("vision-language"))
+            raise ValueError(f"[vision] needs a vision-language preset ({names}), not {self.preset!r}")
         return self
 
     @model_validator(mode="after")

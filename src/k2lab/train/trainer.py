@@ -27,19 +27,18 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from k2lab.config import load_preset
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.hardware import Choice, choose
 from k2lab.models import CausalLM, build_model
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
 from k2lab.optim.muonclip import MuonClip
+from k2lab.presets import language_model_config, load_preset, load_vlm_preset
 from k2lab.train import distributed
 from k2lab.train.compile import compile_decision, compiled
 from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import rope_scaling_for, stage_index
 from k2lab.train.schedule import lr_multiplier
-from k2lab.vision.presets import load_vlm_preset
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 
 console = Console()
@@ -169,19 +168,12 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def text_preset(name: str):
-    """The language model's preset config (a vision-language preset's decoder)."""
-    from k2lab.vision.presets import VLM_PRESETS
-
-    return load_preset(VLM_PRESETS[name][0] if name in VLM_PRESETS else name)
-
-
 def tokenizer_vocab_for(preset: str) -> int:
     """The BPE vocabulary a run of ``preset`` trains when the recipe names none: the preset's own, or the
     byte-level minimum (256 bytes + special tokens) where the preset's is smaller (the nano presets' 128)."""
     from k2lab.data.tokenizer import MIN_VOCAB_SIZE
 
-    own = text_preset(preset).vocab_size
+    own = language_model_config(preset).vocab_size
     if own < MIN_VOCAB_SIZE:
         console.print(
             f"{preset}'s vocabulary ({own}) is below the byte-level BPE's minimum; training a "
@@ -219,7 +211,7 @@ def timed(fn):
 # ---- the whole run ---------------------------------------------------------------------------------------
 def training_state(trainer: Trainer, data: StageData) -> dict:
     """Everything the next step depends on (checkpoint payload)."""
-    from k2lab.train.checkpoint import capture_rng_state
+    from k2lab.train.persistence import capture_rng_state
 
     return {
         "step": trainer.step,
@@ -233,7 +225,7 @@ def training_state(trainer: Trainer, data: StageData) -> dict:
 
 
 def restore_training_state(trainer: Trainer, data: StageData, state: dict) -> None:
-    from k2lab.train.checkpoint import restore_rng_state
+    from k2lab.train.persistence import restore_rng_state
 
     distributed.load_full_state_dict(trainer.model, state["model"])
     distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"])
