@@ -1,4 +1,4 @@
-"""The RL update's scoring pass: ``k2lab.agentic.rl.turn_logprobs`` versus scoring every turn on its own.
+"""The RL update's scoring pass: ``k2lab.posttrain.scoring.turn_logprobs`` versus scoring every turn on its own.
 
 Both sides compute log π(y_t | prompt, y_<t) of every completion token of multi-turn episodes and back-propagate
 their sum (what one K1.5 step does), on the same random k2-mini model, in one process:
@@ -35,8 +35,8 @@ from timing import (  # benchmarks/timing.py
 )
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.rl import turn_logprobs
 from k2lab.agentic.rollout import Turn
+from k2lab.posttrain.scoring import turn_logprobs
 
 
 def synthetic_turns(args: argparse.Namespace, vocab: int) -> list[Turn]:

@@ -335,9 +335,10 @@ def test_sigkilled_distillation_resumes_to_the_uninterrupted_run(sft_dir, small_
 
 
 def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokenizer):
-    from k2lab.agentic.mopd import evaluate_cells, trainable_turns, turn_logprobs
-    from k2lab.agentic.rl import derive_seed
+    from k2lab.agentic.mopd import evaluate_cells, trainable_turns
     from k2lab.agentic.rollout import run_episode
+    from k2lab.posttrain.scoring import turn_logprobs
+    from k2lab.train.persistence import derive_seed
 
     specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 6)]
     teachers = {(s.domain, s.effort): nano_model(seed=30 + i) for i, s in enumerate(specs)}
@@ -361,8 +362,8 @@ def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokeni
 
 @pytest.mark.parametrize("mode", ["mopd", "sft"])
 def test_a_step_plays_its_prompts_together_as_each_would_alone(small_tokenizer, tmp_path, mode):
-    from k2lab.agentic.rl import derive_seed
     from k2lab.agentic.rollout import run_episode
+    from k2lab.train.persistence import derive_seed
 
     specs = [
         ExpertSpec("arithmetic", "low", 3),
@@ -388,8 +389,9 @@ def test_a_step_plays_its_prompts_together_as_each_would_alone(small_tokenizer, 
 
 
 def test_teacher_logprobs_scores_each_turn_with_its_own_model(small_tokenizer):
-    from k2lab.agentic.mopd import teacher_logprobs, trainable_turns, turn_logprobs
+    from k2lab.agentic.mopd import teacher_logprobs, trainable_turns
     from k2lab.agentic.rollout import run_episode
+    from k2lab.posttrain.scoring import turn_logprobs
 
     spec = ExpertSpec("arithmetic", "max", 6)
     models = [nano_model(seed=50), nano_model(seed=51)]

@@ -20,17 +20,7 @@ from k2lab.agent.chat import SECTION_BEGIN, encode_chat, normalize_messages, ren
 from k2lab.agent.enforcer import pack_token_mask, unpack_token_mask
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.envs import ArithmeticEnv
-from k2lab.agentic.rl import (
-    RLConfig,
-    RLTrainer,
-    budget_penalty,
-    k15_loss,
-    offpolicy_mask,
-    sequence_log_ratio,
-    temperature_at,
-    turn_logprobs,
-    turn_rows,
-)
+from k2lab.agentic.rl import RLConfig, RLTrainer, temperature_at
 from k2lab.agentic.rollout import (
     LocalPolicy,
     PolicyOutputError,
@@ -42,6 +32,8 @@ from k2lab.agentic.rollout import (
 )
 from k2lab.checkpoint import load_model, save_model
 from k2lab.cli import main
+from k2lab.posttrain.objective import budget_penalty, k15_loss
+from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs, turn_rows
 from k2lab.train.checkpoint import list_checkpoints
 
 from .conftest import randomize, serving

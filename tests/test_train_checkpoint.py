@@ -22,15 +22,13 @@ from k2lab.fsutil import staging_directory
 from k2lab.optim import MuonClip, OptimizerConfig
 from k2lab.train.checkpoint import (
     CheckpointWarning,
-    capture_rng_state,
     checkpoint_directory,
     list_checkpoints,
     load_latest_checkpoint,
-    restore_rng_state,
-    resume_state,
     save_training_checkpoint,
     verify_checkpoint,
 )
+from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
 
 
 def make_state(step: int) -> dict:

@@ -63,17 +63,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
 from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.rl import budget_penalty, derive_seed, rounded_mean, turn_logprobs
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
-from k2lab.train.checkpoint import (
-    capture_rng_state,
-    restore_rng_state,
-    resume_state,
-    save_training_checkpoint,
-)
+from k2lab.posttrain.base import IterativeTrainer, rounded_mean
+from k2lab.posttrain.objective import budget_penalty
+from k2lab.posttrain.scoring import turn_logprobs
+from k2lab.train.persistence import derive_seed
 
 __all__ = [
     "MOPDConfig",
@@ -88,10 +85,8 @@ __all__ = [
     "run_mopd",
     "sft_loss",
     "teacher_logprobs",
-    "turn_logprobs",
 ]
 
-METRICS = "metrics.jsonl"
 GOAL = 0.9
 
 
@@ -196,8 +191,15 @@ class CellDispatch(Environment):
         self.envs[episode.env].step(episode, message)
 
 
-class MOPDTrainer:
-    """On-policy multi-teacher distillation (``mode="mopd"``) or SFT on teacher samples (``"sft"``)."""
+class MOPDTrainer(IterativeTrainer):
+    """On-policy multi-teacher distillation (``mode="mopd"``) or SFT on teacher samples (``"sft"``).
+
+    Counts ``step``s; checkpoints hold the student and the optimizer, and a resumed run must share the
+    config and the mode (``k2lab.posttrain.base`` for the loop, resume and cadence).
+    """
+
+    counter = "step"
+    config: MOPDConfig
 
     def __init__(
         self,
@@ -210,53 +212,36 @@ class MOPDTrainer:
         mode: Literal["mopd", "sft"] = "mopd",
     ) -> None:
         self.student, self.tokenizer, self.router = student.eval(), tokenizer, router
-        self.specs, self.config, self.mode = list(specs), config, mode
+        self.specs, self.mode = list(specs), mode
         self.envs = {s.key: EffortEnv(s, timeout_s=config.step_timeout_s) for s in self.specs}
         self.dispatch = CellDispatch(self.envs)
         self.enforcer = LocalPolicy(student, tokenizer)  # replays the samplers' tool-call masks
-        self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        super().__init__(config, out_dir)
         self.optimizer = MuonClip(student, config.optimizer, verbose=False)
         self.step = 0
-        self._resume()
+        self.resume()
 
     # ---- persistence
-    def _state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "model": self.student.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": capture_rng_state(),
-            "config": self._settings(),  # with the mode
-        }
+    def state_parts(self) -> dict[str, Any]:
+        return {"model": self.student.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def _settings(self) -> dict[str, Any]:
-        """The settings a resumed run must share with the checkpoint: the config and the mode."""
-        return self.config.model_dump(mode="json") | {"mode": self.mode}
-
-    def _resume(self) -> None:
-        state = resume_state(self.out, METRICS, "step", self._settings())
-        if state is None:
-            return
+    def load_state_parts(self, state: dict[str, Any]) -> None:
         self.student.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        restore_rng_state(state["rng"])
-        self.step = int(state["step"])
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the checkpoint: the config and the mode."""
+        return self.config.model_dump(mode="json") | {"mode": self.mode}
 
     # ---- the loop
     def run(
         self, steps: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None
     ) -> list[dict[str, Any]]:
         """Train until ``steps`` (default ``config.steps``) are done; returns this call's metrics."""
-        total, history = steps or self.config.steps, []
-        while self.step < total:
-            metrics = self.train_step()
-            history.append(metrics)
-            if self.step % self.config.checkpoint_every == 0 or self.step == total:
-                save_training_checkpoint(self.out, self.step, self._state(), self.config.keep_checkpoints)
-            if on_step is not None:
-                on_step(metrics)
-        return history
+        return self.run_loop(steps or self.config.steps, on_step)
+
+    def advance(self) -> dict[str, Any]:
+        return self.train_step()
 
     def cell(self, step: int, index: int) -> ExpertSpec:
         """c_i = cells[(s · P + i) mod |cells|]: every step covers the grid round-robin."""
@@ -319,8 +304,7 @@ class MOPDTrainer:
         self.step += 1
         metrics = {"step": s, "mode": self.mode, **result, **_reward_metrics(samples)}
         metrics["seconds"] = round(time.perf_counter() - started, 3)
-        with open(self.out / METRICS, "a") as handle:
-            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+        self.log_metrics(metrics)
         return metrics
 
 

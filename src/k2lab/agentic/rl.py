@@ -45,8 +45,6 @@ trajectory (reward 0) and are counted per reason in ``failures``; training goes 
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import time
 from collections import Counter, defaultdict
@@ -59,7 +57,6 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from k2lab.agent.enforcer import unpack_token_mask
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.env import Environment
 from k2lab.agentic.envs import EnvMixture, build_env
@@ -75,28 +72,20 @@ from k2lab.agentic.rollout import (
 from k2lab.fsutil import save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
-from k2lab.train.checkpoint import (
-    capture_rng_state,
-    restore_rng_state,
-    resume_state,
-    save_training_checkpoint,
-)
+from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
+from k2lab.posttrain.objective import budget_penalty, k15_loss
+from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs
+from k2lab.train.persistence import derive_seed
 
 __all__ = [
     "Group",
     "RLConfig",
     "RLTrainer",
-    "budget_penalty",
-    "k15_loss",
-    "offpolicy_mask",
-    "rounded_mean",
-    "sequence_log_ratio",
+    "plot_metrics",
+    "run_rl",
     "temperature_at",
-    "turn_logprobs",
-    "turn_rows",
 ]
 
-METRICS = "metrics.jsonl"
 PARTIALS = "partial_rollouts.jsonl"
 
 
@@ -149,30 +138,6 @@ def temperature_at(iteration: int, start: float, floor: float, decay: float) -> 
     return max(floor, start * decay**iteration)
 
 
-def budget_penalty(tokens: int, budget: int | None, weight: float) -> float:
-    """λ · min(1, max(0, n − B) / B) for n completion tokens against budget B (0 when B is None)."""
-    if not budget or weight == 0:
-        return 0.0
-    return weight * min(1.0, max(0, tokens - budget) / budget)
-
-
-def offpolicy_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, threshold: float | None) -> torch.Tensor:
-    """m_t = 1[|log π_θ − log π_old| ≤ δ] per token (no gradient); all ones when δ is None."""
-    if threshold is None:
-        return torch.ones_like(logp_old, dtype=torch.bool)
-    return (logp_new.detach() - logp_old).abs() <= threshold
-
-
-def sequence_log_ratio(logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log(π_θ(y|x) / π_old(y|x)) = Σ_t m_t (log π_θ(y_t) − log π_old(y_t))."""
-    return ((logp_new - logp_old) * mask.to(logp_new.dtype)).sum()
-
-
-def k15_loss(rewards: torch.Tensor, log_ratios: torch.Tensor, tau: float) -> torch.Tensor:
-    """L = (1/K) Σ_j (r_j − r̄ − τ · log_ratio_j)² for one group of K responses."""
-    return ((rewards - rewards.mean() - tau * log_ratios) ** 2).mean()
-
-
 # ------------------------------------------------------------------------------------------ groups
 
 
@@ -200,12 +165,6 @@ class Group:
         return cls(data["group_id"], data["task_seed"], [Rollout.from_dict(m) for m in data["members"]])
 
 
-def derive_seed(*parts: object) -> int:
-    """A deterministic 31-bit seed from any parts (independent of Python's hash randomisation)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
 def _answer(rollout: Rollout) -> str:
     """The last assistant message's text (tool calls as JSON), "" when there is none."""
     for message in reversed(rollout.episode.messages):
@@ -224,12 +183,15 @@ def _question(rollout: Rollout) -> str:
 # ------------------------------------------------------------------------------------------ the trainer
 
 
-class RLTrainer:
+class RLTrainer(IterativeTrainer):
     """Joint RL over an environment mixture with a local policy; ``run()`` trains (resuming if possible).
 
     ``env`` defaults to ``EnvMixture`` of ``config.envs``; ``critic_model`` enables rubric rewards for
-    open-ended environments.
+    open-ended environments. Checkpoints hold the model, optimizer, pending partial rollouts, PTX position
+    and critic (``k2lab.posttrain.base`` for the loop, resume and cadence).
     """
+
+    config: RLConfig
 
     def __init__(
         self,
@@ -241,9 +203,8 @@ class RLTrainer:
         critic_model: torch.nn.Module | None = None,
         policy: Policy | None = None,
     ) -> None:
-        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
-        self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        super().__init__(config, out_dir)
         weights = config.env_weights or [1.0] * len(config.envs)
         if len(weights) != len(config.envs):
             raise ValueError("env_weights must give one weight per environment")
@@ -257,7 +218,7 @@ class RLTrainer:
         self.critic = RubricCritic(critic_model, tokenizer, lr=config.critic_lr) if critic_model else None
         self.pending: list[Group] = []
         self.iteration = 0
-        self._resume()
+        self.resume()
 
     # ---- setup and persistence
     def _ptx_stream(self) -> Any:
@@ -272,52 +233,37 @@ class RLTrainer:
             docs, self.tokenizer, config.ptx_batch_size, config.ptx_seq_len, seed=config.seed
         )
 
-    def _state(self) -> dict[str, Any]:
+    def state_parts(self) -> dict[str, Any]:
         return {
-            "iteration": self.iteration,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "rng": capture_rng_state(),
             "pending": json.dumps([g.to_dict() for g in self.pending]),
             "ptx": json.dumps(self.ptx.state_dict()) if self.ptx else None,
             "critic": self.critic.state_dict() if self.critic else None,
-            "config": self.config.model_dump(mode="json"),
         }
 
-    def _resume(self) -> None:
-        state = resume_state(self.out, METRICS, "iteration", self.config.model_dump(mode="json"))
-        if state is None:
-            return
+    def load_state_parts(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        restore_rng_state(state["rng"])
         self.pending = [Group.from_dict(g) for g in json.loads(state["pending"])]
         if self.ptx and state.get("ptx"):
             self.ptx.load_state_dict(json.loads(state["ptx"]))
         if self.critic and state.get("critic"):
             self.critic.load_state_dict(state["critic"])
-        self.iteration = int(state["iteration"])
         save_rollouts(self.out / PARTIALS, [g.to_dict() for g in self.pending])
 
     # ---- the loop
     def run(
         self, iterations: int | None = None, on_iteration: Callable[[dict[str, Any]], None] | None = None
     ) -> list[dict[str, Any]]:
-        """Train until ``iterations`` (default ``config.iterations``) are done; returns this call's metrics."""
-        total = iterations or self.config.iterations
-        history = []
-        while self.iteration < total:
-            metrics = self.train_iteration()
-            history.append(metrics)
-            last = self.iteration == total
-            if self.iteration % self.config.checkpoint_every == 0 or last:
-                save_training_checkpoint(
-                    self.out, self.iteration, self._state(), self.config.keep_checkpoints
-                )
-            if on_iteration is not None:
-                on_iteration(metrics)
+        """Train until ``iterations`` (default ``config.iterations``) are done, then plot the metrics
+        (rl_metrics.png); returns this call's metrics."""
+        history = self.run_loop(iterations or self.config.iterations, on_iteration)
         plot_metrics(self.out / METRICS, self.out / "rl_metrics.png")
         return history
+
+    def advance(self) -> dict[str, Any]:
+        return self.train_iteration()
 
     def train_iteration(self) -> dict[str, Any]:
         """Roll out, score, update once per ``updates_per_iteration``; returns (and logs) the metrics."""
@@ -340,8 +286,7 @@ class RLTrainer:
         metrics = self._metrics(i, temperature, finished, scored, losses, critic_loss)
         metrics["seconds"] = round(time.perf_counter() - started, 3)
         metrics["rollout_seconds"] = round(rolled - started, 3)
-        with open(self.out / METRICS, "a") as handle:
-            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+        self.log_metrics(metrics)
         return metrics
 
     def _new_group(self, iteration: int, index: int) -> Group:
@@ -519,104 +464,6 @@ class RLTrainer:
             "critic_loss": critic_loss,
             **losses,
         }
-
-
-def turn_logprobs(
-    model: torch.nn.Module,
-    turns: Sequence[Turn],
-    batch: int = 8,
-    allowed: Sequence[torch.Tensor | None] | None = None,
-    full: bool = False,
-) -> list[torch.Tensor]:
-    """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1): [len(completion)] per turn,
-    or with ``full`` the whole next-token distribution log π(· | prompt, y_<t), [len(completion), V].
-
-    With ``allowed`` (per turn: bool [len(completion), V], its packed form from ``pack_token_mask``, or None)
-    the distribution at each position is renormalised over the allowed tokens (the decoding enforcer's
-    policy):
-
-        log π_A(y_t) = z_t[y_t] − log Σ_{v ∈ A_t} exp z_t[v]        (z_t: the logits at position t)
-
-    Turns are folded into rows first (``turn_rows``): a turn whose prompt starts with the previous turn's
-    prompt + completion (the next turn of the same conversation, re-rendered to the same ids) reads its
-    log-probs from that conversation's row, so a T-turn episode costs one forward over its last turn
-    instead of T forwards over growing prefixes. Rows go through one right-padded forward per ``batch``
-    rows; a causal model gives each position the same log-prob whichever row holds it. Models whose
-    forward takes ``logits_mask`` (``CausalLM``) compute the head at the completion positions only.
-    """
-    rows, places = turn_rows(turns)
-    spans = [
-        (row, begin - 1, begin - 1 + len(t.completion_ids))
-        for t, (row, begin) in zip(turns, places, strict=True)
-    ]
-    device = next(model.parameters()).device
-    masked = "logits_mask" in inspect.signature(model.forward).parameters
-    out: list[torch.Tensor | None] = [None] * len(turns)
-    for start in range(0, len(rows), batch):
-        chunk = rows[start : start + batch]
-        width = max(len(r) for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        valid = torch.zeros(len(chunk), width, dtype=torch.bool)
-        wanted = torch.zeros(len(chunk), width, dtype=torch.bool)  # positions that predict a completion token
-        for i, row in enumerate(chunk):
-            ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
-        mine = [k for k, (row, _, _) in enumerate(spans) if start <= row < start + batch]
-        for k in mine:
-            row, first, last = spans[k]
-            wanted[row - start, first:last] = True
-        ids, valid, wanted = ids.to(device), valid.to(device), wanted.to(device)
-        if masked:
-            logits = model(ids, attention_mask=valid, logits_mask=wanted).logits
-        else:
-            logits = model(ids, attention_mask=valid).logits[wanted]
-        targets = ids.roll(-1, dims=1)[wanted]  # the token after each wanted position
-        offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in the [N] rows of a wanted position
-        begins = {k: int(offset[spans[k][0] - start, spans[k][1]]) for k in mine}  # turn k's first row
-        logits = logits.float()
-        if allowed is not None:
-            logits = _restrict(logits, [(allowed[k], begins[k]) for k in mine])
-        logp = logits.log_softmax(-1)  # [N, V], row-major
-        values = logp if full else logp.gather(-1, targets[:, None]).squeeze(-1)
-        for k in mine:
-            out[k] = values[begins[k] : begins[k] + len(turns[k].completion_ids)]
-    return out  # type: ignore[return-value]
-
-
-def _restrict(logits: torch.Tensor, masks: Sequence[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
-    """``logits`` [N, V] with −inf where the enforcer ruled a token out; ``masks`` holds (bool [n, V], its
-    packed uint8 [n, ⌈V/8⌉] form, or None; first row) per turn."""
-    given = [(mask, begin) for mask, begin in masks if mask is not None]
-    if not given:
-        return logits
-    bias = torch.zeros_like(logits)
-    for mask, begin in given:
-        if mask.dtype == torch.uint8:
-            mask = unpack_token_mask(mask, logits.shape[-1])
-        bias[begin : begin + len(mask)].masked_fill_(~mask.to(bias.device), float("-inf"))
-    return logits + bias
-
-
-def turn_rows(turns: Sequence[Turn]) -> tuple[list[list[int]], list[tuple[int, int]]]:
-    """The token rows that hold every turn's prompt + completion, and per turn (row index, position of its
-    first completion token). A turn extends the previous turn's row when its prompt starts with that row."""
-    rows: list[list[int]] = []
-    places: list[tuple[int, int]] = []
-    for turn in turns:
-        if not turn.prompt_ids:
-            raise ValueError("a turn needs prompt ids to be scored")
-        sequence = turn.prompt_ids + turn.completion_ids
-        last = rows[-1] if rows else None
-        if last is not None and len(turn.prompt_ids) >= len(last) and turn.prompt_ids[: len(last)] == last:
-            rows[-1] = sequence
-        else:
-            rows.append(sequence)
-        places.append((len(rows) - 1, len(turn.prompt_ids)))
-    return rows, places
-
-
-def rounded_mean(values: Sequence[float]) -> float | None:
-    """The mean to 6 decimals (metrics lines), None for no values."""
-    return round(sum(values) / len(values), 6) if values else None
 
 
 def _succeeded(member: Rollout) -> bool:

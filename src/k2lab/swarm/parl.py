@@ -11,8 +11,9 @@ Reward of a finished episode y of task x at training iteration i::
     λk(i) = λk(0) · max(0, 1 − i / (anneal_fraction · iterations))      (linear annealing to 0)
 
 so after ``anneal_fraction`` of training only task quality is rewarded. The update is K1.5's group
-objective from ``k2lab.agentic.rl`` (``k15_loss``, ``sequence_log_ratio``) on the orchestrator's own
-generated tokens only — sub-agent messages and tool results are observations, never trained on::
+objective (``k2lab.posttrain.objective.k15_loss`` over ``k2lab.posttrain.scoring.sequence_log_ratio``) on
+the orchestrator's own generated tokens only — sub-agent messages and tool results are observations, never
+trained on::
 
     L(θ) = mean_groups (1/K) Σ_j ( r_j − r̄ − τ · Σ_{t ∈ orchestrator tokens of y_j} (log π_θ − log π_old) )²
 
@@ -32,8 +33,8 @@ Two orchestrators share the trainer:
   action), trained by the same group-relative objective; sub-agents are the procedural frozen
   ``ShardWorker``.
 
-Checkpoints are atomic (``save_training_checkpoint``) and a restarted trainer resumes to the same metrics:
-every task and sampling seed is derived from (seed, iteration, group, member).
+Checkpoints are atomic and a restarted trainer resumes to the same metrics (``k2lab.posttrain.base``): every
+task and sampling seed is derived from (seed, iteration, group, member).
 """
 
 from __future__ import annotations
@@ -50,16 +51,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.env import Episode
-from k2lab.agentic.rl import derive_seed, k15_loss, rounded_mean, sequence_log_ratio, turn_logprobs
 from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
+from k2lab.posttrain.base import IterativeTrainer, rounded_mean
+from k2lab.posttrain.objective import k15_loss
+from k2lab.posttrain.scoring import sequence_log_ratio, turn_logprobs
 from k2lab.swarm.runtime import SwarmEnv, swarm_metrics
 from k2lab.swarm.tasks import parse_facts, split_seeds
-from k2lab.train.checkpoint import (
-    capture_rng_state,
-    restore_rng_state,
-    resume_state,
-    save_training_checkpoint,
-)
+from k2lab.train.persistence import derive_seed
 
 __all__ = [
     "CompactOrchestrator",
@@ -74,7 +72,6 @@ __all__ = [
     "r_parallel",
 ]
 
-METRICS = "metrics.jsonl"
 WIDTHS = (2, 3, 4, 6, 8)
 CHUNKS = (1, 2, 3, 6)
 BUCKETS = (2, 5, 8, 12)  # remaining shards ≤ 2, ≤ 5, ≤ 8, ≤ 12, more
@@ -318,64 +315,43 @@ def evaluate(env: SwarmEnv, orchestrator: Any, seeds: Sequence[int], sample_seed
 # ------------------------------------------------------------------------------------------ the trainer
 
 
-class ParlTrainer:
+class ParlTrainer(IterativeTrainer):
     """Train ``orchestrator`` (``CompactOrchestrator`` or ``LMOrchestrator``) on ``env`` with frozen workers.
 
     ``run()`` trains (resuming from ``out_dir/checkpoints`` when there are any) and appends one line per
     iteration to ``out_dir/metrics.jsonl`` (with an ``eval`` entry every ``eval_every`` iterations and at
-    the end).
+    the end); checkpoints hold the orchestrator and the optimizer (``k2lab.posttrain.base``).
     """
 
+    config: ParlConfig
+
     def __init__(self, orchestrator: Any, env: SwarmEnv, config: ParlConfig, out_dir: str | Path) -> None:
-        self.orchestrator, self.env, self.config = orchestrator, env, config
-        self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.orchestrator, self.env = orchestrator, env
+        super().__init__(config, out_dir)
         frozen = getattr(env.workers, "model", None)
         if isinstance(frozen, torch.nn.Module):
             frozen.eval().requires_grad_(False)
         self.optimizer = torch.optim.Adam(list(orchestrator.parameters()), lr=config.lr)
         self.iteration = 0
-        self._resume()
+        self.resume()
 
     # ---- persistence
-    def _state(self) -> dict[str, Any]:
-        return {
-            "iteration": self.iteration,
-            "orchestrator": self.orchestrator.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": capture_rng_state(),
-            "config": self.config.model_dump(mode="json"),
-        }
+    def state_parts(self) -> dict[str, Any]:
+        return {"orchestrator": self.orchestrator.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def _resume(self) -> None:
-        state = resume_state(self.out, METRICS, "iteration", self.config.model_dump(mode="json"))
-        if state is None:
-            return
+    def load_state_parts(self, state: dict[str, Any]) -> None:
         self.orchestrator.load_state_dict(state["orchestrator"])
         self.optimizer.load_state_dict(state["optimizer"])
-        restore_rng_state(state["rng"])
-        self.iteration = int(state["iteration"])
-
-    def history(self) -> list[dict[str, Any]]:
-        path = self.out / METRICS
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
     # ---- the loop
     def run(
         self, iterations: int | None = None, on_iteration: Callable[[dict[str, Any]], None] | None = None
     ) -> list[dict[str, Any]]:
         """Train until ``iterations`` (default ``config.iterations``); returns this call's metrics."""
-        total, done = iterations or self.config.iterations, []
-        while self.iteration < total:
-            metrics = self.train_iteration()
-            done.append(metrics)
-            if self.iteration % self.config.checkpoint_every == 0 or self.iteration == total:
-                save_training_checkpoint(
-                    self.out, self.iteration, self._state(), self.config.keep_checkpoints
-                )
-            if on_iteration is not None:
-                on_iteration(metrics)
-        return done
+        return self.run_loop(iterations or self.config.iterations, on_iteration)
+
+    def advance(self) -> dict[str, Any]:
+        return self.train_iteration()
 
     def lambdas(self, iteration: int) -> tuple[float, float]:
         c = self.config
@@ -397,8 +373,7 @@ class ParlTrainer:
             seeds = split_seeds("heldout", c.eval_tasks, c.seed)
             metrics["eval"] = evaluate(self.env, self.orchestrator, seeds, derive_seed(c.seed, "eval"))
         metrics["seconds"] = round(time.perf_counter() - started, 4)
-        with open(self.out / METRICS, "a") as handle:
-            handle.write(json.dumps(metrics, sort_keys=True) + "\n")
+        self.log_metrics(metrics)
         return metrics
 
     def _roll_group(self, iteration: int, index: int) -> list[Rollout]:

@@ -38,9 +38,9 @@ from typing import Any
 
 from k2lab.agentic.env import Environment, Episode
 from k2lab.agentic.envs import tool_call_parts
-from k2lab.agentic.rl import derive_seed
 from k2lab.agentic.rollout import Policy, PolicyOutputError
 from k2lab.swarm.tasks import WideTask, make_task, parse_facts, verify_answer
+from k2lab.train.persistence import derive_seed
 
 __all__ = [
     "ORCHESTRATOR_TOOLS",

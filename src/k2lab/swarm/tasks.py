@@ -16,7 +16,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from k2lab.agentic.rl import derive_seed
+from k2lab.train.persistence import derive_seed
 
 __all__ = ["PRODUCTS", "WideTask", "make_task", "parse_facts", "split_seeds", "verify_answer"]
 
