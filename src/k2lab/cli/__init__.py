@@ -1,0 +1,46 @@
+"""The ``k2lab`` command (also ``python -m k2lab``, which torchrun needs): one module per area.
+
+| module | commands |
+|---|---|
+| ``models`` | ``presets``, ``params``, ``init`` |
+| ``infer`` | ``generate``, ``serve`` |
+| ``train`` | ``train``, ``sft``, ``stability``, ``plot`` |
+| ``ablate`` | ``ablate optimizer / balancing / vision-injection / rephrase / parl`` |
+| ``data`` | ``data rephrase`` |
+| ``runtime`` | ``tools harvest``, ``sandbox run`` |
+| ``agentic`` | ``rl``, ``factory generate``, ``recipe agentic-mini``, ``mopd experts / distill / report`` |
+
+Every user error (unknown preset, bad checkpoint, invalid value) is reported as one paragraph on stderr with
+exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from k2lab.cli.app import app
+from k2lab.config import format_validation_error
+from k2lab.errors import K2LabError
+
+# the command modules register themselves on ``app`` when imported, in this (the --help) order
+# isort: off
+from k2lab.cli import models, infer, train, ablate, data, runtime, agentic  # noqa: E402, F401
+# isort: on
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
+    err = Console(stderr=True)
+    try:
+        app(args=argv)  # click reports usage errors itself (exit code 2)
+    except K2LabError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        sys.exit(2)
+    except ValidationError as error:
+        err.print(f"[bold red]invalid value:[/] {format_validation_error(error)}", highlight=False)
+        sys.exit(2)

@@ -1,0 +1,173 @@
+"""Inference commands: ``generate`` and ``serve`` (OpenAI-compatible)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k2lab.cli.app import app, console
+from k2lab.errors import K2LabError
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """'1 2 3' or '1,2,3' -> [1, 2, 3] (token ids until a tokenizer is attached)."""
+    parts = [part for part in re.split(r"[\s,]+", text.strip()) if part]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise K2LabError(
+            f"--prompt must be token ids separated by spaces or commas (e.g. '1 2 3'), got {text!r}"
+        )
+    return [int(part) for part in parts]
+
+
+def _image_prompts(model, tokenizer, images: list[Path], texts: list[str]):
+    """Token ids (image placeholders + text) and pixel inputs for ``generate --image``."""
+    from PIL import Image, UnidentifiedImageError
+
+    from k2lab.vision.mixture import image_prompts
+    from k2lab.vision.vlm import VisionLanguageModel
+
+    if not isinstance(model, VisionLanguageModel):
+        raise K2LabError(
+            "--image needs a vision-language checkpoint (e.g. one trained with --preset k25-mini)"
+        )
+    if tokenizer is None:
+        raise K2LabError("--image needs the checkpoint's tokenizer.json (its media tokens) and text prompts")
+    if len(images) not in (1, len(texts)):
+        raise K2LabError(
+            f"give one --image for all prompts or one per prompt, not {len(images)} for {len(texts)}"
+        )
+    loaded = []
+    for path in images:
+        try:
+            with Image.open(path) as handle:
+                loaded.append(handle.convert("RGB"))
+        except (OSError, UnidentifiedImageError) as error:
+            raise K2LabError(f"cannot read image {path}: {error}") from error
+    if len(loaded) == 1:
+        loaded *= len(texts)
+    try:
+        return image_prompts(tokenizer, model.config.vision, loaded, texts)
+    except ValueError as error:
+        raise K2LabError(str(error)) from error
+
+
+@app.command()
+def generate(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory.")],
+    prompt: Annotated[
+        list[str],
+        typer.Option(
+            "--prompt",
+            help="Text when the checkpoint has a tokenizer.json, else token ids like '1 2 3'; repeat for a batch.",
+        ),
+    ],
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 16,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    token_ids: Annotated[bool, typer.Option("--token-ids", help="Read prompts as token ids.")] = False,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image",
+            help="An image (PNG, JPEG ...) placed before the prompt, at its native resolution, for a "
+            "vision-language checkpoint. Give one for all prompts or one per prompt.",
+        ),
+    ] = None,
+) -> None:
+    """Generate continuations with the latent KV cache (absorbed MLA decode); with --image, from a
+    vision-language checkpoint (K2.5 style) that sees the image first."""
+    import time
+
+    from k2lab.checkpoint import load_model
+    from k2lab.infer import GenerationConfig
+    from k2lab.infer import generate as run_generation
+
+    tokenizer = None
+    if not token_ids and (checkpoint / "tokenizer.json").is_file():
+        from k2lab.data import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    model = load_model(checkpoint).eval()
+    media = None
+    if image:
+        prompts, media = _image_prompts(model, tokenizer, image, prompt)
+    else:
+        prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text) for text in prompt]
+    decoder = getattr(model, "language_model", model)
+    vocab = decoder.config.vocab_size
+    for ids in prompts:
+        if not ids:
+            raise K2LabError("a prompt encodes to no tokens")
+        if max(ids) >= vocab:
+            raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
+    settings = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=decoder.config.eos_token_id,
+    )
+    start = time.perf_counter()
+    outputs = run_generation(model, prompts, settings, media=media)
+    seconds = time.perf_counter() - start
+    for text, ids, new in zip(prompt, prompts, outputs, strict=True):
+        if tokenizer:
+            console.print(
+                text + tokenizer.decode(new, skip_special_tokens=True), markup=False, highlight=False
+            )
+        else:
+            console.print(f"prompt {ids} -> {new}")
+    produced = sum(len(new) for new in outputs)
+    console.print(f"{produced} tokens in {seconds:.2f}s ({produced / max(seconds, 1e-9):.1f} tokens/s)")
+
+
+@app.command()
+def serve(
+    checkpoint: Annotated[
+        Path,
+        typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory with a tokenizer.json."),
+    ],
+    host: Annotated[str, typer.Option(help="Interface to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="K2LAB_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (or $K2LAB_API_KEY)."
+        ),
+    ] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="Model id clients ask for (default: the directory name).")
+    ] = None,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Sequences decoded together (continuous batching).")
+    ] = 16,
+    max_context: Annotated[
+        int | None, typer.Option(min=2, help="Prompt + completion limit (default: the model's).")
+    ] = None,
+) -> None:
+    """Serve a checkpoint over an OpenAI-compatible API: /v1/models, /v1/chat/completions (streaming, tool
+    calls constrained to the declared JSON Schemas), /health."""
+    import uvicorn
+
+    from k2lab.checkpoint import load_model
+    from k2lab.data import load_tokenizer
+    from k2lab.serve import Engine
+    from k2lab.serve.server import build_app
+
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise K2LabError(f"{checkpoint} has no tokenizer.json: the server renders chats to text and back")
+    tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    model = load_model(checkpoint)
+    model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
+    engine = Engine(model, max_batch=max_batch).start()
+    name = model_name or checkpoint.resolve().name
+    app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=max_context)
+    console.print(f"serving {name} on http://{host}:{port}/v1 (max batch {max_batch})")
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()
