@@ -10,62 +10,42 @@ import typer
 from rich.table import Table
 
 from k2lab.cli.app import PresetOption, app, console
+from k2lab.cli.options import Opt, runs_config
 from k2lab.presets import load_preset
+from k2lab.train.config import TrainConfig, load_train_config
 
 
 @app.command()
+@runs_config(
+    TrainConfig,
+    load=load_train_config,
+    options={
+        "preset": Opt("preset", "-p", help="Model preset (`k2lab presets`)."),
+        "steps": Opt("steps", help="Optimizer steps."),
+        "out": Opt("out", help="Run directory."),
+        "data": Opt("data"),
+        "optimizer": Opt("optimizer.name", help="Optimizer."),
+        "lr": Opt("optimizer.lr", help="Peak learning rate."),
+        "qk_clip_tau": Opt("optimizer.qk_clip_tau", help="QK-Clip threshold τ."),
+        "save_every": Opt("save_every", help="Checkpoint every K steps."),
+        "batch_size": Opt("batch_size", help="Sequences per micro-batch."),
+        "seq_len": Opt("seq_len", help="Tokens per sequence."),
+        "precision": Opt("precision"),
+        "ns_precision": Opt(
+            "optimizer.ns_precision", help="Newton–Schulz precision (env K2LAB_NS_PRECISION for auto)."
+        ),
+        "compile_step": Opt("compile", "--compile"),
+    },
+)
 def train(
-    preset: Annotated[
-        str | None, typer.Option("--preset", "-p", help="Model preset (default k2-mini).")
-    ] = None,
-    recipe: Annotated[Path | None, typer.Option(help="TOML recipe; flags below override it.")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
-    out: Annotated[str | None, typer.Option(help="Run directory.")] = None,
+    config: TrainConfig,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
     ] = False,
-    data: Annotated[
-        str | None, typer.Option(help="Directory of .txt/.md/.jsonl (default: embedded corpus).")
-    ] = None,
-    optimizer: Annotated[str | None, typer.Option(help="muonclip, muon or adamw.")] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
-    qk_clip_tau: Annotated[float | None, typer.Option(help="QK-Clip threshold τ.")] = None,
-    save_every: Annotated[int | None, typer.Option(help="Checkpoint every K steps.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
-    precision: Annotated[
-        str | None, typer.Option(help="Model step: auto (bf16 where native, k2lab.hardware), fp32 or bf16.")
-    ] = None,
-    ns_precision: Annotated[
-        str | None, typer.Option(help="Newton–Schulz: auto, fp32 or bf16 (env K2LAB_NS_PRECISION for auto).")
-    ] = None,
-    compile_step: Annotated[
-        str | None,
-        typer.Option("--compile", help="torch.compile the training step: auto (on for CUDA), on or off."),
-    ] = None,
 ) -> None:
     """Pre-train a K2 model with MuonClip on packed text, with telemetry, checkpoints and exact resume."""
-    from k2lab.train.config import load_train_config
     from k2lab.train.trainer import run_training
 
-    config = load_train_config(
-        recipe,
-        preset=preset,
-        steps=steps,
-        out=out,
-        data=data,
-        save_every=save_every,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        precision=precision,
-        compile=compile_step,
-        **{
-            "optimizer.name": optimizer,
-            "optimizer.lr": lr,
-            "optimizer.qk_clip_tau": qk_clip_tau,
-            "optimizer.ns_precision": ns_precision,
-        },
-    )
     run_training(config, resume=resume)
 
 

@@ -1,0 +1,96 @@
+"""Options derived from a command's config: one place for each default, recipe < --set < named options."""
+
+from typing import Annotated
+
+import pytest
+import typer
+from pydantic import BaseModel, ConfigDict, Field
+from typer.testing import CliRunner
+
+from k2lab.cli import app
+from k2lab.cli.options import Opt, field_at, field_default, parse_set, runs_config
+from k2lab.errors import K2LabError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lr: float = Field(default=2e-3, description="Learning rate.")
+    name: str = "muon"
+
+
+class Demo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(default=300, description="Steps.")
+    out: str = "runs/x"
+    section: Section = Field(default_factory=Section)
+
+
+def _demo_app(seen: list[Demo]) -> typer.Typer:
+    demo = typer.Typer()
+
+    @demo.command()
+    @runs_config(Demo, options={"steps": Opt("steps"), "lr": Opt("section.lr", "-l")})
+    def run(config: Demo, loud: Annotated[bool, typer.Option("--loud")] = False) -> None:
+        seen.append(config)
+
+    @demo.command()
+    def other() -> None:  # a second command so typer keeps `run` as a subcommand
+        pass
+
+    return demo
+
+
+def test_parse_set_reads_toml_values_and_falls_back_to_strings():
+    assert parse_set("optimizer.lr=3e-3") == ("optimizer.lr", 0.003)
+    assert parse_set("curriculum=[]") == ("curriculum", [])
+    assert parse_set("preset=k2-nano") == ("preset", "k2-nano")
+    assert parse_set("flag=true") == ("flag", True)
+    with pytest.raises(K2LabError, match="key.path=value"):
+        parse_set("no-equals")
+
+
+def test_precedence_defaults_recipe_set_options(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('steps = 5\nout = "from-recipe"\n[section]\nlr = 0.5\nname = "adamw"\n')
+    seen: list[Demo] = []
+    runner = CliRunner()
+    args = ["run", "--recipe", str(recipe), "--set", "steps=7", "--set", "section.lr=0.25", "-l", "0.125"]
+    result = runner.invoke(_demo_app(seen), args)
+    assert result.exit_code == 0, result.output
+    assert seen[-1] == Demo(steps=7, out="from-recipe", section=Section(lr=0.125, name="adamw"))
+    assert runner.invoke(_demo_app(seen), ["run"]).exit_code == 0
+    assert seen[-1] == Demo()
+
+
+def test_help_shows_the_config_default():
+    result = CliRunner().invoke(_demo_app([]), ["run", "--help"])
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "(default: 300; recipe key: steps)" in text
+    assert "(default: 0.002; recipe key: section.lr)" in text
+
+
+def test_a_field_without_help_or_description_is_refused():
+    with pytest.raises(TypeError, match="needs help or a field description"):
+        runs_config(Demo, options={"out": Opt("out")})(lambda config: None)
+
+
+def _config_commands(group: typer.Typer, prefix: str = ""):
+    for info in group.registered_commands:
+        name = prefix + (info.name or info.callback.__name__.replace("_", "-"))
+        yield name, info.callback
+    for sub in group.registered_groups:
+        yield from _config_commands(sub.typer_instance, prefix + sub.name + " ")
+
+
+CONFIG_COMMANDS = [(n, c) for n, c in _config_commands(app) if hasattr(c, "config_class")]
+
+
+def test_some_commands_run_configs():
+    assert {"train"} <= {name for name, _ in CONFIG_COMMANDS}
+
+
+@pytest.mark.parametrize(("name", "command"), CONFIG_COMMANDS, ids=[n for n, _ in CONFIG_COMMANDS])
+def test_every_named_option_is_a_field_of_the_config_it_runs(name, command):
+    for option in command.config_options.values():
+        field = field_at(command.config_class, option.path)  # KeyError if the option names no field
+        assert field_default(field) is not None or field.default is None
