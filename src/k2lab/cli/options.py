@@ -27,19 +27,18 @@ from collections.abc import Callable, Mapping
 from copy import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import typer
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
+from k2lab.recipes import load_config
 
-__all__ = ["Opt", "field_at", "load_config", "parse_set", "runs_config"]
+__all__ = ["Opt", "field_at", "parse_set", "runs_config"]
 
-Config = TypeVar("Config", bound=BaseModel)
 Loader = Callable[..., BaseModel]
 
 
@@ -154,41 +153,6 @@ def parse_set(text: str) -> tuple[str, Any]:
     except tomllib.TOMLDecodeError:
         parsed = value
     return key.strip(), parsed
-
-
-def read_recipe(recipe: str | Path | None) -> dict[str, Any]:
-    """The TOML recipe as a dict (empty without one), with clear errors for a missing or broken file."""
-    if recipe is None:
-        return {}
-    path = Path(recipe)
-    try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise K2LabError(f"recipe {path} does not exist") from error
-    except tomllib.TOMLDecodeError as error:
-        raise K2LabError(f"recipe {path} is not valid TOML ({error})") from error
-
-
-def set_dotted(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``data`` with each ``a.b.c`` key of ``overrides`` written into its nested table (None values skipped)."""
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        target = data
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
-        target[leaf] = value
-    return data
-
-
-def load_config(config: type[Config], recipe: str | Path | None = None, **overrides: Any) -> Config:
-    """Recipe file (TOML) plus dotted overrides (None values ignored), validated as ``config``."""
-    data = set_dotted(read_recipe(recipe), overrides)
-    try:
-        return config.model_validate(data)
-    except ValidationError as error:
-        raise K2LabError(f"invalid {config.__name__} recipe: {format_validation_error(error)}") from error
 
 
 def runs_config(
