@@ -51,11 +51,9 @@ def load_config(
     config: type[Config], recipe: str | Path | None = None, what: str | None = None, **overrides: Any
 ) -> Config:
     """Recipe file (TOML) plus dotted overrides (None values ignored), validated as ``config``; errors say
-    "invalid {what}: field: reason" (``what`` defaults to "<Config> recipe")."""
+    "invalid {what}: field: reason" (``what`` defaults to the class name)."""
     data = set_dotted(read_recipe(recipe), overrides)
     try:
         return config.model_validate(data)
     except ValidationError as error:
-        raise K2LabError(
-            f"invalid {what or config.__name__ + ' recipe'}: {format_validation_error(error)}"
-        ) from error
+        raise K2LabError(f"invalid {what or config.__name__}: {format_validation_error(error)}") from error

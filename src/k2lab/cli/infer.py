@@ -9,7 +9,10 @@ from typing import Annotated
 import typer
 
 from k2lab.cli.app import app, console
+from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
+from k2lab.infer.generate import GenerationConfig
+from k2lab.serve.config import ServeConfig
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -55,7 +58,17 @@ def _image_prompts(model, tokenizer, images: list[Path], texts: list[str]):
 
 
 @app.command()
+@runs_config(
+    GenerationConfig,
+    options={
+        "max_new_tokens": Opt("max_new_tokens", help="Tokens to generate per prompt."),
+        "temperature": Opt("temperature", help="0 = greedy."),
+        "top_p": Opt("top_p", help="Nucleus sampling mass (1 = off)."),
+        "seed": Opt("seed", help="Sampling seed."),
+    },
+)
 def generate(
+    config: GenerationConfig,
     checkpoint: Annotated[Path, typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory.")],
     prompt: Annotated[
         list[str],
@@ -64,10 +77,6 @@ def generate(
             help="Text when the checkpoint has a tokenizer.json, else token ids like '1 2 3'; repeat for a batch.",
         ),
     ],
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 16,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     token_ids: Annotated[bool, typer.Option("--token-ids", help="Read prompts as token ids.")] = False,
     image: Annotated[
         list[Path] | None,
@@ -82,9 +91,8 @@ def generate(
     vision-language checkpoint (K2.5 style) that sees the image first."""
     import time
 
-    from k2lab.checkpoint import load_model
-    from k2lab.infer import GenerationConfig
     from k2lab.infer import generate as run_generation
+    from k2lab.model_dir import load_model
 
     tokenizer = None
     if not token_ids and (checkpoint / "tokenizer.json").is_file():
@@ -104,15 +112,10 @@ def generate(
             raise K2LabError("a prompt encodes to no tokens")
         if max(ids) >= vocab:
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
-    settings = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        eos_token_id=decoder.config.eos_token_id,
-    )
+    if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
+        config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
     start = time.perf_counter()
-    outputs = run_generation(model, prompts, settings, media=media)
+    outputs = run_generation(model, prompts, config, media=media)
     seconds = time.perf_counter() - start
     for text, ids, new in zip(prompt, prompts, outputs, strict=True):
         if tokenizer:
@@ -126,35 +129,29 @@ def generate(
 
 
 @app.command()
+@runs_config(
+    ServeConfig,
+    options={name: Opt(name) for name in ("host", "port", "model_name", "max_batch", "max_context")},
+)
 def serve(
+    config: ServeConfig,
     checkpoint: Annotated[
         Path,
         typer.Option("--checkpoint", "-c", help="k2lab or HF checkpoint directory with a tokenizer.json."),
     ],
-    host: Annotated[str, typer.Option(help="Interface to bind (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(
             envvar="K2LAB_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (or $K2LAB_API_KEY)."
         ),
     ] = None,
-    model_name: Annotated[
-        str | None, typer.Option(help="Model id clients ask for (default: the directory name).")
-    ] = None,
-    max_batch: Annotated[
-        int, typer.Option(min=1, help="Sequences decoded together (continuous batching).")
-    ] = 16,
-    max_context: Annotated[
-        int | None, typer.Option(min=2, help="Prompt + completion limit (default: the model's).")
-    ] = None,
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible API: /v1/models, /v1/chat/completions (streaming, tool
     calls constrained to the declared JSON Schemas), /health."""
     import uvicorn
 
-    from k2lab.checkpoint import load_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model
     from k2lab.serve import Engine
     from k2lab.serve.server import build_app
 
@@ -163,11 +160,11 @@ def serve(
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
-    engine = Engine(model, max_batch=max_batch).start()
-    name = model_name or checkpoint.resolve().name
-    app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=max_context)
-    console.print(f"serving {name} on http://{host}:{port}/v1 (max batch {max_batch})")
+    engine = Engine(model, max_batch=config.max_batch).start()
+    name = config.model_name or checkpoint.resolve().name
+    app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)
+    console.print(f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch})")
     try:
-        uvicorn.run(app_, host=host, port=port, log_level="warning")
+        uvicorn.run(app_, host=config.host, port=config.port, log_level="warning")
     finally:
         engine.shutdown()

@@ -14,17 +14,24 @@ from the config and shown in ``--help``) and adds ``--recipe FILE.toml`` and rep
 
 Precedence, lowest first: the config's defaults, the recipe, ``--set`` in order, the named options.
 ``--set`` values are read as TOML values (``--set optimizer.lr=3e-3``, ``--set 'curriculum=[]'``); a value
-that is not TOML is taken as a string (``--set preset=k2-nano``).
+that is not TOML is taken as a string (``--set preset=k2-nano``). A list field (``list[float]``, ...) is a
+named option taking comma-separated values (``--lrs 1e-3,3e-3``).
+
+A ``Profile`` is a named overlay of config values, e.g. a smoke run's smaller model and fewer steps, as
+data: ``profiles={"quick": Profile(QUICK, help=...)}`` adds ``--quick``, whose overlay goes below the
+recipe, ``--set`` and the named options (the command's ``load`` receives it as ``overlay=``), and
+``--help`` shows each option's value under it beside the default.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 import tomllib
 import types
 import typing
 from collections.abc import Callable, Mapping
-from copy import copy
+from copy import copy, deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,7 +44,7 @@ from pydantic_core import PydanticUndefined
 from k2lab.errors import K2LabError
 from k2lab.recipes import load_config
 
-__all__ = ["Opt", "field_at", "parse_set", "runs_config"]
+__all__ = ["Opt", "Profile", "field_at", "parse_set", "runs_config"]
 
 Loader = Callable[..., BaseModel]
 
@@ -45,17 +52,28 @@ Loader = Callable[..., BaseModel]
 @dataclass(frozen=True)
 class Opt:
     """A named option for config field ``path`` (dotted for nested sections), with extra flag spellings
-    (``"-p"``; a ``"--long"`` one replaces the ``--name`` spelling) and its help (default: the field's
-    description)."""
+    (``"-p"``; a ``"--long"`` one replaces the ``--name`` spelling), its help (default: the field's
+    description) and an environment variable it is read from when not given."""
 
     path: str
     flags: tuple[str, ...] = ()
     help: str | None = None
+    envvar: str | None = None
 
-    def __init__(self, path: str, *flags: str, help: str | None = None) -> None:
+    def __init__(self, path: str, *flags: str, help: str | None = None, envvar: str | None = None) -> None:
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "flags", flags)
         object.__setattr__(self, "help", help)
+        object.__setattr__(self, "envvar", envvar)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named overlay of config values (nested tables, as in a recipe) that a ``--name`` flag applies
+    below the recipe, ``--set`` and the named options."""
+
+    values: Mapping[str, Any]
+    help: str
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
@@ -86,8 +104,44 @@ def field_default(field: FieldInfo) -> Any:
     return field.default
 
 
+def default_at(config: type[BaseModel], path: str) -> Any:
+    """The default of dotted ``path``, read through the section defaults (a section whose default instance
+    sets ``lr=0.05`` shows 0.05, not its class's default)."""
+    model: type[BaseModel] | None = config
+    value: Any = PydanticUndefined
+    for part in path.split("."):
+        field = model.model_fields[part] if model is not None and part in model.model_fields else None
+        value = getattr(value, part) if isinstance(value, BaseModel) else field_default(field)
+        model = _model_of(field.annotation) if field is not None else None
+    return value
+
+
+def _list_item(annotation: Any) -> type | None:
+    """``X`` for a field of type ``list[X]`` (or ``list[X] | None``) with X int, float or str, else None."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    item = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list and len(item) == 1 and item[0] in (int, float, str):
+        return item[0]
+    return None
+
+
+def parse_list(flag: str, text: str, item: type) -> list[Any]:
+    """``"1e-3, 3e-3"`` → ``[0.001, 0.003]``: the comma- (or space-) separated values of a list option."""
+    try:
+        return [item(part) for part in re.split(r"[\s,]+", text) if part]
+    except ValueError as error:
+        raise K2LabError(
+            f"{flag} takes {item.__name__} values separated by commas (e.g. 1,2), got {text!r}"
+        ) from error
+
+
 def _option_type(annotation: Any) -> tuple[Any, str]:
-    """The CLI type of a field (``X | None`` → ``X``; a ``Literal`` → ``str``) and a note of its choices."""
+    """The CLI type of a field (``X | None`` → ``X``; a ``Literal`` → ``str``; a list → comma-separated
+    ``str``) and a note of its choices."""
+    if _list_item(annotation) is not None:
+        return str, " (comma-separated)"
     args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
         annotation = args[0]
@@ -98,8 +152,31 @@ def _option_type(annotation: Any) -> tuple[Any, str]:
     raise TypeError(f"a field of type {annotation!r} cannot be a named option; use --set")
 
 
-def option_help(config: type[BaseModel], name: str, option: Opt) -> str:
-    """The help of a named option: its text, the field's choices and the config's default."""
+def _shown(value: Any) -> str:
+    """A default as ``--help`` shows it (a list as the comma-separated values an option takes)."""
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+def _overlay_value(values: Mapping[str, Any], path: str) -> Any:
+    """The value at dotted ``path`` of a profile's nested tables, or ``PydanticUndefined``."""
+    value: Any = values
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return PydanticUndefined
+        value = value[part]
+    return value
+
+
+def option_help(
+    config: type[BaseModel],
+    name: str,
+    option: Opt,
+    defaults: Mapping[str, Any] | None = None,
+    profiles: Mapping[str, Profile] | None = None,
+) -> str:
+    """The help of a named option: its text, the field's choices and its default (the command's own
+    ``defaults`` table where it has one for the field, else the config's), and its value under each
+    profile that sets it."""
     field = field_at(config, option.path)
     text = option.help or field.description
     if not text:
@@ -107,16 +184,30 @@ def option_help(config: type[BaseModel], name: str, option: Opt) -> str:
             f"option --{name} ({config.__name__}.{option.path}) needs help or a field description"
         )
     _, choices = _option_type(field.annotation)
-    default = field_default(field)
-    shown = "required" if default is PydanticUndefined else f"default: {default}"
+    default = (defaults or {}).get(option.path, default_at(config, option.path))
+    shown = "required" if default is PydanticUndefined else f"default: {_shown(default)}"
+    for profile, overlay in (profiles or {}).items():
+        value = _overlay_value(overlay.values, option.path)
+        if value is not PydanticUndefined and value != default:
+            shown += f"; --{profile}: {_shown(value)}"
     return f"{text.rstrip('.')}{choices}. ({shown}; recipe key: {option.path})"
 
 
-def _parameter(config: type[BaseModel], name: str, option: Opt) -> inspect.Parameter:
-    kind, _ = _option_type(field_at(config, option.path).annotation)
+def _flags(name: str, option: Opt) -> tuple[str, ...]:
     long = [flag for flag in option.flags if flag.startswith("--")]  # a spelling of its own replaces --name
-    flags = option.flags if long else ("--" + name.replace("_", "-"), *option.flags)
-    info = typer.Option(*flags, help=option_help(config, name, option), show_default=False)
+    return option.flags if long else ("--" + name.replace("_", "-"), *option.flags)
+
+
+def _parameter(
+    config: type[BaseModel],
+    name: str,
+    option: Opt,
+    defaults: Mapping[str, Any] | None,
+    profiles: Mapping[str, Profile] | None = None,
+) -> inspect.Parameter:
+    kind, _ = _option_type(field_at(config, option.path).annotation)
+    text = option_help(config, name, option, defaults, profiles)
+    info = typer.Option(*_flags(name, option), help=text, show_default=False, envvar=option.envvar)
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, info]
     )
@@ -143,6 +234,13 @@ _SETS = inspect.Parameter(
 )
 
 
+def _profile_parameter(name: str, profile: Profile) -> inspect.Parameter:
+    flag = typer.Option("--" + name.replace("_", "-"), help=profile.help)
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, flag]
+    )
+
+
 def parse_set(text: str) -> tuple[str, Any]:
     """``"optimizer.lr=3e-3"`` → ``("optimizer.lr", 0.003)``; a value that is not TOML stays a string."""
     key, sep, value = text.partition("=")
@@ -156,25 +254,54 @@ def parse_set(text: str) -> tuple[str, Any]:
 
 
 def runs_config(
-    config: type[BaseModel], *, options: Mapping[str, Opt], load: Loader | None = None
+    config: type[BaseModel],
+    *,
+    options: Mapping[str, Opt],
+    load: Loader | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    profiles: Mapping[str, Profile] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a command whose first parameter is ``config``: see the module docstring."""
+    """Decorate a command whose first parameter is ``config``: see the module docstring.
+
+    ``load(recipe, **dotted_overrides)`` builds the config (default: ``k2lab.recipes.load_config``);
+    ``defaults`` is the table of the command's own defaults where they differ from the config's (dotted keys,
+    e.g. SFT's ``SFT_DEFAULTS``): ``load`` applies it, ``--help`` shows it. With ``profiles`` (``--name``
+    flags, at most one per invocation) ``load`` is called as ``load(recipe, overlay=..., **overrides)``
+    with the chosen profile's values (``{}`` without one)."""
+    if profiles and load is None:
+        raise TypeError("profiles need a load(recipe, overlay=..., **overrides) that applies them")
     loader = load or (lambda recipe, **overrides: load_config(config, recipe, **overrides))
+    lists = {name: _list_item(field_at(config, option.path).annotation) for name, option in options.items()}
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         own = list(inspect.signature(command, eval_str=True).parameters.values())
         if not own or own[0].name != "config":
             raise TypeError(f"{command.__name__}: the first parameter must be `config`")
         rest = [copy(p) for p in own[1:]]
-        added = [_parameter(config, name, option) for name, option in options.items()]
+        added = [_parameter(config, name, option, defaults, profiles) for name, option in options.items()]
+        flags = [_profile_parameter(name, profile) for name, profile in (profiles or {}).items()]
 
         def run(**kwargs: Any) -> Any:
             overrides = dict(parse_set(text) for text in kwargs.pop("set_") or [])
-            named = {options[name].path: kwargs.pop(name) for name in options}
+            named = {options[name].path: _named_value(name, kwargs.pop(name)) for name in options}
             overrides.update({path: value for path, value in named.items() if value is not None})
-            return command(loader(kwargs.pop("recipe"), **overrides), **kwargs)
+            if profiles is None:
+                return command(loader(kwargs.pop("recipe"), **overrides), **kwargs)
+            chosen = [name for name in profiles if kwargs.pop(name)]
+            if len(chosen) > 1:
+                raise K2LabError(f"choose one of {', '.join('--' + name for name in chosen)}")
+            overlay = deepcopy(dict(profiles[chosen[0]].values)) if chosen else {}
+            return command(loader(kwargs.pop("recipe"), overlay=overlay, **overrides), **kwargs)
 
-        parameters = [*rest, _RECIPE, _SETS, *added]
+        def _named_value(name: str, value: Any) -> Any:
+            item = lists[name]
+            return (
+                parse_list(_flags(name, options[name])[0], value, item)
+                if item and value is not None
+                else value
+            )
+
+        parameters = [*rest, *flags, _RECIPE, _SETS, *added]
         run.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         run.__annotations__ = {p.name: p.annotation for p in parameters}
         run.__name__, run.__doc__ = command.__name__, command.__doc__

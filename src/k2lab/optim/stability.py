@@ -9,11 +9,32 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from k2lab.config import ModelConfig
 from k2lab.models import build_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
+
+_OPTIMIZER_DEFAULTS = {"lr": 0.05, "qk_clip_tau": 5.0}  # high on purpose: logits grow within 30 steps
+
+
+class StabilityConfig(BaseModel):
+    """``k2lab stability``: which preset, how many steps, and the (deliberately high-lr) optimizer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = Field(default="k2-nano", description="Text model preset (`k2lab presets`).")
+    steps: int = Field(default=30, gt=0, description="Training steps.")
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(**_OPTIMIZER_DEFAULTS))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: object) -> object:
+        """A given ``[optimizer]`` table keeps this run's high-lr defaults for the fields it leaves out."""
+        if isinstance(data, dict) and isinstance(data.get("optimizer"), dict):
+            return {**data, "optimizer": {**_OPTIMIZER_DEFAULTS, **data["optimizer"]}}
+        return data
 
 
 def stability_run(

@@ -1,0 +1,23 @@
+"""``k2lab serve``'s settings: where to listen, what to call the model, how many sequences decode together."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ServeConfig"]
+
+
+class ServeConfig(BaseModel):
+    """The OpenAI-compatible server (the API key is not here: it comes from a flag or ``$K2LAB_API_KEY``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="Interface to bind (loopback by default).")
+    port: int = Field(default=8000, gt=0, lt=65536, description="TCP port.")
+    model_name: str | None = Field(
+        default=None, description="Model id clients ask for (None: the directory name)."
+    )
+    max_batch: int = Field(default=16, ge=1, description="Sequences decoded together (continuous batching).")
+    max_context: int | None = Field(
+        default=None, ge=2, description="Prompt + completion limit (None: the model's)."
+    )
