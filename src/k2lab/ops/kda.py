@@ -158,10 +158,17 @@ def _levels(chunk: int) -> list[int]:
     return [chunk >> i for i in range(chunk.bit_length() - 1)]
 
 
-@torch.compiler.assume_constant_result  # torch.compile calls it once instead of tracing C² index writes
 def _score_index(chunk: int, device: torch.device) -> torch.Tensor:
-    """:func:`_build_score_index`, cached (a plain function, so that torch.compile sees the mark above)."""
+    """:func:`_build_score_index`, cached (a plain function, so that torch.compile can take it as a constant:
+    see :func:`mark_compile_constants`)."""
     return _build_score_index(chunk, device)
+
+
+def mark_compile_constants() -> None:
+    """Tell torch.compile that :func:`_score_index` is a constant, so a compiled step calls it once instead of
+    tracing its C² index writes. The mark (set on the function in place) imports ``torch._dynamo``, 3–4 s, so
+    ``k2lab.train.compile`` makes it before compiling rather than every import of this module."""
+    torch.compiler.assume_constant_result(_score_index)
 
 
 @functools.lru_cache(maxsize=32)

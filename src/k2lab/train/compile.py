@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from k2lab.ops.kda import mark_compile_constants
+
 CompileMode = Literal["auto", "on", "off"]
 
 
@@ -38,4 +40,5 @@ def compile_decision(requested: CompileMode | str, device: str) -> tuple[bool, s
 
 def compiled(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` compiled with inductor (static shapes: one graph per sequence length)."""
+    mark_compile_constants()
     return torch.compile(model, dynamic=False)
