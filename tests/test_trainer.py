@@ -67,7 +67,7 @@ def test_short_run_writes_everything(tmp_path, corpus):
 
 def test_nano_presets_get_a_tokenizer_they_can_train_with():
     from k2lab.data.tokenizer import MIN_VOCAB_SIZE
-    from k2lab.train.trainer import tokenizer_vocab_for
+    from k2lab.train.pretraining import tokenizer_vocab_for
 
     assert tokenizer_vocab_for("k2-nano") == tokenizer_vocab_for("k3-nano") == MIN_VOCAB_SIZE
     assert tokenizer_vocab_for("k2-mini") == 8192

@@ -17,14 +17,9 @@ from k2lab.infer.cache import LatentCache
 from k2lab.presets import load_vlm_preset
 from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
+from k2lab.train.sections import VisionDataConfig
 from k2lab.train.trainer import run_training
-from k2lab.vision.mixture import (
-    IGNORE,
-    VisionDataConfig,
-    VisualStream,
-    pack_visual_rows,
-    vision_rows_at,
-)
+from k2lab.vision.mixture import IGNORE, VisualStream, pack_visual_rows, vision_rows_at
 from k2lab.vision.tasks import make_task
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 

@@ -27,6 +27,9 @@ micro-batch, so a PTX row (all tokens targets) weighs more than an SFT row.
 Everything is resumable: ``SFTBatches.state_dict()`` (epoch, position, micro-batch count, the PTX stream's
 own state) continues with exactly the same batches, so ``k2lab sft --resume`` after a kill reproduces the
 uninterrupted losses.
+
+The recipe's ``[sft]`` table is ``k2lab.train.sections.SFTConfig``; ``SFTData`` is what the trainer reads
+(``k2lab.train.data.TrainingData``), ``sft_train_config`` the command line's recipe.
 """
 
 from __future__ import annotations
@@ -34,36 +37,40 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import tomllib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 
-from k2lab.data.packing import Batch
+from k2lab.agent.chat import encode_chat, normalize_messages
+from k2lab.checkpoint import load_model
+from k2lab.data.corpus import load_corpus
+from k2lab.data.packing import Batch, PackedBatches
+from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
-
-if TYPE_CHECKING:
-    from k2lab.data.packing import PackedBatches
-    from k2lab.data.tokenizer import Tokenizer
-    from k2lab.models import CausalLM
-    from k2lab.train.config import TrainConfig
+from k2lab.models import CausalLM, build_model
+from k2lab.train import distributed
+from k2lab.train.config import TrainConfig, load_train_config
+from k2lab.train.data import Log, StagedData
+from k2lab.vision.mixture import vision_rows_at
+from k2lab.vision.vlm import VisionLanguageModel
 
 __all__ = [
     "ConversationRows",
     "EncodedConversation",
     "SFTBatches",
-    "SFTConfig",
     "SFTData",
     "SFTDataError",
     "assistant_loss",
     "encode_conversations",
     "load_conversations",
-    "prepare_sft",
+    "load_sft_checkpoint",
+    "sft_train_config",
 ]
 
 IGNORE = -100
@@ -72,22 +79,6 @@ STATE_VERSION = 1
 
 class SFTDataError(K2LabError):
     """A trajectories file that cannot be used: unreadable, a malformed line, no conversation left."""
-
-
-class SFTConfig(BaseModel):
-    """The recipe's ``[sft]`` table: fine-tune ``init_checkpoint`` on the conversations of ``data``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    init_checkpoint: str = Field(description="A k2lab model directory holding tokenizer.json (runs/X/model).")
-    data: str = Field(description="JSONL of {'messages': [...], 'tools': [...]?} conversations.")
-    ptx_ratio: float = Field(default=0.0, ge=0, lt=1, description="Fraction of rows from TrainConfig.data.")
-    val_fraction: float = Field(default=0.05, ge=0, lt=1, description="Share of lines held out (by hash).")
-    epochs: float | None = Field(
-        default=None, gt=0, description="When set, the run's steps are derived from it (over SFT rows)."
-    )
-    overlong: Literal["truncate", "skip"] = "truncate"
-    tool_format: Literal["typescript", "json"] = "typescript"
 
 
 # ---- reading and encoding -----------------------------------------------------------------------------
@@ -129,8 +120,6 @@ def load_conversations(path: str | Path) -> list[Conversation]:
 
 
 def _parse_line(path: Path, number: int, text: str) -> Conversation:
-    from k2lab.agent.chat import normalize_messages
-
     where = f"{path} line {number}"
     try:
         record = json.loads(text)
@@ -172,8 +161,6 @@ def encode_conversations(
 ) -> list[EncodedConversation]:
     """Each conversation's ids and assistant-token targets, cut to one row (``seq_len + 1``) or dropped per
     ``overlong``; conversations left without a target are dropped."""
-    from k2lab.agent.chat import encode_chat
-
     encoded = []
     for conversation in conversations:
         try:
@@ -336,8 +323,6 @@ class SFTBatches:
         return self
 
     def __next__(self) -> Batch:
-        from k2lab.vision.mixture import vision_rows_at
-
         n = vision_rows_at(self.micro, self.batch_size, self.ptx_ratio, 0) if self.ptx_ratio > 0 else 0
         self.micro += 1
         parts = [self.rows.take(self.batch_size - n)] if n < self.batch_size else []
@@ -368,15 +353,17 @@ class SFTBatches:
 
 
 # ---- the trainer's data source ------------------------------------------------------------------------
-class SFTData:
-    """``StageData``'s interface for SFT: one stage, ``SFTBatches`` for training, held-out conversations for
-    validation, and fresh models of the fine-tuned checkpoint's config."""
+class SFTData(StagedData):
+    """``TrainingData`` of agentic SFT: the checkpoint's tokenizer and model, ``SFTBatches`` for training
+    (one stage at ``seq_len``), held-out conversations for validation; the data state is
+    ``{"stage": 0, "sft": SFTBatches.state_dict()}``."""
+
+    stream_key = "sft"
 
     def __init__(self, config: TrainConfig, tokenizer: Tokenizer, model: CausalLM) -> None:
         sft = config.sft
         assert sft is not None
-        self.config, self.tokenizer, self.model_config = config, tokenizer, model.config
-        self.stages = config.stages()
+        self.config, self.tokenizer, self.model = config, tokenizer, model
         self.index: int | None = None
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         conversations = load_conversations(sft.data)
@@ -386,15 +373,22 @@ class SFTData:
         self.train_units = encode_conversations(train, tokenizer, **encode)
         # held-out conversations that all fail to fit a row leave the training ones to validate on
         self.val_units = encode_conversations(val, tokenizer, **encode) or self.train_units
-        self.corpus = None
-        if sft.ptx_ratio > 0:
-            from k2lab.data import load_corpus
+        self.corpus = load_corpus(config.data, max_bytes=config.data_max_bytes) if sft.ptx_ratio > 0 else None
+        self.enter(0)
 
-            self.corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    @classmethod
+    def from_config(cls, config: TrainConfig, log: Log = print) -> SFTData:
+        """The checkpoint's tokenizer and model and the SFT data of ``config.sft``; ``config`` gets ``steps``
+        derived from ``sft.epochs`` when that is set."""
+        sft = config.sft
+        assert sft is not None
+        tokenizer, model = load_sft_checkpoint(Path(sft.init_checkpoint).expanduser())
+        data = cls(config, tokenizer, model)
+        if sft.epochs is not None:
+            data.config = config.model_copy(update={"steps": data.steps_for(sft.epochs)})
+        return data
 
     def enter(self, index: int) -> None:
-        from k2lab.train import distributed
-
         config, sft = self.config, self.config.sft
         self.index = index
         rows = ConversationRows(
@@ -404,11 +398,9 @@ class SFTData:
         val = validation_rows(
             self.val_units, config.seq_len, self.pad_id, config.batch_size, config.eval_batches
         )
-        self.val_batches = [distributed.local_batch(batch) for batch in val]
+        self.validation = [distributed.local_batch(batch) for batch in val]
 
     def _ptx_stream(self) -> PackedBatches | None:
-        from k2lab.data import PackedBatches
-
         if self.corpus is None:
             return None
         config = self.config
@@ -423,47 +415,26 @@ class SFTData:
         sft_rows = config.batch_size * config.grad_accum * (1 - config.sft.ptx_ratio)
         return max(1, math.ceil(epochs * self.batches.rows.rows_per_epoch() / max(sft_rows, 1e-9)))
 
-    def describe(self) -> str:
-        return f"(seq_len {self.config.seq_len}, SFT)"
+    def fresh_model(self) -> CausalLM:
+        """A new model of the checkpoint's config (to gather a sharded model into)."""
+        return build_model(self.model.config)
 
-    def summary(self) -> str:
-        """Conversations, held-out ones, rows per epoch, steps and the PTX share, in one line."""
+    def describe(self) -> str:
+        """The checkpoint, conversations, held-out ones, rows per epoch, steps and the PTX share."""
         rows = self.batches.rows.rows_per_epoch()
         ptx = f", PTX {self.config.sft.ptx_ratio:.0%} of rows" if self.corpus is not None else ""
         return (
-            f"{len(self.train_units)} train / {len(self.val_units)} held-out conversations, "
-            f"{rows} rows of {self.config.seq_len + 1} tokens per epoch, {self.config.steps} steps{ptx}"
+            f"SFT of {self.config.sft.init_checkpoint}: {len(self.train_units)} train / {len(self.val_units)} "
+            f"held-out conversations, {rows} rows of {self.config.seq_len + 1} tokens per epoch, "
+            f"{self.config.steps} steps{ptx}; tokenizer: {self.tokenizer}"
         )
 
-    def train_batches(self) -> Iterator[Batch]:
-        from k2lab.train import distributed
-
-        return distributed.local_batches(self.batches)
-
-    def fresh_model(self) -> CausalLM:
-        """A new model of the checkpoint's config (to gather a sharded model into)."""
-        from k2lab.models import build_model
-
-        return build_model(self.model_config)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stage": self.index, "sft": self.batches.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.enter(int(state["stage"]))
-        self.batches.load_state_dict(state["sft"])
+    def loss_report(self, val_loss: float) -> str:
+        return " on held-out assistant tokens"
 
 
-def prepare_sft(config: TrainConfig) -> tuple[TrainConfig, Tokenizer, CausalLM, SFTData]:
-    """The checkpoint's tokenizer and model and the SFT data of ``config.sft``; ``config`` comes back with
-    ``steps`` derived from ``sft.epochs`` when that is set."""
-    from k2lab.checkpoint import load_model
-    from k2lab.data import load_tokenizer
-    from k2lab.vision.vlm import VisionLanguageModel
-
-    sft = config.sft
-    assert sft is not None
-    directory = Path(sft.init_checkpoint).expanduser()
+def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
+    """The tokenizer and text model of the k2lab model directory SFT starts from, checked to fit."""
     if not (directory / "tokenizer.json").is_file():
         raise K2LabError(
             f"checkpoint {directory} has no tokenizer.json; SFT needs a k2lab model directory with its "
@@ -478,12 +449,7 @@ def prepare_sft(config: TrainConfig) -> tuple[TrainConfig, Tokenizer, CausalLM, 
             f"{directory}: tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary only "
             f"{model.config.vocab_size}"
         )
-    data = SFTData(config, tokenizer, model)
-    data.enter(0)
-    if sft.epochs is not None:
-        config = config.model_copy(update={"steps": data.steps_for(sft.epochs)})
-        data.config = config
-    return config, tokenizer, model, data
+    return tokenizer, model
 
 
 # ---- the command line's recipe ---------------------------------------------------------------------------
@@ -503,10 +469,6 @@ SFT_DEFAULTS: dict[str, Any] = {
 def sft_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """``load_train_config`` for SFT: the recipe, then the flags (``None`` = unset), and ``SFT_DEFAULTS`` for
     whatever neither sets (``sft.epochs`` only when neither gives ``steps``)."""
-    import tomllib
-
-    from k2lab.train.config import load_train_config
-
     try:
         table = tomllib.loads(Path(recipe).read_text()) if recipe is not None else {}
     except (OSError, tomllib.TOMLDecodeError):

@@ -25,14 +25,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from k2lab.agentic.sft import SFTConfig
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.presets import available_presets, get_preset
 from k2lab.train.curriculum import CurriculumStage, validate_stages
 from k2lab.train.schedule import ScheduleConfig
-from k2lab.vision.mixture import VisionDataConfig
+from k2lab.train.sections import SFTConfig, VisionDataConfig
 
 
 class BalanceConfig(BaseModel):

@@ -1,4 +1,8 @@
-"""The pre-training loop: packed batches -> K2 model -> MuonClip, with telemetry, checkpoints and resume.
+"""The pre-training loop: batches of a ``TrainingData`` -> K2 model -> MuonClip, with telemetry,
+checkpoints and resume.
+
+``run_training(config)`` builds the recipe's data (``k2lab.train.sources``: packed text, text with visual
+rows, or SFT conversations) and runs ``train(data)``, which reads only the ``k2lab.train.data`` interface.
 
 One optimizer step:
 
@@ -17,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,20 +29,26 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from k2lab.checkpoint import save_model
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
+from k2lab.errors import K2LabError
 from k2lab.hardware import Choice, choose
-from k2lab.models import CausalLM, build_model
+from k2lab.infer import GenerationConfig, generate
+from k2lab.models import CausalLM
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
 from k2lab.optim.muonclip import MuonClip
-from k2lab.presets import language_model_config, load_preset, load_vlm_preset
 from k2lab.train import distributed
+from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
 from k2lab.train.compile import compile_decision, compiled
 from k2lab.train.config import TrainConfig
-from k2lab.train.curriculum import rope_scaling_for, stage_index
+from k2lab.train.dashboard import plot_dashboard
+from k2lab.train.data import TrainingData, language_model
+from k2lab.train.metrics import MetricsLogger
+from k2lab.train.persistence import capture_rng_state, restore_rng_state
 from k2lab.train.schedule import lr_multiplier
-from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 
 console = Console()
 
@@ -61,7 +70,8 @@ class StepResult:
 
 
 class Trainer:
-    """Owns the model, optimizer, data and run directory of one training run."""
+    """One training run's model, optimizer and step: ``train_step`` + ``update`` over ``batches`` (an
+    iterator of micro-batches), ``validation_loss`` over ``val_batches``; ``train`` drives it."""
 
     def __init__(
         self, config: TrainConfig, model: CausalLM, batches, val_batches: list, run_dir: Path
@@ -168,51 +178,9 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def tokenizer_vocab_for(preset: str) -> int:
-    """The BPE vocabulary a run of ``preset`` trains when the recipe names none: the preset's own, or the
-    byte-level minimum (256 bytes + special tokens) where the preset's is smaller (the nano presets' 128)."""
-    from k2lab.data.tokenizer import MIN_VOCAB_SIZE
-
-    own = language_model_config(preset).vocab_size
-    if own < MIN_VOCAB_SIZE:
-        console.print(
-            f"{preset}'s vocabulary ({own}) is below the byte-level BPE's minimum; training a "
-            f"{MIN_VOCAB_SIZE}-token tokenizer (the model's vocabulary follows it)"
-        )
-        return MIN_VOCAB_SIZE
-    return own
-
-
-def language_model(model: torch.nn.Module) -> CausalLM:
-    """The decoder of a ``CausalLM`` (itself) or of a ``VisionLanguageModel``."""
-    return getattr(model, "language_model", model)
-
-
-def build_trainer_model(
-    config: TrainConfig, vocab_size: int, special_tokens: dict[str, int] | None = None
-) -> CausalLM | VisionLanguageModel:
-    """The preset with the tokenizer's vocabulary and the recipe's overrides (a VLM for k25-style presets,
-    its media token ids from ``special_tokens``)."""
-    text_overrides = {"vocab_size": vocab_size, **config.model_overrides}
-    if config.vision is not None:
-        vlm_config = load_vlm_preset(
-            config.preset, special_tokens, config.vision.vision_overrides, **text_overrides
-        )
-        return build_vlm(vlm_config, seed=config.seed)
-    return build_model(load_preset(config.preset, **text_overrides), seed=config.seed)
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
-
-
 # ---- the whole run ---------------------------------------------------------------------------------------
-def training_state(trainer: Trainer, data: StageData) -> dict:
+def training_state(trainer: Trainer, data: TrainingData) -> dict:
     """Everything the next step depends on (checkpoint payload)."""
-    from k2lab.train.persistence import capture_rng_state
-
     return {
         "step": trainer.step,
         "model": distributed.full_state_dict(trainer.model, rank0_only=True),
@@ -224,21 +192,19 @@ def training_state(trainer: Trainer, data: StageData) -> dict:
     }
 
 
-def restore_training_state(trainer: Trainer, data: StageData, state: dict) -> None:
-    from k2lab.train.persistence import restore_rng_state
-
+def restore_training_state(trainer: Trainer, data: TrainingData, state: dict) -> None:
+    """Load a ``training_state`` into the trainer and the data; the trainer reads the data's batches anew."""
     distributed.load_full_state_dict(trainer.model, state["model"])
     distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"])
     data.load_state_dict(state["data"])
     restore_rng_state(state["rng"])
     trainer.step = int(state["step"])
+    trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches()
 
 
-def sample_text(model: CausalLM, tokenizer, prompt: str, tokens: int, seed: int) -> str:
+def sample_text(model: CausalLM, tokenizer: Tokenizer, prompt: str, tokens: int, seed: int) -> str:
     """A short greedy-ish continuation (temperature 0.8, top-p 0.95) of ``prompt`` (``prompt`` alone when
     ``tokens`` is 0)."""
-    from k2lab.infer import GenerationConfig, generate
-
     if tokens == 0:
         return prompt
     ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
@@ -255,59 +221,47 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     Under ``torchrun`` every process runs this: data-parallel FSDP2 over the global ``batch_size``
     (see ``k2lab.train.distributed``); rank 0 prints and writes the run directory.
     """
+    # the one place that picks the data; imported here because it sits above the loop (it imports the
+    # agentic and vision packages, which build on this one)
+    from k2lab.train.sources import build_training_data
+
     with distributed.session():
         console.quiet = not distributed.is_main()
-        return _run_training(config, resume)
-
-
-def _run_training(config: TrainConfig, resume: bool) -> dict[str, Any]:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from k2lab.checkpoint import save_model
-    from k2lab.errors import K2LabError
-    from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
-    from k2lab.train.dashboard import plot_dashboard
-    from k2lab.train.metrics import MetricsLogger
-
-    run_dir = Path(config.out)
-    if list_checkpoints(run_dir) and not resume:
-        raise K2LabError(
-            f"{run_dir} already holds checkpoints; pass --resume to continue it or choose a new --out"
-        )
-    distributed.check_batch_size(config.batch_size)
-    torch.manual_seed(config.seed)
-    if config.sft is not None:  # fine-tune a checkpoint on chat trajectories (k2lab.agentic.sft)
-        from k2lab.agentic.sft import prepare_sft
-
-        config, tokenizer, model, data = prepare_sft(config)
-        console.print(f"SFT of {config.sft.init_checkpoint}: {data.summary()}; tokenizer: {tokenizer}")
-        baseline = float("nan")
-        fresh_model = data.fresh_model
-    else:
-        config, tokenizer, model, data, baseline = prepare_pretraining(config)
-
-        def fresh_model() -> CausalLM | VisionLanguageModel:
-            return data.final_model(
-                build_trainer_model(config, tokenizer.vocab_size, tokenizer.special_tokens)
+        run_dir = Path(config.out)
+        if list_checkpoints(run_dir) and not resume:
+            raise K2LabError(
+                f"{run_dir} already holds checkpoints; pass --resume to continue it or choose a new --out"
             )
+        distributed.check_batch_size(config.batch_size)
+        torch.manual_seed(config.seed)
+        return train(build_training_data(config, log=console.print), resume)
 
-    model = distributed.shard_model(model)
-    trainer = Trainer(config, model, data.train_batches(), data.val_batches, run_dir)
 
+def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
+    """Train ``data.model`` on ``data`` per ``data.config`` (from its latest checkpoint when ``resume``);
+    writes the run directory ``config.out`` and returns the summary. ``run_training`` is the entry that
+    checks the run directory, seeds and builds the data first."""
+    config, run_dir = data.config, Path(data.config.out)
+    console.print(data.describe())
+    model = distributed.shard_model(data.model)
+    trainer = Trainer(config, model, data.train_batches(), data.val_batches(), run_dir)
     if resume:
         loaded = load_latest_checkpoint(
             run_dir, on_skip=lambda line: console.print(line, style="yellow", markup=False)
         )
         if loaded is not None:
             restore_training_state(trainer, data, loaded[1])
-            trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches
             console.print(f"resumed {run_dir} at step {trainer.step}")
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     for path, choice in trainer.precision.items():
         console.print(f"precision of {path.replace('_', '-')}: {choice.describe()}", markup=False)
     console.print(f"compiled training step: {'on' if trainer.compiled else 'off'} ({trainer.compile_reason})")
-    tau = config.optimizer.qk_clip_tau
-    progress = Progress(
+    return finish_run(trainer, data, train_loop(trainer, data, metrics))
+
+
+def progress_bar() -> Progress:
+    """The live line: steps, loss, throughput, the largest attention logit and the QK-clipped heads."""
+    return Progress(
         TextColumn("[bold]train[/] {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn(
@@ -319,17 +273,21 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, Any]:
         console=console,
         disable=not distributed.is_main(),
     )
+
+
+def train_loop(trainer: Trainer, data: TrainingData, metrics: MetricsLogger) -> float:
+    """Steps from ``trainer.step`` to ``config.steps``: log, validate, checkpoint; the last validation loss.
+    Closes ``metrics``."""
+    config, run_dir = trainer.config, trainer.run_dir
     val_loss = float("nan")
-    with progress, metrics:
+    with (progress := progress_bar()), metrics:
         task = progress.add_task(
             "train", total=config.steps, completed=trainer.step, loss=0.0, tps=0.0, logit=0.0, clipped=0
         )
         while trainer.step < config.steps:
-            stage = stage_index(data.stages, trainer.step)
-            if stage != data.index:
-                data.enter(stage)
-                trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches
-                console.print(f"step {trainer.step}: curriculum stage {stage} {data.describe()}")
+            if (change := data.at_step(trainer.step)) is not None:
+                trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches()
+                console.print(f"step {trainer.step}: {change}")
             start = time.perf_counter()
             result, loads = trainer.train_step()
             stats = trainer.update(loads)
@@ -352,146 +310,34 @@ def _run_training(config: TrainConfig, resume: bool) -> dict[str, Any]:
                 state = training_state(trainer, data)  # a collective under FSDP2
                 if distributed.is_main():
                     save_training_checkpoint(run_dir, trainer.step, state, config.keep_last)
+    return val_loss
 
+
+def finish_run(trainer: Trainer, data: TrainingData, val_loss: float) -> dict[str, Any]:
+    """The summary; on rank 0 also the model with its tokenizer, the data's scores, a sample, the dashboard
+    and ``summary.json`` in the run directory, and the closing report."""
+    config, run_dir, tokenizer = trainer.config, trainer.run_dir, data.tokenizer
     summary: dict = {"val_loss": val_loss, "steps": trainer.step}
     summary["precision"] = {path: choice.name for path, choice in trainer.precision.items()}
     summary["precision_reason"] = {path: choice.reason for path, choice in trainer.precision.items()}
     summary["compiled"] = trainer.compiled
-    if not math.isnan(baseline):
-        summary["unigram_baseline"] = baseline
-    model = distributed.gather_model(model, fresh_model)
+    summary.update(data.summary())
+    model = distributed.gather_model(trainer.model, data.fresh_model)
     if model is None:  # not rank 0: it took part in the gather; rank 0 writes the rest
         return summary
     save_model(model, run_dir / "model")
     tokenizer.save(run_dir / "model" / "tokenizer.json")
-    if config.vision is not None and config.vision.eval_samples:
-        from k2lab.vision.evaluate import evaluate_visual_tasks
-
-        for key, blind in (("visual_scores", False), ("visual_scores_blind", True)):
-            scores = evaluate_visual_tasks(model, tokenizer, config.vision, seed=config.seed, blind=blind)
-            summary[key] = scores
-            what = "gray images (language prior)" if blind else "held-out, mean reward"
-            console.print(f"visual tasks ({what}): " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    summary.update(data.evaluate(model, console.print))
     sample = sample_text(
         language_model(model), tokenizer, config.sample_prompt, config.sample_tokens, config.seed
     )
     (run_dir / "sample.txt").write_text(sample + "\n")
-    dashboard = plot_dashboard(run_dir, tau=tau)
+    dashboard = plot_dashboard(run_dir, tau=config.optimizer.qk_clip_tau)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"[bold]sample:[/]\n{sample}")
     report = f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f})"
-    if config.sft is not None:
-        console.print(f"{report} on held-out assistant tokens")
-    else:
-        verdict = "below" if val_loss < baseline else "[red]NOT below[/]"
-        console.print(
-            f"{report}: {abs(baseline - val_loss):.2f} nats {verdict} the unigram baseline {baseline:.3f}"
-        )
+    console.print(report + data.loss_report(val_loss))
     console.print(
         f"run directory {run_dir}: checkpoints/, metrics.jsonl, tensorboard/, {dashboard.name}, sample.txt, model/"
     )
     return summary
-
-
-def prepare_pretraining(
-    config: TrainConfig,
-) -> tuple[TrainConfig, Tokenizer, CausalLM | VisionLanguageModel, StageData, float]:
-    """Corpus, tokenizer (trained or loaded), a fresh model, the stage data and the unigram baseline; the
-    config comes back with the tokenizer's special ids among its model overrides."""
-    from k2lab.data import load_corpus, load_tokenizer, train_tokenizer, unigram_baseline
-
-    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    vocab = config.vocab_size or tokenizer_vocab_for(config.preset)
-    with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
-        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
-    console.print(f"corpus: {corpus}; tokenizer: {tokenizer}")
-    overrides = {
-        "pad_token_id": tokenizer.pad_id,
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-    }
-    config = config.model_copy(update={"model_overrides": {**overrides, **config.model_overrides}})
-    model = build_trainer_model(config, tokenizer.vocab_size, tokenizer.special_tokens)
-    data = StageData(config, corpus, tokenizer, model)
-    data.enter(0)
-    return config, tokenizer, model, data, unigram_baseline(corpus, tokenizer)
-
-
-class StageData:
-    """Batches of the current context-curriculum stage (``TrainConfig.stages()``): one ``PackedBatches``
-    per stage (seeded by stage), that stage's validation batches, and its YaRN scaling on the model."""
-
-    def __init__(self, config: TrainConfig, corpus, tokenizer, model: CausalLM | VisionLanguageModel) -> None:
-        self.config, self.corpus, self.tokenizer = config, corpus, tokenizer
-        self.model = language_model(model)
-        self.stages = config.stages()
-        self.index: int | None = None
-        self.vision_config = getattr(model, "config", None) if config.vision is not None else None
-        self.mixture = None
-
-    def enter(self, index: int) -> None:
-        from k2lab.data import PackedBatches, validation_batches
-
-        config, stage = self.config, self.stages[index]
-        self.index = index
-        masking = config.document_masking
-        self.batches = PackedBatches(
-            self.corpus.train,
-            self.tokenizer,
-            config.batch_size,
-            stage.seq_len,
-            seed=config.seed + index,
-            return_segments=masking,
-        )
-        val = validation_batches(
-            self.corpus.val,
-            self.tokenizer,
-            config.batch_size,
-            stage.seq_len,
-            max_batches=config.eval_batches,
-            return_segments=masking,
-        )
-        self.val_batches = [distributed.local_batch(batch) for batch in val]
-        if self.vision_config is not None:
-            self.mixture = self._mixture(stage.seq_len)
-        if self.config.curriculum:  # without a curriculum the preset's own rope scaling stays
-            self.model.set_rope_scaling(rope_scaling_for(self.stages, index))
-
-    def _mixture(self, seq_len: int):
-        """Joint vision-text batches over this stage's text batches (``k2lab.vision.mixture``)."""
-        from k2lab.vision.mixture import MixedBatches, VisualStream
-
-        config, previous = self.config, self.mixture
-        stream = VisualStream(
-            self.tokenizer, self.vision_config.vision, config.vision.tasks, seed=config.seed
-        )
-        mixture = MixedBatches(self.batches, stream, config.vision, config.steps, config.grad_accum, seq_len)
-        if previous is not None:  # a new curriculum stage continues the visual stream and the schedule
-            mixture.load_state_dict(previous.state_dict())
-        return mixture
-
-    def final_model(self, model: CausalLM | VisionLanguageModel) -> CausalLM | VisionLanguageModel:
-        """``model`` (a fresh build) with the rope scaling the run ended in."""
-        if self.config.curriculum:
-            language_model(model).set_rope_scaling(rope_scaling_for(self.stages, self.index))
-        return model
-
-    def describe(self) -> str:
-        scaling = self.model.config.rope_scaling
-        yarn = f", YaRN ×{scaling.factor:g}" if scaling else ""
-        return f"(seq_len {self.stages[self.index].seq_len}{yarn})"
-
-    def train_batches(self) -> Iterator[Batch]:
-        return distributed.local_batches(self.mixture if self.mixture is not None else self.batches)
-
-    def state_dict(self) -> dict:
-        state = {"stage": self.index, "batches": self.batches.state_dict()}
-        if self.mixture is not None:
-            state["vision"] = self.mixture.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.enter(int(state["stage"]))
-        self.batches.load_state_dict(state["batches"])
-        if self.mixture is not None:
-            self.mixture.load_state_dict(state["vision"])

@@ -18,7 +18,8 @@ import torch
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.infer.generate import GenerationConfig, generate
-from k2lab.vision.mixture import HELD_OUT_SEED, VisionDataConfig, encode_sample
+from k2lab.train.sections import VisionDataConfig
+from k2lab.vision.mixture import HELD_OUT_SEED, encode_sample
 from k2lab.vision.processor import ProcessorConfig
 from k2lab.vision.rewards import visual_reward
 from k2lab.vision.tasks import generate_tasks

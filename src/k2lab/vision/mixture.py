@@ -16,6 +16,9 @@ packed into rows of T + 1 tokens (a sample never straddles two rows, the remaind
 sample is its own document (``segment_ids``). The loss covers the prompt, the answer and EOS, never the
 media markup. The images of a batch go to the tower in reading order (row-major), as the placeholders
 appear, so ``VisionLanguageModel`` splices each feature into its own slot.
+
+The recipe's ``[vision]`` table is ``k2lab.train.sections.VisionDataConfig``; ``k2lab.vision.pretraining``
+hands these batches to the trainer.
 """
 
 from __future__ import annotations
@@ -25,19 +28,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, Tokenizer
+from k2lab.train.sections import VisionDataConfig
 from k2lab.vision.config import VisionConfig
 from k2lab.vision.moonvit import vision_token_counts
 from k2lab.vision.processor import ProcessorConfig, preprocess_images
-from k2lab.vision.tasks import TASK_KINDS, VisualSample, make_task
+from k2lab.vision.tasks import VisualSample, make_task
 
 __all__ = [
     "EncodedSample",
     "MixedBatches",
-    "VisionDataConfig",
+    "VisualStream",
     "encode_sample",
     "image_prompt_ids",
     "image_prompts",
@@ -47,29 +50,6 @@ __all__ = [
 
 IGNORE = -100
 HELD_OUT_SEED = 1_000_003  # evaluation samples come from seeds the training stream never draws
-
-
-class VisionDataConfig(BaseModel):
-    """The recipe's ``[vision]`` table: which tasks, and when and how much vision enters the batches."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    start: float = Field(default=0.0, ge=0, lt=1, description="Fraction of the steps before vision starts.")
-    ratio: float = Field(default=0.1, ge=0, le=1, description="Fraction of batch rows that are visual after.")
-    tasks: tuple[str, ...] = TASK_KINDS
-    eval_samples: int = Field(default=60, ge=0, description="Held-out visual samples scored at the end.")
-    eval_max_new_tokens: int = Field(default=24, gt=0)
-    vision_overrides: dict = Field(default_factory=dict, description="VisionConfig fields over the preset's.")
-
-    def model_post_init(self, _context: object) -> None:
-        unknown = [t for t in self.tasks if t not in TASK_KINDS]
-        if unknown or not self.tasks:
-            raise ValueError(
-                f"vision.tasks {list(self.tasks)} must be a non-empty subset of {list(TASK_KINDS)}"
-            )
-
-    def start_step(self, steps: int) -> int:
-        return int(self.start * steps)
 
 
 def vision_rows_at(step: int, batch_size: int, ratio: float, start_step: int) -> int:
