@@ -19,16 +19,14 @@ Example ``recipe.toml``::
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from k2lab.config import format_validation_error
-from k2lab.errors import K2LabError
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.presets import available_presets, get_preset
+from k2lab.recipes import load_config
 from k2lab.train.curriculum import CurriculumStage, validate_stages
 from k2lab.train.schedule import ScheduleConfig
 from k2lab.train.sections import SFTConfig, VisionDataConfig
@@ -128,24 +126,4 @@ class TrainConfig(BaseModel):
 
 def load_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Recipe file (TOML) plus overrides (None values ignored; ``optimizer.lr`` style keys for nesting)."""
-    data: dict[str, Any] = {}
-    if recipe is not None:
-        path = Path(recipe)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError as error:
-            raise K2LabError(f"recipe {path} does not exist") from error
-        except tomllib.TOMLDecodeError as error:
-            raise K2LabError(f"recipe {path} is not valid TOML ({error})") from error
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        target = data
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            target = target.setdefault(parent, {})
-        target[leaf] = value
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as error:
-        raise K2LabError(f"invalid training recipe: {format_validation_error(error)}") from error
+    return load_config(TrainConfig, recipe, what="training recipe", **overrides)
