@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
+from k2lab.ablations.common import load_settings
+from k2lab.ablations.optimizer import QUICK, AblationConfig, tokens_to_reach
 from k2lab.cli import main
 from k2lab.errors import K2LabError
-from k2lab.train.ablation import ablation_config, parse_lrs, tokens_to_reach
 from k2lab.train.metrics import MetricsLogger, read_metrics
 from tests.conftest import tiny_recipe
 
@@ -136,13 +137,33 @@ def test_tokens_to_reach_interpolates_between_evaluations():
     assert tokens_to_reach([{"tokens": 1, "val_loss": math.nan}, *curve], 4.5) == pytest.approx(150)
 
 
-def test_settings_and_bad_input():
-    quick = ablation_config(quick=True)
+def test_settings_and_bad_input(capsys):
+    quick = load_settings(AblationConfig, overlay=QUICK)
     assert quick.base.preset == "k2-nano" and quick.stress is not None and len(quick.lrs) == 3
-    full = ablation_config(no_stress=True, steps=40)
+    assert quick.threads == 1 and quick.out == "runs/ablation-quick" and quick.stress.tau == 2.0
+    full = AblationConfig.model_validate({"base": {"steps": 40}, "stress": None})
     assert full.base.preset == "k2-mini" and full.base.eval_every == 4 and full.stress is None
-    assert parse_lrs("1e-3, 3e-3,1e-2") == [1e-3, 3e-3, 1e-2]
-    with pytest.raises(K2LabError, match="--lrs"):
-        parse_lrs("fast")
+    assert full.base.save_every == 40 and full.tau == full.base.optimizer.qk_clip_tau == 100.0
+    assert load_settings(AblationConfig, lrs=[3e-3, 1e-3, 3e-3]).lrs == [1e-3, 3e-3]
     with pytest.raises(K2LabError, match="optimizers"):
-        ablation_config(optimizers=["sgd"])
+        load_settings(AblationConfig, optimizers=["sgd"])
+    assert run_cli("ablate", "optimizer", "--lrs", "fast") == 2
+    assert "--lrs takes float values" in " ".join(capsys.readouterr().err.split())
+
+
+def test_recipe_is_the_settings_or_a_training_recipe_for_base(tmp_path):
+    settings = tmp_path / "study.toml"
+    settings.write_text(
+        'lrs = [0.01]\nout = "o"\n[stress]\nlr = 0.2\n[base]\nsteps = 20\n[base.schedule]\nwarmup_steps = 1\n'
+    )
+    study = load_settings(AblationConfig, settings, overlay=QUICK, **{"base.seq_len": 32})
+    assert study.lrs == [0.01] and study.out == "o" and study.stress.lr == 0.2 and study.stress.tau == 2.0
+    base = study.base
+    assert (base.preset, base.steps, base.seq_len, base.eval_every) == ("k2-nano", 20, 32, 2)
+    assert base.schedule.warmup_steps == 1 and base.schedule.decay_fraction == 0.2
+    training = tmp_path / "train.toml"
+    training.write_text('steps = 20\nout = "ignored"\n[optimizer]\nweight_decay = 0.0\n')
+    study = load_settings(AblationConfig, training)
+    assert (
+        study.base.steps == 20 and study.base.optimizer.weight_decay == 0.0 and study.out == "runs/ablation"
+    )

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
+from k2lab.ablations.balancing import RULES, BalancingConfig, balance_curves
+from k2lab.ablations.common import load_settings
 from k2lab.errors import K2LabError
-from k2lab.train.balancing_ablation import RULES, balance_curves, balancing_config, parse_rules
 from k2lab.train.metrics import read_metrics
 from tests.conftest import tiny_recipe
 from tests.test_ablation import PNG_MAGIC, run_cli
@@ -77,16 +78,16 @@ def test_balance_curves_count_dead_experts_over_the_window():
     assert curves["dead_window"][:, 0].tolist() == [1, 1, 1, 1]  # expert 1, 1, 2, 2 had nothing for 2 steps
 
 
-def test_settings_and_bad_input():
-    default = balancing_config()
+def test_settings_and_bad_input(capsys):
+    default = load_settings(BalancingConfig)
     assert default.base.preset == "k3-mini" and default.rules == list(RULES) and default.gamma == 1e-3
     assert default.base.eval_every == 20 and default.base.save_every == default.base.steps == 80
-    assert balancing_config(rules=["quantile", "none"], steps=40, **{"optimizer.lr": 1e-3}).rules == [
-        "none",
-        "quantile",
-    ]
-    assert parse_rules("quantile, none") == ["none", "quantile"]
-    with pytest.raises(K2LabError, match="--rules"):
-        parse_rules("sign")
+    assert default.jobs == 3
+    chosen = load_settings(
+        BalancingConfig, rules=["quantile", "none"], **{"base.steps": 40, "base.optimizer.lr": 1e-3}
+    )
+    assert chosen.rules == ["none", "quantile"] and chosen.jobs == 2 and chosen.base.eval_every == 10
     with pytest.raises(K2LabError, match="rules"):
-        balancing_config(rules=["aux-loss"])
+        load_settings(BalancingConfig, rules=["aux-loss"])
+    assert run_cli("ablate", "balancing", "--rules", "sign") == 2
+    assert "rules must be a non-empty subset" in " ".join(capsys.readouterr().err.split())

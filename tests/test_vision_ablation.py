@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from k2lab.ablations.common import load_settings
+from k2lab.ablations.vision_injection import ARMS, VisionInjectionConfig, arm_config, total_rows, visual_rows
 from k2lab.errors import K2LabError
-from k2lab.train.vision_ablation import ARMS, arm_config, total_rows, vision_injection_config, visual_rows
 from tests.test_ablation import PNG_MAGIC, run_cli
 
 # k25-nano: the k2-nano decoder and a 1-layer, 32-wide tower, so the arms train in a few seconds each.
@@ -73,6 +74,11 @@ def test_vision_injection_outputs(tmp_path, tiny_corpus, capsys):
     assert all(run["reused"] for run in again["runs"])
 
 
+def vision_injection_config(**base) -> VisionInjectionConfig:
+    """The study's settings with these ``base`` recipe fields."""
+    return load_settings(VisionInjectionConfig, **{f"base.{key}": value for key, value in base.items()})
+
+
 def test_every_arm_spends_the_same_visual_rows():
     for steps, batch in ((60, 8), (100, 4), (30, 10), (200, 3)):
         settings = vision_injection_config(steps=steps, batch_size=batch)
@@ -95,4 +101,4 @@ def test_settings_and_bad_input():
     with pytest.raises(K2LabError, match="vision-language preset"):
         vision_injection_config(preset="k2-nano")
     with pytest.raises(K2LabError, match="arms"):
-        vision_injection_config(arms=["middle"])
+        load_settings(VisionInjectionConfig, arms=["middle"])

@@ -16,11 +16,3 @@ app = typer.Typer(
 )
 console = Console()
 PresetOption = Annotated[str, typer.Option("--preset", "-p", help="Preset name; `k2lab presets` lists them.")]
-# options shared by the ablation commands
-KeepWeightsOption = Annotated[
-    bool, typer.Option("--keep-weights", help="Keep each run's checkpoints and final model.")
-]
-ThreadsOption = Annotated[
-    int | None,
-    typer.Option(help="torch threads per run (default torch's divided among the jobs, at least 1)."),
-]

@@ -4,7 +4,8 @@
 * ``k2lab.swarm.runtime``  ``SwarmEnv``: ``create_subagent`` / ``assign_task`` run isolated sub-agents
                            concurrently; CriticalSteps, total tokens, tool calls, unfinished subtasks
 * ``k2lab.swarm.parl``     PARL training of the orchestrator only (K1.5 group objective), annealed rewards
-* ``k2lab.swarm.ablation`` ``k2lab ablate parl``
+
+The PARL ablation (``k2lab ablate parl``) is ``k2lab.ablations.parl``.
 """
 
 from __future__ import annotations

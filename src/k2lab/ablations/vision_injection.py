@@ -25,25 +25,38 @@ reasoning / code benchmarks instead; this is the small-scale analogue, whatever 
 Outputs, for an output directory ``DIR``: ``DIR/vision_injection.json`` (everything, with the curves),
 ``DIR/vision_injection.md`` (the table) and ``DIR/vision_injection.png`` (text validation loss per arm
 with each arm's injection step; visual scores per task kind and arm). Runs live in ``DIR/runs/{arm}`` and
-are reused when the command is repeated (``k2lab.train.ablation_common``).
+are reused when the command is repeated (``k2lab.ablations.common``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 from rich.console import Console
-from rich.table import Table
 
-from k2lab.errors import K2LabError
+from k2lab.ablations.common import (
+    AblationSettings,
+    PlannedRun,
+    StudyRun,
+    ordered_subset,
+    recipe_settings,
+    run_times,
+    with_updates,
+)
+from k2lab.ablations.report import (
+    Report,
+    finish_axes,
+    fmt,
+    md_table,
+    new_figure,
+    plot_val_curve,
+    rich_table,
+    timing_note,
+)
 from k2lab.fsutil import save_figure_atomically
-from k2lab.train import ablation_common as common
-from k2lab.train.ablation_common import AblationSettings, PlannedRun, fmt
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 from k2lab.vision.mixture import vision_rows_at
@@ -76,19 +89,31 @@ DEFAULT_RECIPE: dict[str, Any] = {
     "schedule": {"kind": "wsd", "warmup_steps": 20, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
     "vision": {"eval_samples": 60},
 }
-EVAL_POINTS = 10  # validation every steps // 10: the left panel draws the curves
 
 
 class VisionInjectionConfig(AblationSettings):
-    """What to run: a base recipe (everything but ``vision.start`` / ``vision.ratio``) and the arms."""
+    """What to run: a base recipe (everything but ``vision.start`` / ``vision.ratio``) and the arms.
 
-    arms: list[str] = Field(default_factory=lambda: list(ARMS))
-    out: str = "runs/vision-injection"
+    ``jobs`` defaults to one worker process per arm, each with ``threads`` torch threads (default: this
+    process's threads divided among the jobs, at least one).
+    """
+
+    BASE = DEFAULT_RECIPE
+    EVAL_POINTS = 10  # validation every steps // 10: the left panel draws the curves
+    WHAT = "vision-injection ablation setting"
+
+    arms: list[str] = Field(
+        default_factory=lambda: list(ARMS), description="Arms compared (of early, mid, late)"
+    )
+    jobs: int | None = Field(
+        default=None, gt=0, description="Arms trained at once, in worker processes (unset: one per arm)"
+    )
+    out: str = Field(default="runs/vision-injection", description="Output directory")
 
     @field_validator("arms")
     @classmethod
     def _known_arms(cls, names: list[str]) -> list[str]:
-        return common.ordered_subset(names, tuple(ARMS), "arms")
+        return ordered_subset(names, tuple(ARMS), "arms")
 
     @model_validator(mode="after")
     def _same_visual_budget(self) -> VisionInjectionConfig:
@@ -100,43 +125,16 @@ class VisionInjectionConfig(AblationSettings):
                 f"the arms would spend different visual budgets (visual rows {rows}); take steps a multiple "
                 "of 10 and steps × batch_size a multiple of 10"
             )
+        if self.jobs is None:
+            self.jobs = len(self.arms)
         return self
-
-
-def vision_injection_config(
-    recipe: str | os.PathLike[str] | None = None,
-    arms: list[str] | None = None,
-    out: str | None = None,
-    keep_weights: bool = False,
-    threads: int | None = None,
-    jobs: int | None = None,
-    **overrides: Any,
-) -> VisionInjectionConfig:
-    """The ablation from ``DEFAULT_RECIPE``, then ``recipe`` (TOML), then the ``TrainConfig`` overrides
-    (dotted keys, None ignored), e.g. ``steps=20, **{"vision.eval_samples": 12}``.
-
-    ``jobs`` defaults to one worker process per arm, each with ``threads`` torch threads (default: this
-    process's threads divided among the jobs, at least one).
-    """
-    base = common.base_recipe(DEFAULT_RECIPE, recipe, eval_points=EVAL_POINTS, **overrides)
-    try:
-        return VisionInjectionConfig(
-            base=base,
-            arms=arms or list(ARMS),
-            out=out or "runs/vision-injection",
-            keep_weights=keep_weights,
-            threads=threads,
-            jobs=jobs if jobs is not None else len(set(arms or ARMS)),
-        )
-    except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise K2LabError(f"invalid vision-injection ablation setting: {error}") from error
 
 
 def arm_config(ablation: VisionInjectionConfig, arm: str) -> TrainConfig:
     """The base recipe with this arm's ``vision.start`` and ``vision.ratio`` and its own run directory."""
     start, ratio = ARMS[arm]
     vision = ablation.base.vision.model_copy(update={"start": start, "ratio": ratio})
-    return common.with_updates(ablation.base, vision=vision, out=str(Path(ablation.out) / "runs" / arm))
+    return with_updates(ablation.base, vision=vision, out=str(Path(ablation.out) / "runs" / arm))
 
 
 def total_rows(config: TrainConfig) -> int:
@@ -174,45 +172,34 @@ def summarize_arm(arm: str, config: TrainConfig, summary: dict, reused: bool) ->
         "visual_scores": summary.get("visual_scores", {}),
         "visual_scores_blind": summary.get("visual_scores_blind", {}),
         "run_dir": str(config.out),
-        "seconds": summary.get("seconds", math.nan),
-        "cpu_seconds": summary.get("cpu_seconds", math.nan),
-        "reused": reused,
+        **run_times(summary, reused),
     }
 
 
 def run_vision_injection(ablation: VisionInjectionConfig, console: Console | None = None) -> dict[str, Any]:
     """Train every arm (or reuse it), write DIR/vision_injection.{json,md,png}; returns the results."""
-    console = console or Console()
-    out = Path(ablation.out)
-    out.mkdir(parents=True, exist_ok=True)
+    study = StudyRun(ablation, console or Console())
     configs = {arm: arm_config(ablation, arm) for arm in ablation.arms}
-    print_budget(configs, console)
+    print_budget(configs, study.console)
     plan = [
         PlannedRun(config, f"{LABELS[arm]}: vision from step {config.vision.start_step(config.steps)} → "
                    f"{config.out}", arm)
         for arm, config in configs.items()
     ]  # fmt: skip
-    start = time.perf_counter()
 
-    def report(index: int, summary: dict, reused: bool) -> None:
+    def describe(index: int, summary: dict) -> str:
         scores = summary.get("visual_scores", {})
-        console.print(
-            f"[{index + 1}/{len(plan)}] {LABELS[ablation.arms[index]]}: text val loss "
-            f"{summary.get('val_loss', math.nan):.4f}, visual mean {fmt(scores.get('mean'))}"
-            f"{' (reused)' if reused else ''}; elapsed {time.perf_counter() - start:.0f}s"
+        return (
+            f"{LABELS[ablation.arms[index]]}: text val loss {summary.get('val_loss', math.nan):.4f}, "
+            f"visual mean {fmt(scores.get('mean'))}"
         )
 
-    outcomes, per_run = common.train_runs(plan, ablation, console, report)
+    outcomes = study.train(plan, describe)
     runs = [
         summarize_arm(arm, config, summary, reused)
         for (arm, config), (summary, reused) in zip(configs.items(), outcomes, strict=True)
     ]
-    results = analyse(ablation, runs)
-    common.record_times(results, runs, ablation, per_run, start)
-    paths = common.write_outputs(results, out, "vision_injection", markdown_report, plot_vision_injection)
-    print_summary(results, console)
-    console.print("wrote " + ", ".join(map(str, paths)))
-    return results
+    return study.finish(analyse(ablation, runs), runs, REPORT)
 
 
 def analyse(ablation: VisionInjectionConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -222,7 +209,7 @@ def analyse(ablation: VisionInjectionConfig, runs: list[dict[str, Any]]) -> dict
     kinds = sorted({kind for run in runs for kind in run["visual_scores"] if kind != "mean"})
     return {
         "settings": {
-            **common.recipe_settings(base),
+            **recipe_settings(base),
             "optimizer": base.optimizer.name,
             "lr": base.optimizer.lr,
             "tasks": list(base.vision.tasks),
@@ -298,45 +285,29 @@ def markdown_report(results: dict[str, Any]) -> str:
         "same prompts with uniform gray images, what the language prior alone scores.",
     ]
     for title, header, rows in tables(results):
-        lines += [
-            "",
-            f"## {title[0].upper()}{title[1:]}",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|---|" + "---|" * (len(header) - 1),
-            *("| " + " | ".join(row) + " |" for row in rows),
-        ]
-    lines += ["", common.timing_note(results, len(results["runs"])), ""]
+        lines += ["", f"## {title[0].upper()}{title[1:]}", "", *md_table(header, rows)]
+    lines += ["", timing_note(results, len(results["runs"])), ""]
     return "\n".join(lines)
 
 
 def plot_vision_injection(results: dict[str, Any], target: Path) -> Path:
     """``vision_injection.png``: text val loss vs step (injection steps dashed); visual scores per kind."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     s, runs = results["settings"], results["runs"]
-    figure = Figure(figsize=(14, 5.5), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = new_figure((14, 5.5))
     figure.suptitle(
         f"Vision injection at a fixed visual-plus-text budget: {s['preset']}, {s['tokens']:,} tokens per arm",
         fontsize=13,
     )
     loss_ax, score_ax = figure.subplots(1, 2, width_ratios=[1, 1.3])
     for run in runs:
-        color, curve = COLORS[run["arm"]], run["val_curve"]
-        loss_ax.plot(
-            [p["step"] for p in curve], [p["val_loss"] for p in curve], color=color, marker="o",
-            label=f"{LABELS[run['arm']]} (final {fmt(run['val_loss'], '.3f')})",
-        )  # fmt: skip
+        color = COLORS[run["arm"]]
+        label = f"{LABELS[run['arm']]} (final {fmt(run['val_loss'], '.3f')})"
+        plot_val_curve(loss_ax, run["val_curve"], color=color, label=label)
         loss_ax.axvline(run["start_step"], color=color, linestyle="--", linewidth=1)
     loss_ax.set_title("text validation loss (dashed: the arm's injection step)", fontsize=10)
-    loss_ax.set_xlabel("step")
-    loss_ax.set_ylabel("nats/token")
+    finish_axes(loss_ax, "step", "nats/token")
     _score_bars(score_ax, results)
-    for ax in (loss_ax, score_ax):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+    finish_axes(score_ax)
     return save_figure_atomically(figure, target)
 
 
@@ -361,13 +332,10 @@ def print_summary(results: dict[str, Any], console: Console) -> None:
     """The comparison as two rich tables, and a warning when the visual budgets differ."""
     s = results["settings"]
     for index, (title, header, rows) in enumerate(tables(results, short=True)):
-        table = Table(
-            title=f"vision injection, {s['preset']}, {s['steps']} steps: {title}" if index == 0 else title
-        )
-        for index, column in enumerate(header):
-            table.add_column(column, justify="left" if index == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        heading = f"vision injection, {s['preset']}, {s['steps']} steps: {title}" if index == 0 else title
+        console.print(rich_table(heading, header, rows))
     if not results["same_visual_rows"]:
         console.print("[yellow]warning:[/] the arms' visual budgets differ by more than one row")
+
+
+REPORT = Report("vision_injection", markdown_report, plot_vision_injection, print_summary)

@@ -20,27 +20,43 @@ end, and the final validation loss.
 Outputs, for an output directory ``DIR``: ``DIR/balancing.md`` (tables), ``DIR/balancing.json`` (everything,
 including the per-step curves) and ``DIR/balancing.png`` (imbalance, dead experts and validation loss vs
 step per rule, and each rule's per-layer expert loads over the last window). Runs live in
-``DIR/runs/{rule}`` and are reused when the command is repeated (``k2lab.train.ablation_common``).
+``DIR/runs/{rule}`` and are reused when the command is repeated (``k2lab.ablations.common``).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from rich.console import Console
-from rich.table import Table
 
+from k2lab.ablations.common import (
+    AblationSettings,
+    PlannedRun,
+    StudyRun,
+    ordered_subset,
+    recipe_settings,
+    run_times,
+    tokens_per_step,
+    val_points,
+    with_updates,
+)
+from k2lab.ablations.report import (
+    Report,
+    finish_axes,
+    fmt,
+    md_table,
+    new_figure,
+    plot_val_curve,
+    rich_table,
+    timing_note,
+)
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
-from k2lab.train import ablation_common as common
-from k2lab.train.ablation_common import AblationSettings, PlannedRun, fmt
+from k2lab.presets import load_preset
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 
@@ -60,64 +76,48 @@ DEFAULT_RECIPE: dict[str, Any] = {
     "sample_tokens": 0,
     "schedule": {"kind": "wsd", "warmup_steps": 8, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
 }
-EVAL_POINTS = 4  # validation every steps // 4 by default: the table needs the final loss only
 
 
 class BalancingConfig(AblationSettings):
-    """What to run: a base recipe (everything but the bias rule), the rules, the sign rule's γ, the window."""
+    """What to run: a base recipe (everything but the bias rule), the rules, the sign rule's γ, the window.
 
-    rules: list[str] = Field(default_factory=lambda: list(RULES))
-    gamma: float = Field(default=1e-3, gt=0, description="Step of the DeepSeek-V3 sign rule.")
-    window: int = Field(default=10, gt=0, description="Dead experts: no token in the last `window` steps.")
-    out: str = "runs/balancing"
+    ``jobs`` defaults to one worker process per rule, so the runs train side by side with ``threads``
+    (default: this process's threads divided among the jobs, at least one) each: single-threaded processes
+    use two cores fully without the OpenMP barrier stalls a 2-thread run suffers on a busy machine.
+    """
+
+    BASE = DEFAULT_RECIPE
+    EVAL_POINTS = 4  # validation every steps // 4 by default: the table needs the final loss only
+    WHAT = "balancing ablation setting"
+
+    rules: list[str] = Field(
+        default_factory=lambda: list(RULES), description="Bias rules compared (of none, deepseek, quantile)"
+    )
+    gamma: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bias step γ of the DeepSeek-V3 sign rule (unset: the recipe's balance.gamma)",
+    )
+    window: int = Field(
+        default=10, gt=0, description="An expert is dead at the end when it got no token in the last N steps"
+    )
+    jobs: int | None = Field(
+        default=None, gt=0, description="Runs trained at once, in worker processes (unset: one per rule)"
+    )
+    out: str = Field(default="runs/balancing", description="Output directory")
 
     @field_validator("rules")
     @classmethod
     def _known_rules(cls, names: list[str]) -> list[str]:
-        return common.ordered_subset(names, RULES, "rules")
+        return ordered_subset(names, RULES, "rules")
 
-
-def balancing_config(
-    recipe: str | os.PathLike[str] | None = None,
-    rules: list[str] | None = None,
-    gamma: float | None = None,
-    window: int = 10,
-    out: str | None = None,
-    keep_weights: bool = False,
-    threads: int | None = None,
-    jobs: int | None = None,
-    **overrides: Any,
-) -> BalancingConfig:
-    """The ablation from ``DEFAULT_RECIPE``, then ``recipe`` (TOML), then the ``TrainConfig`` overrides
-    (dotted keys, None ignored), e.g. ``preset="k3-nano", steps=20, **{"optimizer.lr": 3e-3}``.
-
-    ``gamma`` defaults to the recipe's ``balance.gamma`` (1e-3). ``jobs`` defaults to one worker process
-    per rule, so the runs train side by side with ``threads`` (default: this process's threads divided
-    among the jobs, at least one) each: single-threaded processes use two cores fully without the OpenMP
-    barrier stalls a 2-thread run suffers on a busy machine.
-    """
-    base = common.base_recipe(DEFAULT_RECIPE, recipe, eval_points=EVAL_POINTS, **overrides)
-    try:
-        return BalancingConfig(
-            base=base,
-            rules=rules or list(RULES),
-            gamma=gamma if gamma is not None else base.balance.gamma,
-            window=window,
-            out=out or "runs/balancing",
-            keep_weights=keep_weights,
-            threads=threads,
-            jobs=jobs if jobs is not None else len(set(rules or RULES)),
-        )
-    except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise K2LabError(f"invalid balancing ablation setting: {error}") from error
-
-
-def parse_rules(text: str) -> list[str]:
-    """'quantile, none' -> ['none', 'quantile'] (checked against ``RULES``, in their order)."""
-    try:
-        return common.ordered_subset([part for part in re.split(r"[\s,]+", text) if part], RULES, "--rules")
-    except ValueError as error:
-        raise K2LabError(str(error)) from error
+    @model_validator(mode="after")
+    def _resolve_defaults(self) -> BalancingConfig:
+        if self.gamma is None:
+            self.gamma = self.base.balance.gamma
+        if self.jobs is None:
+            self.jobs = len(self.rules)
+        return self
 
 
 def train_config(ablation: BalancingConfig, rule: str) -> TrainConfig:
@@ -126,7 +126,7 @@ def train_config(ablation: BalancingConfig, rule: str) -> TrainConfig:
     if rule == "deepseek":
         update["gamma"] = ablation.gamma
     balance = ablation.base.balance.model_copy(update=update)
-    return common.with_updates(ablation.base, balance=balance, out=str(Path(ablation.out) / "runs" / rule))
+    return with_updates(ablation.base, balance=balance, out=str(Path(ablation.out) / "runs" / rule))
 
 
 # ---- analysis --------------------------------------------------------------------------------------------
@@ -164,14 +164,13 @@ def summarize_run(config: TrainConfig, summary: dict, reused: bool, window: int)
     tail = max(1, math.ceil(steps * TAIL_FRACTION))
     imbalance, dead, dead_window = curves["imbalance"], curves["dead"], curves["dead_window"]
     recent = loads[-window:].sum(0)  # [layers, experts]
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
-    val = [(r["step"], float(r["val_loss"])) for r in records if "val_loss" in r]
+    val = val_points(records)
     return {
         "rule": config.balance.bias_rule,
         "gamma": config.balance.gamma if config.balance.bias_rule == "deepseek" else None,
         "run_dir": str(config.out),
         "steps": steps,
-        "tokens": steps * tokens_per_step,
+        "tokens": steps * tokens_per_step(config),
         "moe_layers": layers,
         "n_experts": n_experts,
         "tail_steps": tail,
@@ -190,18 +189,14 @@ def summarize_run(config: TrainConfig, summary: dict, reused: bool, window: int)
         "dead_at_end": int(dead_window[-1].sum()),
         "dead_at_end_by_layer": dead_window[-1].tolist(),
         "final_relative_loads": (recent / recent.mean(-1, keepdim=True).clamp(min=1e-9)).tolist(),
-        "seconds": summary.get("seconds", math.nan),
-        "cpu_seconds": summary.get("cpu_seconds", math.nan),
-        "reused": reused,
+        **run_times(summary, reused),
         "slots": n_layers * n_experts,
     }
 
 
 def run_balancing(ablation: BalancingConfig, console: Console | None = None) -> dict[str, Any]:
     """Train every rule's run (or reuse it), analyse, write DIR/balancing.{json,md,png}; returns the results."""
-    console = console or Console()
-    out = Path(ablation.out)
-    out.mkdir(parents=True, exist_ok=True)
+    study = StudyRun(ablation, console or Console())
     configs = [train_config(ablation, rule) for rule in ablation.rules]
     plan = [
         PlannedRun(
@@ -213,39 +208,29 @@ def run_balancing(ablation: BalancingConfig, console: Console | None = None) -> 
         )
         for config in configs
     ]
-    start = time.perf_counter()
 
-    def report(index: int, summary: dict, reused: bool) -> None:
-        run = summarize_run(configs[index], summary, reused, ablation.window)
-        console.print(
-            f"[{index + 1}/{len(plan)}] {LABELS[run['rule']]}: imbalance {run['tail_imbalance_mean']:.3f} "
-            f"(last {run['tail_steps']} steps), dead at end {run['dead_at_end']}/{run['slots']}, final val "
-            f"loss {run['final_val_loss']:.4f}{' (reused)' if reused else ''}; "
-            f"elapsed {time.perf_counter() - start:.0f}s"
+    def describe(index: int, summary: dict) -> str:
+        run = summarize_run(configs[index], summary, False, ablation.window)
+        return (
+            f"{LABELS[run['rule']]}: imbalance {run['tail_imbalance_mean']:.3f} (last {run['tail_steps']} "
+            f"steps), dead at end {run['dead_at_end']}/{run['slots']}, final val loss {run['final_val_loss']:.4f}"
         )
 
-    outcomes, per_run = common.train_runs(plan, ablation, console, report)
+    outcomes = study.train(plan, describe)
     runs = [
         summarize_run(config, summary, reused, ablation.window)
         for config, (summary, reused) in zip(configs, outcomes, strict=True)
     ]
-    results = analyse(ablation, runs)
-    common.record_times(results, runs, ablation, per_run, start)
-    paths = common.write_outputs(results, out, "balancing", markdown_report, plot_balancing)
-    print_summary(results, console)
-    console.print("wrote " + ", ".join(map(str, paths)))
-    return results
+    return study.finish(analyse(ablation, runs), runs, REPORT)
 
 
 def analyse(ablation: BalancingConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Settings, the runs, and the fairness checks (same tokens, same step-1 loss)."""
-    from k2lab.presets import load_preset
-
     base = ablation.base
     model = load_preset(base.preset, **base.model_overrides)
     return {
         "settings": {
-            **common.recipe_settings(base),
+            **recipe_settings(base),
             "optimizer": base.optimizer.name,
             "lr": base.optimizer.lr,
             "schedule": base.schedule.model_dump(mode="json"),
@@ -304,6 +289,7 @@ def markdown_report(results: dict[str, Any]) -> str:
     runs = results["runs"]
     n_layers = len(runs[0]["moe_layers"])
     fair = "equal" if results["same_first_loss"] else "NOT equal (the runs are not comparable)"
+    by_layer = [[_rule_name(run), *(fmt(v) for v in run["tail_imbalance_by_layer"])] for run in runs]
     lines = [
         f"# Router-bias ablation: {s['preset']}, {s['steps']} steps × {s['tokens_per_step']:,} tokens "
         f"({s['tokens']:,} tokens per rule)",
@@ -319,22 +305,13 @@ def markdown_report(results: dict[str, Any]) -> str:
         "maxed (max) over the layers and the steps of the window; dead experts are summed over the layers "
         f"(of {n_layers} × {s['n_experts']} = {runs[0]['slots']}).",
         "",
-        "| " + " | ".join(table_header(results)) + " |",
-        "|---|" + "---|" * (len(table_header(results)) - 1),
-        *("| " + " | ".join(row) + " |" for row in table_rows(results)),
+        *md_table(table_header(results), table_rows(results)),
         "",
         f"## Mean max/mean load per MoE layer (last {runs[0]['tail_steps']} steps)",
         "",
-        "| bias rule | " + " | ".join(f"layer {i}" for i in runs[0]["moe_layers"]) + " |",
-        "|---|" + "---|" * n_layers,
-    ]
-    for run in runs:
-        lines.append(
-            f"| {_rule_name(run)} | " + " | ".join(fmt(v) for v in run["tail_imbalance_by_layer"]) + " |"
-        )
-    lines += [
+        *md_table(["bias rule", *(f"layer {i}" for i in runs[0]["moe_layers"])], by_layer),
         "",
-        common.timing_note(results, len(runs)),
+        timing_note(results, len(runs)),
         "",
     ]
     return "\n".join(lines)
@@ -347,20 +324,22 @@ def _rolling_mean(values: list[float], window: int) -> list[float]:
 
 def plot_balancing(results: dict[str, Any], target: Path) -> Path:
     """``balancing.png``: imbalance, dead experts and val loss vs step; per-layer loads at the end per rule."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.figure import Figure
-
-    s, runs = results["settings"], results["runs"]
-    window = s["window"]
-    figure = Figure(figsize=(15, 9), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
+    s = results["settings"]
+    figure = new_figure((15, 9))
     top, bottom = figure.subfigures(2, 1, height_ratios=[1.1, 1])
     figure.suptitle(
         f"Router-bias ablation: {s['preset']}, {s['tokens']:,} tokens per rule, same data and init",
         fontsize=14,
     )
-    imbalance_ax, dead_ax, loss_ax = top.subplots(1, 3)
+    _curves(top.subplots(1, 3), results)
+    _final_loads(bottom, results)
+    return save_figure_atomically(figure, target)
+
+
+def _curves(axes: Any, results: dict[str, Any]) -> None:
+    """Imbalance, dead experts and loss vs step, one colour per rule."""
+    runs, window = results["runs"], results["settings"]["window"]
+    imbalance_ax, dead_ax, loss_ax = axes
     for run in runs:
         steps = range(1, run["steps"] + 1)
         color, label = COLORS[run["rule"]], _rule_name(run)
@@ -372,34 +351,33 @@ def plot_balancing(results: dict[str, Any], target: Path) -> Path:
         dead_ax.plot(steps, run["dead"], color=color, alpha=0.35, linewidth=0.8)
         dead_ax.plot(steps, run["dead_window"], color=color, linewidth=2, label=label)
         loss_ax.plot(steps, _rolling_mean(run["loss"], window), color=color, alpha=0.5, linewidth=1)
-        curve = run["val_curve"]
-        loss_ax.plot(
-            [p["step"] for p in curve], [p["val_loss"] for p in curve], color=color, marker="o", label=label
-        )
+        plot_val_curve(loss_ax, run["val_curve"], color=color, label=label)
     imbalance_ax.axhline(1.0, color="black", linewidth=0.8)
     imbalance_ax.set_title(
         "expert load imbalance, mean over MoE layers\n"
         f"(thin: per step; bold: {window}-step mean; dotted: worst layer)",
         fontsize=10,
     )
-    imbalance_ax.set_ylabel("max / mean tokens per expert")
     dead_ax.set_title(
         "dead experts, summed over MoE layers\n"
         f"(thin: no token in the step; bold: none in the last {window} steps)",
         fontsize=10,
     )
-    dead_ax.set_ylabel(f"experts (of {runs[0]['slots']})")
     loss_ax.set_title(
         f"loss (thin: training, {window}-step mean; markers: validation)\n"
         "(same tokens and evaluation batches for every rule)",
         fontsize=10,
     )
-    loss_ax.set_ylabel("nats/token")
-    for ax in (imbalance_ax, dead_ax, loss_ax):
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+    finish_axes(imbalance_ax, "step", "max / mean tokens per expert")
+    finish_axes(dead_ax, "step", f"experts (of {runs[0]['slots']})")
+    finish_axes(loss_ax, "step", "nats/token")
 
+
+def _final_loads(bottom: Any, results: dict[str, Any]) -> None:
+    """One heat map per rule: each expert's tokens over the last window relative to the layer's mean."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    runs, window = results["runs"], results["settings"]["window"]
     heat_axes = bottom.subplots(1, len(runs), squeeze=False)[0]
     vmax = max(max(max(row) for row in run["final_relative_loads"]) for run in runs)
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(vmax, 1.01))
@@ -411,21 +389,17 @@ def plot_balancing(results: dict[str, Any], target: Path) -> Path:
         ax.set_yticks(range(len(run["moe_layers"])), [f"layer {i}" for i in run["moe_layers"]])
     if image is not None:
         bottom.colorbar(image, ax=list(heat_axes), label="tokens / mean tokens (0 = dead)")
-    return save_figure_atomically(figure, target)
 
 
 def print_summary(results: dict[str, Any], console: Console) -> None:
     """The comparison as a rich table, and a warning when the runs did not start equal."""
     s = results["settings"]
-    table = Table(
-        title=f"router bias rules: {s['preset']}, {s['steps']} steps × {s['tokens_per_step']:,} tokens"
-    )
-    for index, column in enumerate(table_header(results)):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    for row in table_rows(results):
-        table.add_row(*row)
-    console.print(table)
+    title = f"router bias rules: {s['preset']}, {s['steps']} steps × {s['tokens_per_step']:,} tokens"
+    console.print(rich_table(title, table_header(results), table_rows(results)))
     if not results["same_first_loss"]:
         console.print(
             "[yellow]warning:[/] the runs' step-1 losses differ: they did not start from the same state"
         )
+
+
+REPORT = Report("balancing", markdown_report, plot_balancing, print_summary)

@@ -29,8 +29,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
-import shutil
 import socket
 import threading
 import time
@@ -41,8 +39,29 @@ from typing import Any
 import torch
 from pydantic import Field
 from rich.console import Console
-from rich.table import Table
 
+from k2lab.ablations.common import (
+    AblationSettings,
+    PlannedRun,
+    StudyRun,
+    drop_weights,
+    recipe_settings,
+    run_times,
+    tokens_per_step,
+    val_points,
+    with_updates,
+)
+from k2lab.ablations.report import (
+    Report,
+    finish_axes,
+    fmt,
+    md_table,
+    new_figure,
+    plot_val_curve,
+    rich_table,
+    timing_note,
+    write_json,
+)
 from k2lab.data.corpus import Document, load_corpus, stable_rank
 from k2lab.data.rephrase import (
     DEFAULT_STYLES,
@@ -56,8 +75,6 @@ from k2lab.data.rephrase import (
 )
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
-from k2lab.train import ablation_common as common
-from k2lab.train.ablation_common import AblationSettings, PlannedRun, fmt
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 
@@ -79,55 +96,50 @@ DEFAULT_RECIPE: dict[str, Any] = {
     "precision": "fp32",
     "schedule": {"kind": "wsd", "warmup_steps": 10, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
 }
-EVAL_POINTS = 5
 
 
 class RephraseAblationConfig(AblationSettings):
-    """The ablation: the raw subset, the rephrasing source and settings, the base recipe."""
+    """The ablation: the raw subset, the rephrasing source and settings, the base recipe (everything but
+    the data, which each arm brings)."""
 
-    data: str | None = None
-    docs: int = Field(default=32, gt=0, description="Raw training documents in the subset.")
-    doc_chars: int = Field(default=1000, gt=0, description="Each document is cut to this many characters.")
-    heldout_docs: int = Field(default=8, gt=0, description="Raw held-out documents for validation.")
-    n_rephrasings: int = Field(default=4, gt=0, description="K: rephrasings per document = raw epochs.")
-    steps: int | None = Field(default=None, gt=0, description="Steps per arm; None: K raw epochs' tokens.")
-    rephrased: str | None = None
-    base_url: str | None = None
-    model: str | None = None
-    api_key: str | None = None
-    checkpoint: str | None = None
-    chunk_chars: int = Field(default=400, gt=0)
-    tail_chars: int = Field(default=300, ge=0)
-    styles: list[str] = Field(default_factory=lambda: list(DEFAULT_STYLES))
-    fidelity_threshold: float = Field(default=0.5, ge=0, le=1)
-    concurrency: int = Field(default=8, gt=0)
-    max_tokens: int | None = Field(default=None, gt=0)
-    probe_items: int = Field(default=64, ge=0)
-    out: str = "runs/rephrase"
+    BASE = DEFAULT_RECIPE
+    EVAL_POINTS = 5
+    WHAT = "rephrasing ablation setting"
 
-
-def rephrase_ablation_config(
-    recipe: str | os.PathLike[str] | None = None,
-    out: str | None = None,
-    keep_weights: bool = False,
-    threads: int | None = None,
-    jobs: int | None = None,
-    ablation: dict[str, Any] | None = None,
-    **overrides: Any,
-) -> RephraseAblationConfig:
-    """The ablation from ``DEFAULT_RECIPE``, ``recipe`` (TOML) and ``TrainConfig`` overrides (dotted keys,
-    None ignored); ``ablation`` holds this ablation's own settings (None values ignored). ``jobs``
-    defaults to one worker process per arm."""
-    steps = overrides.pop("steps", None)
-    base = common.base_recipe(DEFAULT_RECIPE, recipe, eval_points=EVAL_POINTS, **overrides)
-    own = {key: value for key, value in (ablation or {}).items() if value is not None}
-    try:
-        return RephraseAblationConfig(
-            base=base, out=out or "runs/rephrase", keep_weights=keep_weights, threads=threads,
-            jobs=jobs if jobs is not None else len(ARMS), steps=steps, **own,
-        )  # fmt: skip
-    except ValueError as error:
-        raise K2LabError(f"invalid rephrasing ablation setting: {error}") from error
+    data: str | None = Field(
+        default=None, description="Directory of .txt/.md/.jsonl (unset: embedded corpus)"
+    )
+    docs: int = Field(default=32, gt=0, description="Raw training documents in the subset")
+    doc_chars: int = Field(default=1000, gt=0, description="Characters kept per document")
+    heldout_docs: int = Field(default=8, gt=0, description="Raw held-out documents for validation")
+    n_rephrasings: int = Field(default=4, gt=0, description="K: rephrasings per document = raw epochs")
+    steps: int | None = Field(
+        default=None, gt=0, description="Steps per arm (unset: K epochs of the raw subset's tokens)"
+    )
+    rephrased: str | None = Field(
+        default=None, description="Reuse this `k2lab data rephrase` output instead of rephrasing"
+    )
+    base_url: str | None = Field(
+        default=None, description="OpenAI-compatible endpoint for the rephrasings, e.g. http://host/v1"
+    )
+    model: str | None = Field(default=None, description="Model name at --base-url")
+    api_key: str | None = Field(default=None, description="API key of --base-url ($OPENAI_API_KEY)")
+    checkpoint: str | None = Field(
+        default=None, description="Serve this checkpoint in-process for the rephrasings (no --base-url)"
+    )
+    chunk_chars: int = Field(default=400, gt=0, description="Characters per rephrased chunk")
+    tail_chars: int = Field(default=300, ge=0, description="Characters of the rephrasing so far in a prompt")
+    styles: list[str] = Field(default_factory=lambda: list(DEFAULT_STYLES), description="Rephrasing styles")
+    fidelity_threshold: float = Field(
+        default=0.5, ge=0, le=1, description="Drop rephrasings scoring below this (0-1)"
+    )
+    concurrency: int = Field(default=8, gt=0, description="Requests in flight")
+    max_tokens: int | None = Field(
+        default=None, gt=0, description="Completion tokens per chunk (unset: about half its characters)"
+    )
+    probe_items: int = Field(default=64, ge=0, description="QA probe questions (0 skips the probe)")
+    jobs: int = Field(default=len(ARMS), gt=0, description="Arms trained at once, in worker processes")
+    out: str = Field(default="runs/rephrase", description="Output directory")
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -159,8 +171,8 @@ def local_server(checkpoint: str | Path, max_batch: int = 16) -> Iterator[tuple[
     """k2lab's OpenAI-compatible server over ``checkpoint`` on loopback in this process: (base_url, model)."""
     import uvicorn
 
-    from k2lab.checkpoint import load_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model
     from k2lab.serve import Engine
     from k2lab.serve.server import build_app
 
@@ -333,8 +345,8 @@ def _fact(sentence: str) -> str | None:
 @torch.no_grad()
 def run_probe(model_dir: Path, items: list[tuple[str, str]]) -> dict[str, float]:
     """Mean answer-token loss and exact-argmax accuracy of the model in ``model_dir`` on ``items``."""
-    from k2lab.checkpoint import load_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model
 
     if not items:
         return {"probe_loss": math.nan, "probe_accuracy": math.nan, "probe_items": 0}
@@ -369,10 +381,9 @@ def probe_run(config: TrainConfig, items: list[tuple[str, str]], keep_weights: b
     if not (run_dir / "model").is_dir():
         return {"probe_loss": math.nan, "probe_accuracy": math.nan, "probe_items": 0}
     scores = run_probe(run_dir / "model", items)
-    common.write_json(cache, {"items_sha256": key, "scores": scores})
+    write_json(cache, {"items_sha256": key, "scores": scores})
     if not keep_weights:
-        for name in ("checkpoints", "model"):
-            shutil.rmtree(run_dir / name, ignore_errors=True)
+        drop_weights(run_dir)
     return scores
 
 
@@ -382,13 +393,12 @@ def plan_runs(
 ) -> list[TrainConfig]:
     """One recipe per arm: same everything but the data directory and the run directory."""
     base = ablation.base
-    tokens_per_step = base.batch_size * base.seq_len * base.grad_accum
-    steps = ablation.steps or max(1, round(ablation.n_rephrasings * raw_tokens / tokens_per_step))
-    eval_every = max(1, steps // EVAL_POINTS)
+    steps = ablation.steps or max(1, round(ablation.n_rephrasings * raw_tokens / tokens_per_step(base)))
+    eval_every = max(1, steps // RephraseAblationConfig.EVAL_POINTS)
     warmup = min(base.schedule.warmup_steps, max(0, steps // 5))
     schedule = base.schedule.model_copy(update={"warmup_steps": warmup})
     return [
-        common.with_updates(
+        with_updates(
             base,
             data=str(dirs[arm]),
             data_max_bytes=None,
@@ -405,13 +415,11 @@ def plan_runs(
 
 def run_rephrase_ablation(ablation: RephraseAblationConfig, console: Console | None = None) -> dict[str, Any]:
     """Rephrase (or reuse), train both arms (or reuse), probe, write OUT/rephrase.{json,md,png}."""
-    console = console or Console()
+    study = StudyRun(ablation, console or Console())
     out = Path(ablation.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
     raw, heldout = select_raw(ablation)
     rephrase_start = time.perf_counter()
-    rephrased_dir = produce_rephrasings(ablation, raw, console)
+    rephrased_dir = produce_rephrasings(ablation, raw, study.console)
     rephrase_seconds = time.perf_counter() - rephrase_start
     versions, stats = arm_versions(raw, rephrased_dir, ablation.n_rephrasings, ablation.fidelity_threshold)
     stats["seconds"] = rephrase_seconds
@@ -428,15 +436,12 @@ def run_rephrase_ablation(ablation: RephraseAblationConfig, console: Console | N
         for arm, c in zip(ARMS, configs, strict=True)
     ]
     items = probe_items(raw, ablation.probe_items)
-    training = ablation.model_copy(update={"keep_weights": True})  # the probe needs the weights
 
-    def report(index: int, summary: dict, reused: bool) -> None:
-        console.print(
-            f"[{index + 1}/{len(plan)}] {ARMS[index]}: final val loss {summary.get('val_loss', math.nan):.4f}"
-            f"{' (reused)' if reused else ''}; elapsed {time.perf_counter() - start:.0f}s"
-        )
+    def describe(index: int, summary: dict) -> str:
+        return f"{ARMS[index]}: final val loss {summary.get('val_loss', math.nan):.4f}"
 
-    outcomes, per_run = common.train_runs(plan, training, console, report)
+    # the probe needs the weights: the runs keep them, the probe drops them unless keep_weights
+    outcomes = study.train(plan, describe, ablation.model_copy(update={"keep_weights": True}))
     runs = [
         summarize_run(
             arm, config, summary, reused, tokens[arm], probe_run(config, items, ablation.keep_weights)
@@ -444,11 +449,7 @@ def run_rephrase_ablation(ablation: RephraseAblationConfig, console: Console | N
         for arm, config, (summary, reused) in zip(ARMS, configs, outcomes, strict=True)
     ]
     results = analyse(ablation, configs[0], runs, stats, tokens, len(raw), len(heldout))
-    common.record_times(results, runs, ablation, per_run, start)
-    paths = common.write_outputs(results, out, "rephrase", markdown_report, plot_rephrase)
-    print_summary(results, console)
-    console.print("wrote " + ", ".join(map(str, paths)))
-    return results
+    return study.finish(results, runs, REPORT)
 
 
 def summarize_run(
@@ -456,25 +457,23 @@ def summarize_run(
 ) -> dict[str, Any]:
     """One arm's figures from its metrics and probe."""
     records = read_metrics(config.out)
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
-    val = [(r["step"], float(r["val_loss"])) for r in records if "val_loss" in r]
+    per_step = tokens_per_step(config)
+    val = val_points(records)
     return {
         "arm": arm,
         "run_dir": config.out,
         "data": config.data,
         "steps": len(records),
-        "tokens": len(records) * tokens_per_step,
+        "tokens": len(records) * per_step,
         "data_tokens": arm_tokens,
-        "epochs": len(records) * tokens_per_step / max(1, arm_tokens),
+        "epochs": len(records) * per_step / max(1, arm_tokens),
         "first_loss": float(records[0]["loss"]) if records else math.nan,
         "loss": [float(r["loss"]) for r in records],
         "final_val_loss": val[-1][1] if val else math.nan,
         "val_curve": [{"step": s, "val_loss": v} for s, v in val],
         "unigram_baseline": summary.get("unigram_baseline", math.nan),
         **probe,
-        "seconds": summary.get("seconds", math.nan),
-        "cpu_seconds": summary.get("cpu_seconds", math.nan),
-        "reused": reused,
+        **run_times(summary, reused),
     }
 
 
@@ -489,7 +488,7 @@ def analyse(
 ) -> dict[str, Any]:
     """Settings, rephrasing statistics, the runs, and the fairness checks."""
     settings = {
-        **common.recipe_settings(config),
+        **recipe_settings(config),
         "data": ablation.data or "embedded stdlib corpus",
         "docs": n_docs,
         "heldout_docs": n_heldout,
@@ -557,14 +556,12 @@ def markdown_report(results: dict[str, Any]) -> str:
         f"the rest repeat the raw text); mean fidelity score {fmt(r['mean_fidelity'])}; "
         f"{r['failed_documents']} documents failed at the endpoint. Rephrased arm: {s['rephrased_tokens']:,} tokens.",
         "",
-        "| " + " | ".join(table_header()) + " |",
-        "|---|" + "---|" * (len(table_header()) - 1),
-        *("| " + " | ".join(row) + " |" for row in table_rows(results)),
+        *md_table(table_header(), table_rows(results)),
         "",
         "The QA probe is a cloze on facts (numbers, names) of the raw training documents: mean loss of the answer "
         "tokens, and the share of answers whose every token is the argmax (teacher-forced).",
         "",
-        common.timing_note(results, len(results["runs"])),
+        timing_note(results, len(results["runs"])),
         "",
     ]
     return "\n".join(lines)
@@ -572,12 +569,8 @@ def markdown_report(results: dict[str, Any]) -> str:
 
 def plot_rephrase(results: dict[str, Any], target: Path) -> Path:
     """``rephrase.png``: training and validation loss vs step per arm, and the probe per arm."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     s, runs = results["settings"], results["runs"]
-    figure = Figure(figsize=(13, 4.5), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = new_figure((13, 4.5))
     figure.suptitle(
         f"Rephrasing ablation: {s['preset']}, {s['tokens']:,} tokens per arm, "
         f"{s['n_rephrasings']} rephrasings × 1 epoch vs raw × {s['n_rephrasings']} epochs"
@@ -586,10 +579,7 @@ def plot_rephrase(results: dict[str, Any], target: Path) -> Path:
     for run in runs:
         color, label = COLORS[run["arm"]], arm_label(results, run)
         loss_ax.plot(range(1, len(run["loss"]) + 1), run["loss"], color=color, alpha=0.7, label=label)
-        curve = run["val_curve"]
-        val_ax.plot(
-            [p["step"] for p in curve], [p["val_loss"] for p in curve], color=color, marker="o", label=label
-        )
+        plot_val_curve(val_ax, run["val_curve"], color=color, label=label)
     labels = [arm_label(results, run) for run in runs]
     probe = [run["probe_loss"] if run["probe_loss"] is not None else math.nan for run in runs]
     probe_ax.bar(labels, probe, color=[COLORS[run["arm"]] for run in runs])
@@ -597,10 +587,7 @@ def plot_rephrase(results: dict[str, Any], target: Path) -> Path:
     val_ax.set_title("validation loss on raw held-out text", fontsize=10)
     probe_ax.set_title("QA probe: answer-token loss (lower is better)", fontsize=10)
     for ax in (loss_ax, val_ax):
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats/token")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        finish_axes(ax, "step", "nats/token")
     probe_ax.set_ylabel("nats/token")
     return save_figure_atomically(figure, target)
 
@@ -608,9 +595,8 @@ def plot_rephrase(results: dict[str, Any], target: Path) -> Path:
 def print_summary(results: dict[str, Any], console: Console) -> None:
     """The comparison as a rich table."""
     s = results["settings"]
-    table = Table(title=f"rephrasing ablation: {s['preset']}, {s['tokens']:,} tokens per arm")
-    for index, column in enumerate(table_header()):
-        table.add_column(column, justify="left" if index == 0 else "right")
-    for row in table_rows(results):
-        table.add_row(*row)
-    console.print(table)
+    title = f"rephrasing ablation: {s['preset']}, {s['tokens']:,} tokens per arm"
+    console.print(rich_table(title, table_header(), table_rows(results)))
+
+
+REPORT = Report("rephrase", markdown_report, plot_rephrase, print_summary)

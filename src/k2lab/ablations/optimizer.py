@@ -40,31 +40,33 @@ token efficiency reported is therefore a lower bound of what equal schedules wou
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rich.console import Console
-from rich.table import Table
 
-from k2lab.errors import K2LabError
-from k2lab.fsutil import save_figure_atomically
-from k2lab.train.ablation_common import (
+from k2lab.ablations.common import (
     AblationSettings,
     PlannedRun,
-    base_recipe,
-    fmt,
+    StudyRun,
     ordered_subset,
     recipe_settings,
-    record_times,
-    timing_note,
-    train_runs,
+    run_times,
+    tokens_per_step,
     with_updates,
-    write_outputs,
 )
+from k2lab.ablations.report import (
+    Report,
+    finish_axes,
+    fmt,
+    md_table,
+    new_figure,
+    rich_table,
+    timing_note,
+)
+from k2lab.fsutil import save_figure_atomically
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 
@@ -88,23 +90,27 @@ FULL_RECIPE: dict[str, Any] = {
     "schedule": {"kind": "wsd", "warmup_steps": 15, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
 }
 FULL_LRS = (3e-4, 1e-3, 3e-3)  # brackets the optimum (1e-3) of every optimizer at 150 steps
-FULL_STRESS = {"lr": 3e-2, "tau": 10.0, "steps": None}  # steps None: min(sweep steps, 100)
 
-# ``--quick``: a smoke run of the same pipeline (k2-nano, a 2 MB slice of the corpus, a few steps).
-QUICK_RECIPE: dict[str, Any] = {
-    "preset": "k2-nano",
-    "vocab_size": 512,
-    "data_max_bytes": 2_000_000,
-    "steps": 30,
-    "batch_size": 4,
-    "seq_len": 64,
-    "eval_batches": 2,
-    "sample_tokens": 4,
-    "precision": "fp32",
-    "schedule": {"kind": "wsd", "warmup_steps": 3, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
+# ``--quick``: a smoke run of the same pipeline (k2-nano, a 2 MB slice of the corpus, a few steps), as an
+# overlay of the settings applied before the recipe, ``--set`` and the options.
+QUICK: dict[str, Any] = {
+    "base": {
+        "preset": "k2-nano",
+        "vocab_size": 512,
+        "data_max_bytes": 2_000_000,
+        "steps": 30,
+        "batch_size": 4,
+        "seq_len": 64,
+        "eval_batches": 2,
+        "sample_tokens": 4,
+        "precision": "fp32",
+        "schedule": {"kind": "wsd", "warmup_steps": 3, "decay_fraction": 0.2, "min_lr_ratio": 0.1},
+    },
+    "lrs": [3e-3, 1e-2, 3e-2],
+    "stress": {"lr": 5e-2, "tau": 2.0},
+    "out": "runs/ablation-quick",
+    "threads": 1,
 }
-QUICK_LRS = (3e-3, 1e-2, 3e-2)
-QUICK_STRESS = {"lr": 5e-2, "tau": 2.0, "steps": None}
 
 
 class StressConfig(BaseModel):
@@ -112,20 +118,37 @@ class StressConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lr: float = Field(gt=0)
-    tau: float = Field(gt=0)
-    steps: int | None = Field(default=None, gt=0, description="None = min(the sweep's steps, 100).")
+    lr: float = Field(default=3e-2, gt=0, description="Stress setting lr")
+    tau: float = Field(default=10.0, gt=0, description="Stress setting τ")
+    steps: int | None = Field(
+        default=None, gt=0, description="Stress setting steps (unset: min(the sweep's steps, 100))"
+    )
 
 
 class AblationConfig(AblationSettings):
-    """What to run: a base recipe (everything but the optimizer), the lr grid, τ, the stress setting."""
+    """What to run: a base recipe (everything but the optimizer), the lr grid, τ, the stress setting.
 
-    optimizers: list[str] = Field(default_factory=lambda: list(OPTIMIZERS))
-    lrs: list[float] = Field(min_length=1)
-    tau: float = Field(default=100.0, gt=0, description="MuonClip's τ in the sweep.")
-    target_loss: float | None = Field(default=None, description="None = worst best-run's final val loss.")
-    stress: StressConfig | None = None
-    out: str = "runs/ablation"
+    The base recipe's ``[optimizer]`` table sets everything but the name, lr and τ, which the ablation
+    varies.
+    """
+
+    BASE = FULL_RECIPE
+    WHAT = "ablation setting"
+
+    optimizers: list[str] = Field(
+        default_factory=lambda: list(OPTIMIZERS), description="Optimizers compared (of adamw, muon, muonclip)"
+    )
+    lrs: list[float] = Field(
+        default_factory=lambda: list(FULL_LRS), min_length=1, description="lr grid of every optimizer"
+    )
+    tau: float | None = Field(
+        default=None, gt=0, description="MuonClip's τ in the sweep (unset: the base recipe's qk_clip_tau)"
+    )
+    target_loss: float | None = Field(
+        default=None, description="Target val loss (unset: the worst best-run's final val loss)"
+    )
+    stress: StressConfig | None = Field(default_factory=StressConfig)
+    out: str = Field(default="runs/ablation", description="Output directory")
 
     @field_validator("optimizers")
     @classmethod
@@ -139,71 +162,14 @@ class AblationConfig(AblationSettings):
             raise ValueError(f"learning rates must be positive, got {lrs}")
         return sorted(set(lrs))
 
+    @model_validator(mode="after")
+    def _sweep_tau(self) -> AblationConfig:
+        if self.tau is None:
+            self.tau = self.base.optimizer.qk_clip_tau
+        return self
+
 
 # ---- configuration -------------------------------------------------------------------------------------
-def ablation_config(
-    quick: bool = False,
-    recipe: str | os.PathLike[str] | None = None,
-    lrs: list[float] | None = None,
-    tau: float | None = None,
-    stress_lr: float | None = None,
-    stress_tau: float | None = None,
-    stress_steps: int | None = None,
-    no_stress: bool = False,
-    target_loss: float | None = None,
-    optimizers: list[str] | None = None,
-    out: str | None = None,
-    keep_weights: bool = False,
-    threads: int | None = None,
-    jobs: int = 1,
-    **overrides: Any,
-) -> AblationConfig:
-    """The ablation from the defaults (full or ``quick``), then ``recipe`` (TOML), then the overrides.
-
-    ``overrides`` are ``TrainConfig`` fields (dotted keys for nesting; None values ignored), e.g.
-    ``preset="k2-nano", steps=20, **{"schedule.warmup_steps": 2}``. The recipe's ``[optimizer]`` table
-    sets everything but the name, lr and τ, which the ablation varies. ``eval_every`` defaults to a tenth
-    of the steps, checkpoints are written once, at the end.
-    """
-    base = base_recipe(QUICK_RECIPE if quick else FULL_RECIPE, recipe, **overrides)
-    defaults = QUICK_STRESS if quick else FULL_STRESS
-    stress = None
-    if not no_stress:
-        stress = StressConfig(
-            lr=stress_lr if stress_lr is not None else defaults["lr"],
-            tau=stress_tau if stress_tau is not None else defaults["tau"],
-            steps=stress_steps if stress_steps is not None else defaults["steps"],
-        )
-    try:
-        return AblationConfig(
-            base=base,
-            optimizers=optimizers or list(OPTIMIZERS),
-            lrs=lrs or list(QUICK_LRS if quick else FULL_LRS),
-            tau=tau if tau is not None else base.optimizer.qk_clip_tau,
-            target_loss=target_loss,
-            stress=stress,
-            out=out or ("runs/ablation-quick" if quick else "runs/ablation"),
-            keep_weights=keep_weights,
-            threads=threads if threads is not None or not quick else 1,
-            jobs=jobs,
-        )
-    except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise K2LabError(f"invalid ablation setting: {error}") from error
-
-
-def parse_lrs(text: str) -> list[float]:
-    """'1e-3,3e-3, 1e-2' -> [0.001, 0.003, 0.01]."""
-    try:
-        values = [float(part) for part in text.replace(" ", ",").split(",") if part]
-    except ValueError as error:
-        raise K2LabError(
-            f"--lrs must be numbers separated by commas (e.g. 1e-3,3e-3), got {text!r}"
-        ) from error
-    if not values or any(not value > 0 for value in values):
-        raise K2LabError(f"--lrs must be positive numbers separated by commas, got {text!r}")
-    return values
-
-
 def run_name(optimizer: str, lr: float, tau: float | None = None) -> str:
     name = f"{optimizer}-lr{lr:g}"
     return name if tau is None else f"{name}-tau{tau:g}"
@@ -227,8 +193,8 @@ def train_config(
 def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str, Any]:
     """One run's figures and curves from its ``metrics.jsonl``."""
     records = read_metrics(config.out)
-    tokens_per_step = config.batch_size * config.seq_len * config.grad_accum
-    val = [(r["step"], r["step"] * tokens_per_step, float(r["val_loss"])) for r in records if "val_loss" in r]
+    per_step = tokens_per_step(config)
+    val = [(r["step"], r["step"] * per_step, float(r["val_loss"])) for r in records if "val_loss" in r]
     max_logit = [float(r.get("max_logit", math.nan)) for r in records]
     clipped_max = [float(r.get("max_logit_clipped", math.nan)) for r in records]
     tau = config.optimizer.qk_clip_tau
@@ -241,7 +207,7 @@ def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str,
         "tau": tau,
         "run_dir": str(config.out),
         "steps": len(records),
-        "tokens": len(records) * tokens_per_step,
+        "tokens": len(records) * per_step,
         "final_val_loss": val[-1][2] if val else math.nan,
         "unigram_baseline": summary.get("unigram_baseline", math.nan),
         "val_curve": [{"step": s, "tokens": t, "val_loss": v} for s, t, v in val],
@@ -254,9 +220,7 @@ def summarize_run(config: TrainConfig, summary: dict, reused: bool) -> dict[str,
         "clipped_heads_total": sum(float(r.get("qk_clipped_heads", 0)) for r in records),
         "qk_clip_ever_frac": float(records[-1].get("qk_clip_ever_frac", 0.0)) if records else 0.0,
         "median_tokens_per_s": statistics.median(speeds) if speeds else math.nan,
-        "seconds": summary.get("seconds", math.nan),
-        "cpu_seconds": summary.get("cpu_seconds", math.nan),
-        "reused": reused,
+        **run_times(summary, reused),
     }
 
 
@@ -277,6 +241,12 @@ def run_plan(ablation: AblationConfig) -> list[tuple[str, TrainConfig]]:
     return plan
 
 
+def _setting(config: TrainConfig, sep: str = ", ") -> str:
+    """ "MuonClip, lr 0.001, τ 100": the optimizer, lr and τ of a run."""
+    optimizer = config.optimizer
+    return f"{LABELS[optimizer.name]}{sep}lr {optimizer.lr:g}{sep}τ {optimizer.qk_clip_tau:g}"
+
+
 def run_ablation(ablation: AblationConfig, console: Console | None = None) -> dict[str, Any]:
     """Train every run (or reuse it), analyse, write DIR/ablation.{json,md,png}; returns the results.
 
@@ -284,42 +254,31 @@ def run_ablation(ablation: AblationConfig, console: Console | None = None) -> di
     they train in that many worker processes (spawned), each with ``threads`` torch threads (default:
     this process's threads divided among the jobs) and its output in ``DIR/logs/{run}.log``.
     """
-    console = console or Console()
-    out = Path(ablation.out)
-    out.mkdir(parents=True, exist_ok=True)
+    study = StudyRun(ablation, console or Console())
     kinds = run_plan(ablation)
     plan = [
         PlannedRun(
             config,
-            f"{kind}: {LABELS[config.optimizer.name]}, lr {config.optimizer.lr:g}, "
-            f"τ {config.optimizer.qk_clip_tau:g}, {config.steps} steps → {config.out}",
+            f"{kind}: {_setting(config)}, {config.steps} steps → {config.out}",
             f"{kind}-{Path(config.out).name}",
         )
         for kind, config in kinds
     ]
-    start = time.perf_counter()
 
-    def report(index: int, summary: dict, reused: bool) -> None:
+    def describe(index: int, summary: dict) -> str:
         kind, config = kinds[index]
-        result = summarize_run(config, summary, reused)
-        console.print(
-            f"[{index + 1}/{len(plan)}] {kind}: {LABELS[config.optimizer.name]} lr {config.optimizer.lr:g} "
-            f"τ {config.optimizer.qk_clip_tau:g}: final val loss {result['final_val_loss']:.4f}, peak max "
-            f"logit {result['peak_max_logit']:.2f}{' (reused)' if reused else ''}; "
-            f"elapsed {time.perf_counter() - start:.0f}s"
+        result = summarize_run(config, summary, False)
+        return (
+            f"{kind}: {_setting(config, ' ')}: final val loss {result['final_val_loss']:.4f}, "
+            f"peak max logit {result['peak_max_logit']:.2f}"
         )
 
-    outcomes, per_run = train_runs(plan, ablation, console, report)
+    outcomes = study.train(plan, describe)
     sweep: list[dict[str, Any]] = []
     stressed: list[dict[str, Any]] = []
     for (kind, config), (summary, reused) in zip(kinds, outcomes, strict=True):
         (sweep if kind == "sweep" else stressed).append(summarize_run(config, summary, reused))
-    results = analyse(ablation, sweep, stressed)
-    record_times(results, [*sweep, *stressed], ablation, per_run, start)
-    paths = write_outputs(results, out, "ablation", markdown_report, plot_ablation)
-    print_summary(results, console)
-    console.print("wrote " + ", ".join(map(str, paths)))
-    return results
+    return study.finish(analyse(ablation, sweep, stressed), [*sweep, *stressed], REPORT)
 
 
 # ---- analysis --------------------------------------------------------------------------------------------
@@ -453,93 +412,102 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         "## Learning-rate sweep (final validation loss)",
         "",
+        *md_table(["optimizer", *(f"lr {lr:g}" for lr in s["lrs"]), "best lr"], _sweep_rows(results)),
     ]
-    lrs = s["lrs"]
-    lines.append("| optimizer | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | best lr |")
-    lines.append("|---|" + "---|" * (len(lrs) + 1))
-    for name in results["best"]:
-        cells = []
-        for lr in lrs:
-            run = next((r for r in results["runs"] if r["optimizer"] == name and r["lr"] == lr), None)
-            cells.append(fmt(run["final_val_loss"]) if run else "—")
-        lines.append(
-            f"| {LABELS[name]} | " + " | ".join(cells) + f" | {results['comparison'][name]['lr']:g} |"
-        )
-
     equal = results["equal_tokens"]
     lines += ["", "## Validation loss at equal tokens (best lr of each optimizer)", ""]
-    lines.append("| optimizer | " + " | ".join(f"{_tokens(t)} tokens" for t in equal["tokens"]) + " |")
-    lines.append("|---|" + "---|" * len(equal["tokens"]))
-    for name, losses in equal["val_loss"].items():
-        lines.append(f"| {LABELS[name]} | " + " | ".join(fmt(v) for v in losses) + " |")
-
+    lines += md_table(
+        ["optimizer", *(f"{_tokens(t)} tokens" for t in equal["tokens"])],
+        [[LABELS[name], *(fmt(v) for v in losses)] for name, losses in equal["val_loss"].items()],
+    )
     reference = results["reference"]
     lines += [
         "",
         f"## Tokens to reach validation loss {fmt(results['target_loss'])} ({results['target_rule']})",
         "",
-        f"| optimizer | lr | final val loss | tokens to target | token efficiency vs {LABELS[reference]} "
-        "| peak max logit | heads ever clipped | median tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    header = ["optimizer", "lr", "final val loss", "tokens to target", f"token efficiency vs {LABELS[reference]}",
+              "peak max logit", "heads ever clipped", "median tokens/s"]  # fmt: skip
+    rows = []
     for name, row in results["comparison"].items():
         efficiency = row["token_efficiency_vs_" + reference]
-        lines.append(
-            f"| {LABELS[name]} | {row['lr']:g} | {fmt(row['final_val_loss'])} | {_tokens(row['tokens_to_target'])} "
-            f"| {fmt(efficiency, '.2f')}{'×' if efficiency else ''} | {fmt(row['peak_max_logit'], '.2f')} "
-            f"| {row['qk_clip_ever_frac']:.0%} | {fmt(row['median_tokens_per_s'], ',.0f')} |"
-        )
-
-    stress = results["stress"]
-    if stress:
-        lines += [
-            "",
-            f"## Stress: lr {stress['lr']:g}, τ = {stress['tau']:g}, {stress['steps']} steps",
-            "",
-            "`max logit` is the largest per-head attention logit S_max of a step's forward, before that step's "
-            "clip; `after clip` is the same batch's maximum after QK-Clip rescaled the heads (`max_logit_clipped`).",
-            "",
-            "| optimizer | peak max logit | peak after clip | steps with max logit > τ | clipped head-steps "
-            "| heads ever clipped | final val loss |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, row in stress["runs"].items():
-            lines.append(
-                f"| {LABELS[name]} | {fmt(row['peak_max_logit'], '.2f')} | {fmt(row['peak_max_logit_clipped'], '.2f')} "
-                f"| {row['steps_above_tau']} | {row['clipped_heads_total']:.0f} | {row['qk_clip_ever_frac']:.0%} "
-                f"| {fmt(row['final_val_loss'])} |"
-            )
-        verdict = (
-            "Muon's max logit ran past τ while MuonClip kept every head at or below τ after each step."
-            if stress["demonstrated"]
-            else "Not demonstrated in this setting: "
-            + ("Muon stayed at or below τ." if not stress["muon_exceeds_tau"] else "MuonClip exceeded τ.")
-        )
-        lines += ["", f"**{verdict}**"]
+        rows.append([
+            LABELS[name], f"{row['lr']:g}", fmt(row["final_val_loss"]), _tokens(row["tokens_to_target"]),
+            f"{fmt(efficiency, '.2f')}{'×' if efficiency else ''}", fmt(row["peak_max_logit"], ".2f"),
+            f"{row['qk_clip_ever_frac']:.0%}", fmt(row["median_tokens_per_s"], ",.0f"),
+        ])  # fmt: skip
+    lines += md_table(header, rows)
+    if results["stress"]:
+        lines += _stress_markdown(results["stress"])
     runs = len(results["runs"]) + len(results["stress_runs"])
-    lines += [
-        "",
-        timing_note(results, runs),
-        "",
-    ]
+    lines += ["", timing_note(results, runs), ""]
     return "\n".join(lines)
+
+
+def _sweep_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per optimizer: its final validation loss at every lr of the grid, and its best lr."""
+    rows = []
+    for name in results["best"]:
+        cells = []
+        for lr in results["settings"]["lrs"]:
+            run = next((r for r in results["runs"] if r["optimizer"] == name and r["lr"] == lr), None)
+            cells.append(fmt(run["final_val_loss"]) if run else "—")
+        rows.append([LABELS[name], *cells, f"{results['comparison'][name]['lr']:g}"])
+    return rows
+
+
+def _stress_rows(stress: dict[str, Any], markdown: bool) -> list[list[str]]:
+    """The stress table's cells (the markdown table has two more columns than the console's)."""
+    rows = []
+    for name, row in stress["runs"].items():
+        cells = [LABELS[name], fmt(row["peak_max_logit"], ".2f"), fmt(row["peak_max_logit_clipped"], ".2f"),
+                 str(row["steps_above_tau"])]  # fmt: skip
+        if markdown:
+            cells += [f"{row['clipped_heads_total']:.0f}", f"{row['qk_clip_ever_frac']:.0%}"]
+        rows.append([*cells, fmt(row["final_val_loss"])])
+    return rows
+
+
+def _stress_markdown(stress: dict[str, Any]) -> list[str]:
+    header = ["optimizer", "peak max logit", "peak after clip", "steps with max logit > τ", "clipped head-steps",
+              "heads ever clipped", "final val loss"]  # fmt: skip
+    verdict = (
+        "Muon's max logit ran past τ while MuonClip kept every head at or below τ after each step."
+        if stress["demonstrated"]
+        else "Not demonstrated in this setting: "
+        + ("Muon stayed at or below τ." if not stress["muon_exceeds_tau"] else "MuonClip exceeded τ.")
+    )
+    return [
+        "",
+        f"## Stress: lr {stress['lr']:g}, τ = {stress['tau']:g}, {stress['steps']} steps",
+        "",
+        "`max logit` is the largest per-head attention logit S_max of a step's forward, before that step's "
+        "clip; `after clip` is the same batch's maximum after QK-Clip rescaled the heads (`max_logit_clipped`).",
+        "",
+        *md_table(header, _stress_rows(stress, markdown=True)),
+        "",
+        f"**{verdict}**",
+    ]
 
 
 def plot_ablation(results: dict[str, Any], target: Path) -> Path:
     """``ablation.png``: val loss vs tokens, final val loss vs lr, max logit vs step (sweep and stress)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(13, 9), dpi=100, layout="constrained")
-    FigureCanvasAgg(figure)
+    figure = new_figure((13, 9))
     axes = figure.subplots(2, 2)
     s = results["settings"]
     figure.suptitle(
         f"Optimizer ablation: {s['preset']}, {s['tokens']:,} tokens, same data and init", fontsize=14
     )
-    best_names = set(results["best"].values())
+    _val_curves(axes[0, 0], results)
+    _lr_sweep(axes[0, 1], results)
+    _best_max_logits(axes[1, 0], results)
+    _stress_panel(axes[1, 1], results)
+    return save_figure_atomically(figure, target)
 
-    ax = axes[0, 0]
+
+def _val_curves(ax: Any, results: dict[str, Any]) -> None:
+    """Validation loss vs tokens of every sweep run, the best lr of each optimizer bold."""
+    best_names = set(results["best"].values())
     for run in results["runs"]:
         curve = run["val_curve"]
         if not curve:
@@ -563,13 +531,12 @@ def plot_ablation(results: dict[str, Any], target: Path) -> Path:
         firsts = [r["val_curve"][0]["val_loss"] for r in results["runs"] if r["val_curve"]]
         top = min(max(v for v in firsts if math.isfinite(v)), min(finals) + 3.0) if firsts else None
         ax.set_ylim(min(finals) - 0.1, top)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("validation loss vs tokens (best lr bold, other lrs dotted)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "training tokens", "validation loss (nats/token)")
 
-    ax = axes[0, 1]
+
+def _lr_sweep(ax: Any, results: dict[str, Any]) -> None:
+    """Final validation loss vs lr, one line per optimizer."""
     for name in results["best"]:
         runs = sorted((r for r in results["runs"] if r["optimizer"] == name), key=lambda r: r["lr"])
         ax.plot(
@@ -581,27 +548,26 @@ def plot_ablation(results: dict[str, Any], target: Path) -> Path:
             label=LABELS[name],
         )
     ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("final validation loss")
     ax.set_title("learning-rate sweep")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    finish_axes(ax, "peak learning rate", "final validation loss")
 
-    ax = axes[1, 0]
+
+def _best_max_logits(ax: Any, results: dict[str, Any]) -> None:
+    """Max attention logit vs step of each optimizer's best run, with the sweep's τ."""
+    best_names, tau = set(results["best"].values()), results["settings"]["tau"]
     for run in results["runs"]:
         if run["name"] in best_names:
             steps = range(1, len(run["max_logit"]) + 1)
             name = run["optimizer"]
             ax.plot(steps, run["max_logit"], color=COLORS[name], linestyle=STYLES[name], label=LABELS[name])
-    ax.axhline(s["tau"], color="red", linestyle="--", label=f"τ = {s['tau']:g}")
+    ax.axhline(tau, color="red", linestyle="--", label=f"τ = {tau:g}")
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max attention logit (all layers, heads)")
     ax.set_title("max logit vs step (best lr of each)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
+    finish_axes(ax, "step", "max attention logit (all layers, heads)", which="both")
 
-    ax = axes[1, 1]
+
+def _stress_panel(ax: Any, results: dict[str, Any]) -> None:
+    """Max logit vs step of the stress runs (MuonClip also after its clip), or a note without them."""
     stress = results["stress"]
     if stress:
         for run in results["stress_runs"]:
@@ -614,61 +580,45 @@ def plot_ablation(results: dict[str, Any], target: Path) -> Path:
                 )
         ax.axhline(stress["tau"], color="red", linestyle="--", label=f"τ = {stress['tau']:g}")
         ax.set_title(f"stress: lr {stress['lr']:g}, τ = {stress['tau']:g}")
-        ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no stress run", ha="center", va="center", transform=ax.transAxes)
         ax.set_title("stress")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max attention logit")
-    ax.grid(alpha=0.3)
-
-    return save_figure_atomically(figure, target)
+    finish_axes(ax, "step", "max attention logit", legend=bool(stress))
 
 
 def print_summary(results: dict[str, Any], console: Console) -> None:
     """Rich tables of the comparison and the stress setting."""
     reference = results["reference"]
-    table = Table(
-        title=f"best lr of each optimizer; target val loss {fmt(results['target_loss'])} "
-        f"({results['target_rule']})"
-    )
-    for column in (
+    rows = []
+    for name, row in results["comparison"].items():
+        efficiency = row["token_efficiency_vs_" + reference]
+        rows.append([
+            LABELS[name], f"{row['lr']:g}", fmt(row["final_val_loss"]), _tokens(row["tokens_to_target"]),
+            f"{fmt(efficiency, '.2f')}×" if efficiency else "—", fmt(row["peak_max_logit"], ".2f"),
+        ])  # fmt: skip
+    header = [
         "optimizer",
         "lr",
         "final val loss",
         "tokens to target",
         f"vs {LABELS[reference]}",
         "peak max logit",
-    ):
-        table.add_column(column, justify="left" if column == "optimizer" else "right")
-    for name, row in results["comparison"].items():
-        efficiency = row["token_efficiency_vs_" + reference]
-        table.add_row(
-            LABELS[name],
-            f"{row['lr']:g}",
-            fmt(row["final_val_loss"]),
-            _tokens(row["tokens_to_target"]),
-            f"{fmt(efficiency, '.2f')}×" if efficiency else "—",
-            fmt(row["peak_max_logit"], ".2f"),
-        )
-    console.print(table)
+    ]
+    title = (
+        f"best lr of each optimizer; target val loss {fmt(results['target_loss'])} ({results['target_rule']})"
+    )
+    console.print(rich_table(title, header, rows))
     stress = results["stress"]
     if stress:
-        table = Table(title=f"stress: lr {stress['lr']:g}, τ {stress['tau']:g}")
-        for column in ("optimizer", "peak max logit", "peak after clip", "steps > τ", "final val loss"):
-            table.add_column(column, justify="left" if column == "optimizer" else "right")
-        for name, row in stress["runs"].items():
-            table.add_row(
-                LABELS[name],
-                fmt(row["peak_max_logit"], ".2f"),
-                fmt(row["peak_max_logit_clipped"], ".2f"),
-                str(row["steps_above_tau"]),
-                fmt(row["final_val_loss"]),
-            )
-        console.print(table)
+        header = ["optimizer", "peak max logit", "peak after clip", "steps > τ", "final val loss"]
+        title = f"stress: lr {stress['lr']:g}, τ {stress['tau']:g}"
+        console.print(rich_table(title, header, _stress_rows(stress, markdown=False)))
         style = "green" if stress["demonstrated"] else "yellow"
         console.print(
             f"[{style}]QK-Clip {'demonstrated' if stress['demonstrated'] else 'NOT demonstrated'}:[/] "
             f"Muon above τ: {stress['muon_exceeds_tau']}, MuonClip after clip ≤ τ: "
             f"{stress['muonclip_clipped_within_tau']}"
         )
+
+
+REPORT = Report("ablation", markdown_report, plot_ablation, print_summary)

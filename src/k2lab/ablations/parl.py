@@ -27,18 +27,19 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
+from k2lab.ablations.common import ordered_subset
+from k2lab.ablations.report import Report, fmt, new_figure
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.swarm.parl import CompactOrchestrator, ParlConfig, ParlTrainer, evaluate, make_env
 from k2lab.swarm.tasks import split_seeds
-from k2lab.train.ablation_common import fmt, ordered_subset, write_outputs
 
-__all__ = ["ARMS", "ParlAblationSettings", "run_parl_ablation"]
+__all__ = ["ARMS", "QUICK", "ParlAblationSettings", "run_parl_ablation"]
 
 ARMS: dict[str, dict[str, Any]] = {
     "full": {},
@@ -57,17 +58,26 @@ EVAL_KEYS = (
 )
 
 
+# ``--quick``: a smoke run (4 iterations, 1 seed, 8 tasks), as an overlay of the settings applied before the
+# recipe, ``--set`` and the options.
+QUICK: dict[str, Any] = {"base": {"iterations": 4, "eval_tasks": 8, "group_size": 4}, "seeds": [0]}
+
+
 class ParlAblationSettings(BaseModel):
     """What ``k2lab ablate parl`` runs: the shared ``ParlConfig``, arms, seeds, target and output folder."""
 
     model_config = ConfigDict(extra="forbid")
 
-    out: str = "runs/parl"
-    base: ParlConfig = ParlConfig()
-    arms: list[str] = list(ARMS)
-    seeds: list[int] = [0, 1, 2]
-    target: float = Field(default=0.9, gt=0, le=1, description="Held-out success of 'time to target'.")
-    threads: int = Field(default=1, ge=1)
+    WHAT: ClassVar[str] = "PARL ablation setting"
+
+    out: str = Field(default="runs/parl", description="Output directory")
+    base: ParlConfig = Field(default_factory=ParlConfig)
+    arms: list[str] = Field(
+        default_factory=lambda: list(ARMS), description="Arms (of full, no_parallel, no_finish, single_agent)"
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], description="Seeds (tasks, sampling)")
+    target: float = Field(default=0.9, gt=0, le=1, description="Held-out success for 'time to target'")
+    threads: int = Field(default=1, ge=1, description="torch threads")
 
 
 def run_parl_ablation(settings: ParlAblationSettings, console: Console | None = None) -> dict[str, Any]:
@@ -88,9 +98,7 @@ def run_parl_ablation(settings: ParlAblationSettings, console: Console | None = 
         "wall_seconds": round(time.perf_counter() - start, 2),
     }
     _relative(results["arms"], results["serial_reference"])
-    write_outputs(results, out, "parl", markdown, plot)
-    console.print(markdown(results), highlight=False, soft_wrap=True)
-    return results
+    return REPORT.write(results, out, console)
 
 
 def _run_arm(settings: ParlAblationSettings, arm: str, seed: int, out: Path, console: Console) -> list[dict]:
@@ -104,7 +112,9 @@ def _run_arm(settings: ParlAblationSettings, arm: str, seed: int, out: Path, con
     atomic_write_text(marker, recipe)
     trainer = ParlTrainer(CompactOrchestrator.from_config(config), make_env(config), config, run_dir)
     console.print(
-        f"[{arm} seed {seed}] from iteration {trainer.iteration}/{config.iterations}", highlight=False
+        f"[{arm} seed {seed}] from iteration {trainer.iteration}/{config.iterations}",
+        highlight=False,
+        markup=False,
     )
     trainer.run()
     return trainer.history()
@@ -218,12 +228,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 def plot(results: dict[str, Any], path: Path) -> Path:
     """2×2 PNG: held-out success, CriticalSteps, total tokens over training; unfinished subtasks in training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    figure = new_figure((11, 7), layout=None)
+    axes = figure.subplots(2, 2)
     panels = (("success", "held-out success"), ("critical_steps", "held-out CriticalSteps"),
               ("total_tokens", "held-out total tokens"), ("train_unfinished", "unfinished subtasks (training)"))  # fmt: skip
     for axis, (key, title) in zip(axes.flat, panels, strict=True):
@@ -237,6 +243,12 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     axes.flat[0].axhline(results["settings"]["target"], color="grey", linestyle=":", linewidth=1)
     axes.flat[0].legend(fontsize=8)
     figure.tight_layout()
-    save_figure_atomically(figure, Path(path), dpi=80)
-    plt.close(figure)
-    return path
+    return save_figure_atomically(figure, Path(path), dpi=80)
+
+
+def print_summary(results: dict[str, Any], console: Console) -> None:
+    """The report itself, on the console."""
+    console.print(markdown(results), highlight=False, soft_wrap=True)
+
+
+REPORT = Report("parl", markdown, plot, print_summary)
