@@ -8,8 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from typer.testing import CliRunner
 
 from k2lab.cli import app
-from k2lab.cli.options import Opt, field_at, field_default, parse_set, runs_config
+from k2lab.cli.options import Opt, Profile, field_at, field_default, parse_set, runs_config
 from k2lab.errors import K2LabError
+from k2lab.recipes import read_recipe, set_dotted
 
 
 class Section(BaseModel):
@@ -74,6 +75,72 @@ def test_a_field_without_help_or_description_is_refused():
         runs_config(Demo, options={"out": Opt("out")})(lambda config: None)
 
 
+class Listed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lrs: list[float] = Field(default_factory=lambda: [1e-3], description="Learning rates.")
+    key: str | None = Field(default=None, description="API key.")
+    section: Section = Field(default_factory=Section)
+
+
+QUICK = {"lrs": [0.5], "section": {"lr": 0.25}}
+
+
+def _load_listed(recipe, overlay=None, **overrides) -> Listed:
+    """Profile overlay, then the recipe, then the overrides."""
+    return Listed.model_validate(set_dotted({**(overlay or {}), **read_recipe(recipe)}, overrides))
+
+
+def _listed_app(seen: list[Listed]) -> typer.Typer:
+    demo = typer.Typer()
+
+    @demo.command()
+    @runs_config(
+        Listed,
+        load=_load_listed,
+        profiles={"quick": Profile(QUICK, help="Smoke run.")},
+        options={"lrs": Opt("lrs"), "key": Opt("key", envvar="DEMO_KEY"), "lr": Opt("section.lr", "-l")},
+    )
+    def run(config: Listed) -> None:
+        seen.append(config)
+
+    @demo.command()
+    def other() -> None:
+        pass
+
+    return demo
+
+
+def test_list_options_profiles_and_envvars(tmp_path):
+    seen: list[Listed] = []
+    runner = CliRunner()
+    assert runner.invoke(_listed_app(seen), ["run", "--lrs", "0.1, 0.2 0.3"]).exit_code == 0
+    assert seen[-1].lrs == [0.1, 0.2, 0.3] and seen[-1].section.lr == 2e-3
+    assert runner.invoke(_listed_app(seen), ["run", "--quick"]).exit_code == 0
+    assert seen[-1].lrs == [0.5] and seen[-1].section.lr == 0.25
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("lrs = [0.75]\n")
+    args = ["run", "--quick", "--recipe", str(recipe), "-l", "0.125"]  # recipe and options above the profile
+    assert runner.invoke(_listed_app(seen), args).exit_code == 0
+    assert seen[-1].lrs == [0.75] and seen[-1].section.lr == 0.125
+    assert runner.invoke(_listed_app(seen), ["run"], env={"DEMO_KEY": "secret"}).exit_code == 0
+    assert seen[-1].key == "secret" and seen[-1].lrs == [1e-3]
+    bad = runner.invoke(_listed_app(seen), ["run", "--lrs", "fast"])
+    assert isinstance(bad.exception, K2LabError) and "--lrs takes float values" in str(bad.exception)
+
+
+def test_help_shows_list_defaults_and_profile_values():
+    result = CliRunner().invoke(_listed_app([]), ["run", "--help"])
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "Learning rates (comma-separated). (default: 0.001; --quick: 0.5; recipe key: lrs)" in text
+    assert "(default: 0.002; --quick: 0.25; recipe key: section.lr)" in text
+    assert "Smoke run." in text and "DEMO_KEY" in text
+
+
+def test_profiles_need_a_loader_that_takes_the_overlay():
+    with pytest.raises(TypeError, match="overlay"):
+        runs_config(Listed, options={}, profiles={"quick": Profile(QUICK, help="x")})
+
+
 def _config_commands(group: typer.Typer, prefix: str = ""):
     for info in group.registered_commands:
         name = prefix + (info.name or info.callback.__name__.replace("_", "-"))
@@ -94,3 +161,34 @@ def test_every_named_option_is_a_field_of_the_config_it_runs(name, command):
     for option in command.config_options.values():
         field = field_at(command.config_class, option.path)  # KeyError if the option names no field
         assert field_default(field) is not None or field.default is None
+
+
+def test_the_default_loader_applies_the_commands_defaults_below_the_recipe(tmp_path):
+    seen: list[Demo] = []
+    demo = typer.Typer()
+
+    @demo.command()
+    @runs_config(Demo, defaults={"steps": 5, "section.lr": 0.5}, options={"steps": Opt("steps")})
+    def run(config: Demo) -> None:
+        seen.append(config)
+
+    @demo.command()
+    def other() -> None:
+        pass
+
+    runner = CliRunner()
+    assert runner.invoke(demo, ["run"]).exit_code == 0
+    assert (seen[-1].steps, seen[-1].section.lr) == (5, 0.5)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("steps = 7\n[section]\nlr = 0.25\n")
+    assert runner.invoke(demo, ["run", "--recipe", str(recipe)]).exit_code == 0
+    assert (seen[-1].steps, seen[-1].section.lr) == (7, 0.25)
+    assert runner.invoke(demo, ["run", "--set", "section.lr=0.125", "--steps", "9"]).exit_code == 0
+    assert (seen[-1].steps, seen[-1].section.lr) == (9, 0.125)
+    text = " ".join(runner.invoke(demo, ["run", "--help"]).output.replace("│", " ").split())
+    assert "(default: 5; recipe key: steps)" in text
+
+
+def test_the_agentic_commands_run_their_configs():
+    names = {name for name, _ in CONFIG_COMMANDS}
+    assert {"rl", "factory generate", "recipe agentic-mini", "mopd experts", "mopd distill"} <= names
