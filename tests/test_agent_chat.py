@@ -9,7 +9,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from k2lab.agent.chat import (
+from k2lab.data.corpus import load_corpus
+from k2lab.data.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from k2lab.errors import K2LabError
+from k2lab.runtime.chat import (
     GENERATION_PROMPT,
     ChatFormatError,
     ToolCallParseError,
@@ -20,10 +23,7 @@ from k2lab.agent.chat import (
     render_assistant_body,
     render_chat,
 )
-from k2lab.agent.tool_spec import ToolSpecError, tools_to_json, tools_to_typescript, validate_tools
-from k2lab.data.corpus import load_corpus
-from k2lab.data.tokenizer import SPECIAL_TOKENS, train_tokenizer
-from k2lab.errors import K2LabError
+from k2lab.runtime.tool_spec import ToolSpecError, tools_to_json, tools_to_typescript, validate_tools
 from tests.conftest import TINY_TEXT
 
 WEATHER = {

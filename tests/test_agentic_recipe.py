@@ -23,7 +23,7 @@ from k2lab.agentic.recipe import (
     run_recipe,
 )
 from k2lab.agentic.rollout import LocalPolicy, run_episode
-from k2lab.checkpoint import save_model
+from k2lab.model_dir import save_model
 
 from .conftest import randomize
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agent.enforcer import GrammarError, ToolCallGrammar, pack_token_mask, unpack_token_mask
 from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar, pack_token_mask, unpack_token_mask
 
 from .conftest import randomize
 

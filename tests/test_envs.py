@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from k2lab.agent.sandbox import SandboxLimits
 from k2lab.agentic.env import Environment, Episode
 from k2lab.agentic.envs import (
     ArithmeticEnv,
@@ -24,6 +23,7 @@ from k2lab.agentic.envs import (
     extract_python,
     safe_eval,
 )
+from k2lab.runtime.sandbox import SandboxLimits
 
 
 def call(name: str, arguments: object, index: int = 0) -> dict:

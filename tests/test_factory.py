@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from k2lab.agent.chat import normalize_messages, parse_chat, render_chat
-from k2lab.agent.tool_spec import validate_tools
 from k2lab.agentic.domains import BASE_TOOLS, BASES, DOMAINS, initial_world
 from k2lab.agentic.domains.base import BaseTool, ToolError
 from k2lab.agentic.domains.math import safe_calculate
@@ -27,6 +25,8 @@ from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
 from k2lab.agentic.tools import SyntheticTool, build_repository, evolve, load_mcp_tools
 from k2lab.cli import main
 from k2lab.errors import K2LabError
+from k2lab.runtime.chat import normalize_messages, parse_chat, render_chat
+from k2lab.runtime.tool_spec import validate_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 FORECAST_SCHEMA = {

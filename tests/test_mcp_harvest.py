@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k2lab.agent.mcp_harvest import (
+from k2lab.runtime.mcp_harvest import (
     EMPTY_PARAMETERS,
     HarvestConfigError,
     ServerReport,

@@ -29,9 +29,9 @@ from k2lab.agentic.mopd import (
 )
 from k2lab.agentic.rl import RLConfig
 from k2lab.agentic.rollout import LocalPolicy
-from k2lab.checkpoint import load_model, save_model
 from k2lab.cli import main
 from k2lab.errors import K2LabError
+from k2lab.model_dir import load_model, save_model
 
 from .conftest import randomize
 

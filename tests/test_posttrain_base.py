@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.errors import CheckpointError
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
-from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint
+from k2lab.train.run_checkpoints import list_checkpoints, load_latest_checkpoint
 
 
 class DummyConfig(BaseModel):

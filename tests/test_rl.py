@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agent.chat import SECTION_BEGIN, encode_chat, normalize_messages, render_assistant_body
-from k2lab.agent.enforcer import pack_token_mask, unpack_token_mask
 from k2lab.agentic.critic import Preference, RubricCritic
 from k2lab.agentic.envs import ArithmeticEnv
 from k2lab.agentic.rl import RLConfig, RLTrainer, temperature_at
@@ -30,11 +28,13 @@ from k2lab.agentic.rollout import (
     run_episode,
     save_rollouts,
 )
-from k2lab.checkpoint import load_model, save_model
 from k2lab.cli import main
+from k2lab.model_dir import load_model, save_model
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs, turn_rows
-from k2lab.train.checkpoint import list_checkpoints
+from k2lab.runtime.chat import SECTION_BEGIN, encode_chat, normalize_messages, render_assistant_body
+from k2lab.runtime.enforcer import pack_token_mask, unpack_token_mask
+from k2lab.train.run_checkpoints import list_checkpoints
 
 from .conftest import randomize, serving
 
@@ -442,7 +442,7 @@ def test_logprobs_over_allowed_tokens_hand_computed():
 def test_enforcer_masks_replay_what_generation_applied(small_tokenizer, monkeypatch, tmp_path):
     """``LocalPolicy.allowed_tokens`` replays the tool-call enforcer over a completion and gets the mask
     generation applied at every position; the trainer scores with it unless ``enforced_logprobs`` is off."""
-    from k2lab.agent.enforcer import ToolCallConstraint
+    from k2lab.runtime.enforcer import ToolCallConstraint
 
     applied: list[torch.Tensor | None] = []
     original = ToolCallConstraint.mask

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from k2lab.agent import sandbox
-from k2lab.agent.sandbox import (
+from k2lab.runtime import sandbox
+from k2lab.runtime.sandbox import (
     INIT_FLAG,
     SANDBOX_UID_RANGE,
     SandboxLimits,

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agent.chat import IM_END, normalize_messages, render_assistant_body
 from k2lab.agentic.sft import (
     ConversationRows,
     SFTBatches,
@@ -28,10 +27,11 @@ from k2lab.agentic.sft import (
     split_conversations,
     validation_rows,
 )
-from k2lab.checkpoint import load_model, save_model
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer, train_tokenizer
-from k2lab.train.checkpoint import load_latest_checkpoint
+from k2lab.model_dir import load_model, save_model
+from k2lab.runtime.chat import IM_END, normalize_messages, render_assistant_body
 from k2lab.train.metrics import read_metrics
+from k2lab.train.run_checkpoints import load_latest_checkpoint
 
 STEPS, SEQ_LEN, PTX_RATIO = 30, 280, 0.25
 WEATHER = {

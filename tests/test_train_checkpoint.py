@@ -20,7 +20,8 @@ from k2lab import build_model, load_preset
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import staging_directory
 from k2lab.optim import MuonClip, OptimizerConfig
-from k2lab.train.checkpoint import (
+from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
+from k2lab.train.run_checkpoints import (
     CheckpointWarning,
     checkpoint_directory,
     list_checkpoints,
@@ -28,7 +29,6 @@ from k2lab.train.checkpoint import (
     save_training_checkpoint,
     verify_checkpoint,
 )
-from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
 
 
 def make_state(step: int) -> dict:
@@ -196,7 +196,7 @@ def test_same_step_is_replaced(tmp_path: Path) -> None:
 SAVER = textwrap.dedent(
     """
     import sys, torch
-    from k2lab.train.checkpoint import save_training_checkpoint
+    from k2lab.train.run_checkpoints import save_training_checkpoint
     run_dir = sys.argv[1]
     step = 0
     while True:

@@ -12,9 +12,9 @@ import torch
 
 from k2lab.errors import K2LabError
 from k2lab.train import distributed
-from k2lab.train.checkpoint import list_checkpoints, load_training_checkpoint
 from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
+from k2lab.train.run_checkpoints import list_checkpoints, load_training_checkpoint
 from k2lab.train.trainer import run_training
 
 STEPS = 20

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from k2lab.checkpoint import load_model
 from k2lab.data.corpus import load_corpus
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_END, train_tokenizer
 from k2lab.infer.cache import LatentCache
+from k2lab.model_dir import load_model
 from k2lab.presets import load_vlm_preset
 from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from k2lab.agent.chat import encode_chat
+from k2lab.runtime.chat import encode_chat
 
 __all__ = ["CORE_RUBRICS", "PRESCRIPTIVE_RUBRICS", "Preference", "RubricCritic", "rubric_prompt"]
 

@@ -134,8 +134,8 @@ def train_expert(
     ``config`` is an ``RLConfig``; its ``envs`` and ``max_new_tokens`` are set from ``spec``.
     """
     from k2lab.agentic.rl import RLTrainer
-    from k2lab.checkpoint import load_model, save_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model, save_model
 
     out = Path(out_dir)
     config = config.model_copy(update={"envs": [spec.domain], "max_new_tokens": spec.max_new_tokens})

@@ -1,6 +1,6 @@
 """One interface for every agentic environment: factory tool tasks, RL environments, evaluations.
 
-An episode is a conversation in OpenAI message format (``k2lab.agent.chat`` renders it in K2's format):
+An episode is a conversation in OpenAI message format (``k2lab.runtime.chat`` renders it in K2's format):
 
     env = SomeEnvironment(...)
     episode = env.reset(seed)                     # system/user messages, tools, budget

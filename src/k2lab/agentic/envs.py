@@ -29,8 +29,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from k2lab.agent.sandbox import SandboxLimits, run_python
 from k2lab.agentic.env import Environment, Episode
+from k2lab.runtime.sandbox import SandboxLimits, run_python
 
 __all__ = [
     "ArithmeticEnv",

@@ -22,13 +22,13 @@ import json
 import random
 from typing import Any
 
-from k2lab.agent.chat import tool_call_id
 from k2lab.agentic.domains.base import DAYS, Phase, Step
 from k2lab.agentic.domains.math import LENGTH_UNITS
 from k2lab.agentic.env import Episode
 from k2lab.agentic.simulator import invent_value
 from k2lab.agentic.tasks import Task
 from k2lab.agentic.tools import ToolRepository
+from k2lab.runtime.chat import tool_call_id
 
 __all__ = ["EXPECTED_REASONS", "MODES", "ExpertAgent", "LLMAgent"]
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k2lab.agent.chat import normalize_messages
 from k2lab.agentic.env import Episode
 from k2lab.agentic.experts import ExpertAgent
 from k2lab.agentic.judge import reason_category
@@ -27,6 +26,7 @@ from k2lab.agentic.tasks import ToolTaskEnvironment
 from k2lab.agentic.tools import build_repository
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
+from k2lab.runtime.chat import normalize_messages
 
 __all__ = ["FactoryConfig", "FactoryResult", "generate", "print_summary", "rollout", "summary_path_for"]
 

@@ -167,7 +167,7 @@ class TeacherRouter:
 
     @classmethod
     def load(cls, experts_dir: str | Path, specs: Sequence[ExpertSpec]) -> TeacherRouter:
-        from k2lab.checkpoint import load_model
+        from k2lab.model_dir import load_model
 
         return cls({(s.domain, s.effort): load_model(Path(experts_dir) / s.key / "model") for s in specs})
 
@@ -357,8 +357,8 @@ def run_mopd(
 ) -> list[dict[str, Any]]:
     """``k2lab mopd distill``: student from ``student_checkpoint``, teachers from ``experts_dir``; trains
     (resuming from ``OUT/checkpoints``) and saves the student to ``OUT/model`` with the tokenizer."""
-    from k2lab.checkpoint import load_model, save_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model, save_model
 
     specs = manifest_specs(load_manifest(experts_dir))
     out = Path(out_dir)
@@ -570,8 +570,8 @@ def mopd_report(
     as the distillation, ``baseline_steps`` overriding its steps), scores teacher / student / baseline on
     ``episodes`` held-out seeds per cell, writes report.json, report.md and report.png to ``out_dir``
     (default ``DISTILL/report``); returns the report."""
-    from k2lab.checkpoint import load_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model
 
     distill = Path(distill_dir)
     run = json.loads((distill / "mopd.json").read_text())

@@ -263,8 +263,8 @@ def stage_eval(config: RecipeConfig, directory: Path, models: dict[str, str], lo
 def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
     """One model directory on the held-out tasks, with the no-tool probe's result under ``no_tool_probe``."""
     from k2lab.agentic.evaluate import evaluate_policy
-    from k2lab.checkpoint import load_model
     from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model
 
     model = load_model(path).eval()
     tokenizer = load_tokenizer(Path(path) / "tokenizer.json")

@@ -533,10 +533,10 @@ def run_rl(
     """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
     ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
     False refuses to run over them instead). ``env`` replaces the mixture of ``config.envs``."""
-    from k2lab.checkpoint import load_model, save_model
     from k2lab.data import load_tokenizer
     from k2lab.errors import K2LabError
-    from k2lab.train.checkpoint import list_checkpoints
+    from k2lab.model_dir import load_model, save_model
+    from k2lab.train.run_checkpoints import list_checkpoints
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-from k2lab.agent.chat import (
+from k2lab.agentic.env import Environment, Episode
+from k2lab.runtime.chat import (
     ChatFormatError,
     ToolCallParseError,
     encode_chat,
@@ -46,7 +47,6 @@ from k2lab.agent.chat import (
     parse_assistant,
     render_assistant_body,
 )
-from k2lab.agentic.env import Environment, Episode
 
 __all__ = [
     "EndpointPolicy",
@@ -144,7 +144,7 @@ class LocalPolicy:
         ).ids
 
     def _grammar(self, tools: list[dict[str, Any]]) -> Any:
-        from k2lab.agent.enforcer import ToolCallGrammar
+        from k2lab.runtime.enforcer import ToolCallGrammar
 
         key = json.dumps(tools, sort_keys=True)
         if key not in self._grammars:
@@ -161,7 +161,7 @@ class LocalPolicy:
         tokens."""
         import torch
 
-        from k2lab.agent.enforcer import pack_token_mask
+        from k2lab.runtime.enforcer import pack_token_mask
 
         constraint = self._grammar(tools).constraint()
         rows: list[torch.Tensor | None] = []

@@ -4,7 +4,7 @@ loss on the assistant's tokens only, optionally mixed with pre-training rows (PT
 **Data.** A JSONL file, one conversation a line: ``{"messages": [...], "tools": [...]}`` (``tools``
 optional), as the data factory writes them. Each line is validated (JSON object, messages the chat module
 renders, at least one assistant message; ``SFTDataError`` names the line) and encoded with
-``k2lab.agent.chat.encode_chat`` (tool declarations first when ``tools`` is present). About
+``k2lab.runtime.chat.encode_chat`` (tool declarations first when ``tools`` is present). About
 ``val_fraction`` of the lines, chosen by a hash of the line's text, are held out for ``val_loss``.
 
 **Labels.** Only assistant tokens are targets: every assistant turn's body (thinking, content, tool-call
@@ -47,13 +47,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from k2lab.agent.chat import encode_chat, normalize_messages
-from k2lab.checkpoint import load_model
 from k2lab.data.corpus import load_corpus
 from k2lab.data.packing import Batch, PackedBatches
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
+from k2lab.model_dir import load_model
 from k2lab.models import CausalLM, build_model
+from k2lab.runtime.chat import encode_chat, normalize_messages
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig, load_train_config
 from k2lab.train.data import Log, StagedData

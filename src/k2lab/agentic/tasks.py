@@ -33,7 +33,6 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from k2lab.agent.chat import tool_call_id
 from k2lab.agentic.domains import BASES, DOMAINS, initial_world
 from k2lab.agentic.domains.base import Clarification, Draft, Phase, Step, ToolError
 from k2lab.agentic.domains.no_tool import no_tool_task
@@ -41,6 +40,7 @@ from k2lab.agentic.env import Environment, Episode
 from k2lab.agentic.judge import judge_episode
 from k2lab.agentic.simulator import FailureRates, ToolSimulator, error_observation, invent_value
 from k2lab.agentic.tools import SyntheticTool, ToolRepository, build_repository
+from k2lab.runtime.chat import tool_call_id
 
 __all__ = [
     "Agent",

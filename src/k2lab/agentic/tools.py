@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k2lab.agent.tool_spec import validate_tool
 from k2lab.agentic.domains import BASE_TOOLS, DOMAINS, PARAM_KINDS
 from k2lab.agentic.domains.base import IDENTITY, BaseTool, Codec, CodecOption, string
 from k2lab.errors import K2LabError
+from k2lab.runtime.tool_spec import validate_tool
 
 __all__ = [
     "SyntheticTool",

@@ -123,7 +123,7 @@ def init(
     hf: Annotated[bool, typer.Option("--hf", help="Write Hugging Face DeepseekV3 format instead.")] = False,
 ) -> None:
     """Write a randomly initialised checkpoint of a preset (k2lab format, or HF format with --hf)."""
-    from k2lab.checkpoint import save_model
+    from k2lab.model_dir import save_model
     from k2lab.models import build_model
     from k2lab.params import count_parameters
 

@@ -47,7 +47,7 @@ def tools_harvest(
     A server that fails to start, crashes, hangs or answers garbage is reported; the others go on.
     The summary is printed and written next to the output (OUT's stem + .summary.json).
     """
-    from k2lab.agent.mcp_harvest import harvest, print_summary
+    from k2lab.runtime.mcp_harvest import harvest, print_summary
 
     result = harvest(config, timeout=timeout, concurrency=concurrency)
     summary = result.write(out)
@@ -84,7 +84,7 @@ def sandbox_run(
     directory, an unprivileged uid, resource limits, and nothing of it survives the run; the result's
     `isolation` says what was actually contained on this machine.
     """
-    from k2lab.agent.sandbox import SandboxLimits, run_python
+    from k2lab.runtime.sandbox import SandboxLimits, run_python
 
     if not file.is_file():
         raise K2LabError(f"cannot run {file}: it does not exist or is not a file")

@@ -28,7 +28,7 @@ class GenerationConfig(BaseModel):
 
 
 class Constraint(Protocol):
-    """Per-sequence decoding constraint (e.g. ``k2lab.agent.enforcer.ToolCallConstraint``)."""
+    """Per-sequence decoding constraint (e.g. ``k2lab.runtime.enforcer.ToolCallConstraint``)."""
 
     def mask(self, logits: torch.Tensor) -> None:
         """Set the logits [V] of tokens that may not come next to −inf, in place."""

@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from k2lab.train.checkpoint import save_training_checkpoint
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
+from k2lab.train.run_checkpoints import save_training_checkpoint
 
 __all__ = ["METRICS", "IterativeTrainer", "LoopConfig", "rounded_mean"]
 

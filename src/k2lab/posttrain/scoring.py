@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from k2lab.agent.enforcer import unpack_token_mask
 from k2lab.agentic.rollout import Turn
+from k2lab.runtime.enforcer import unpack_token_mask
 
 __all__ = ["offpolicy_mask", "sequence_log_ratio", "turn_logprobs", "turn_rows"]
 

@@ -104,7 +104,7 @@ def estimate_tokens(message: Mapping[str, Any]) -> int:
 
 def tokenizer_counter(tokenizer: Any) -> Callable[[Mapping[str, Any]], int]:
     """A ``token_count`` that encodes the message as K2's chat format renders it (body + ``<|im_end|>``)."""
-    from k2lab.agent.chat import ChatFormatError, normalize_messages, render_assistant_body
+    from k2lab.runtime.chat import ChatFormatError, normalize_messages, render_assistant_body
 
     def count(message: Mapping[str, Any]) -> int:
         try:

@@ -8,7 +8,7 @@
   refused when the run was started with other settings (``check_resumed_config``); the metrics lines about
   to be redone are dropped.
 
-The checkpoint files themselves (atomic saves, manifests, verification) are ``k2lab.train.checkpoint``.
+The checkpoint files themselves (atomic saves, manifests, verification) are ``k2lab.train.run_checkpoints``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from k2lab.errors import CheckpointError
-from k2lab.train.checkpoint import load_latest_checkpoint
+from k2lab.train.run_checkpoints import load_latest_checkpoint
 
 __all__ = [
     "RESUMABLE_CHANGES",

@@ -31,23 +31,23 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from k2lab.checkpoint import save_model
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 from k2lab.hardware import Choice, choose
 from k2lab.infer import GenerationConfig, generate
+from k2lab.model_dir import save_model
 from k2lab.models import CausalLM
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train import distributed
-from k2lab.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
 from k2lab.train.compile import compile_decision, compiled
 from k2lab.train.config import TrainConfig
 from k2lab.train.dashboard import plot_dashboard
 from k2lab.train.data import TrainingData, language_model
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
+from k2lab.train.run_checkpoints import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
 from k2lab.train.schedule import lr_multiplier
 
 console = Console()

@@ -31,7 +31,7 @@ Tool calls of one assistant turn form one section after the content::
   stripped. A turn without ``reasoning_content`` (or with None) has no ``<think>`` tags at all; an empty
   string renders ``<think></think>``. The generation prompt does not open a ``<think>``.
 * Tool declarations are a ``tool_declare`` system turn before everything else (K2's template), written
-  as TypeScript (default) or compact JSON by ``k2lab.agent.tool_spec``.
+  as TypeScript (default) or compact JSON by ``k2lab.runtime.tool_spec``.
 * No default system prompt is inserted (K2's template adds one when the first message is not a system
   message); ``developer`` messages render as ``system``.
 * Text may not contain the tokenizer's special-token strings (``<|im_end|>``, ...), reasoning may not
@@ -49,9 +49,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from k2lab.agent.tool_spec import TOOL_NAME_PATTERN, render_tool_declaration
 from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from k2lab.errors import K2LabError
+from k2lab.runtime.tool_spec import TOOL_NAME_PATTERN, render_tool_declaration
 
 __all__ = [
     "GENERATION_PROMPT",

@@ -1,6 +1,8 @@
-"""The agent runtime: MCP tool harvesting, schema-constrained tool calls, the tool-use loop."""
+"""The agent runtime: K2's chat and tool-call format, tool specs, the decoding enforcer, MCP tool harvesting
+and the sandbox. (The agentic data factory, RL environments and training built on it are ``k2lab.agentic``.)
+"""
 
-from k2lab.agent.chat import (
+from k2lab.runtime.chat import (
     ChatEncoding,
     ChatFormatError,
     ToolCallParseError,
@@ -11,7 +13,7 @@ from k2lab.agent.chat import (
     render_chat,
     tool_call_id,
 )
-from k2lab.agent.tool_spec import (
+from k2lab.runtime.tool_spec import (
     ToolSpecError,
     tools_to_json,
     tools_to_typescript,

@@ -1,4 +1,6 @@
-"""Training checkpoints: everything a killed run needs to continue exactly where it was.
+"""A run's checkpoints: everything a killed run needs to continue exactly where it was.
+
+(A finished *model* directory, weights + config only, is ``k2lab.model_dir``.)
 
 Layout of ``RUN_DIR/checkpoints``::
 

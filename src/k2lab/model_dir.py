@@ -1,4 +1,7 @@
-"""k2lab's own model checkpoint format, and loading any supported checkpoint directory.
+"""A model directory: k2lab's own format (config + weights), and loading any supported model directory.
+
+A *run*'s rotating checkpoints for exact resume (optimizer, data position, RNG) are
+``k2lab.train.run_checkpoints``; this module holds just a model, for ``generate``, ``serve``, SFT and RL.
 
 Layout of ``DIR``::
 
