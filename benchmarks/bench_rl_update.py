@@ -35,7 +35,7 @@ from timing import (  # benchmarks/timing.py
 )
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.rollout import Turn
+from k2lab.agentic.episodes.rollout import Turn
 from k2lab.posttrain.scoring import turn_logprobs
 
 

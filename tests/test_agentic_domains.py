@@ -20,11 +20,11 @@ from k2lab.agentic.domains import (
     initial_world,
 )
 from k2lab.agentic.domains.base import Domain
-from k2lab.agentic.experts import ExpertAgent
-from k2lab.agentic.factory import rollout
-from k2lab.agentic.judge import STATE_CHECKS
-from k2lab.agentic.tasks import TaskGenerator, ToolTaskEnvironment, tool_env
-from k2lab.agentic.tools import build_repository
+from k2lab.agentic.factory.experts import ExpertAgent
+from k2lab.agentic.factory.judge import STATE_CHECKS
+from k2lab.agentic.factory.pipeline import rollout
+from k2lab.agentic.factory.tasks import TaskGenerator, ToolTaskEnvironment, tool_env
+from k2lab.agentic.factory.tools import build_repository
 
 SEVEN = ("retail", "calendar", "bank", "files", "math", "inventory", "travel")
 

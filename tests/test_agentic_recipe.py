@@ -8,21 +8,21 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.evaluate import (
+from k2lab.agentic.episodes.evaluate import (
     episode_summary,
     evaluate_policy,
     paired_comparison,
     play_greedy,
     wilson_interval,
 )
-from k2lab.agentic.recipe import (
+from k2lab.agentic.episodes.rollout import LocalPolicy, run_episode
+from k2lab.agentic.recipe.mini import (
     RecipeConfig,
     RecipeToolTasks,
     eval_seeds,
     no_tool_eval_seeds,
     run_recipe,
 )
-from k2lab.agentic.rollout import LocalPolicy, run_episode
 from k2lab.model_dir import save_model
 
 from .conftest import randomize
@@ -127,7 +127,7 @@ def test_an_unknown_credit_is_refused_before_any_stage(tmp_path, capsys):
 
 
 def test_reward_flags_reach_the_recipe_and_out_of_range_is_refused(tmp_path, monkeypatch):
-    import k2lab.agentic.recipe as recipe
+    import k2lab.agentic.recipe.mini as recipe
     from k2lab.cli import main
 
     seen: list[RecipeConfig] = []
@@ -236,7 +236,7 @@ def test_cli_resumes_a_finished_run(tiny_run, base_dir, capsys):
 
 
 def test_acceptance_needs_a_significant_paired_gain_not_a_higher_point_estimate():
-    from k2lab.agentic.recipe import acceptance
+    from k2lab.agentic.recipe.mini import acceptance
 
     def evaluation(success: float, calls: float) -> dict:
         return {"success": success, "no_tool_probe": {"tool_calls": calls}}

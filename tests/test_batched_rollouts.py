@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.envs import ArithmeticEnv
-from k2lab.agentic.recipe import RecipeConfig, RecipeToolTasks
-from k2lab.agentic.rollout import LocalPolicy, Rollout, run_episode, run_episodes
+from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, run_episode, run_episodes
+from k2lab.agentic.recipe.mini import RecipeConfig, RecipeToolTasks
+from k2lab.agentic.rl.envs import ArithmeticEnv
 from k2lab.infer.generate import GenerationConfig, generate
 
 from .conftest import randomize

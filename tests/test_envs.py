@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.envs import (
+from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.agentic.rl.envs import (
     ArithmeticEnv,
     CodingEnv,
     EnvMixture,

@@ -16,13 +16,13 @@ from jsonschema import Draft202012Validator
 from k2lab.agentic.domains import BASE_TOOLS, BASES, DOMAINS, initial_world
 from k2lab.agentic.domains.base import BaseTool, ToolError
 from k2lab.agentic.domains.math import safe_calculate
-from k2lab.agentic.env import Episode
-from k2lab.agentic.experts import EXPECTED_REASONS, MODES, ExpertAgent
-from k2lab.agentic.factory import FactoryConfig, generate, rollout
-from k2lab.agentic.judge import judge, reason_category, solution_progress
-from k2lab.agentic.simulator import FailureRates, ToolSimulator
-from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
-from k2lab.agentic.tools import SyntheticTool, build_repository, evolve, load_mcp_tools
+from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.factory.experts import EXPECTED_REASONS, MODES, ExpertAgent
+from k2lab.agentic.factory.judge import judge, reason_category, solution_progress
+from k2lab.agentic.factory.pipeline import FactoryConfig, generate, rollout
+from k2lab.agentic.factory.simulator import FailureRates, ToolSimulator
+from k2lab.agentic.factory.tasks import MINI_TOOLS, ToolTaskEnvironment, tool_env
+from k2lab.agentic.factory.tools import SyntheticTool, build_repository, evolve, load_mcp_tools
 from k2lab.cli import main
 from k2lab.errors import K2LabError
 from k2lab.runtime.chat import normalize_messages, parse_chat, render_chat
@@ -636,8 +636,8 @@ class _Stub:
 def test_llm_backed_agent_and_user_speak_the_openai_protocol(env):
     from types import SimpleNamespace
 
-    from k2lab.agentic.experts import LLMAgent
-    from k2lab.agentic.tasks import LLMUserSimulator, Task
+    from k2lab.agentic.factory.experts import LLMAgent
+    from k2lab.agentic.factory.tasks import LLMUserSimulator, Task
 
     episode = env.reset(1)
     name = episode.tools[0]["function"]["name"]

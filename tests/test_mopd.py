@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.effort import EffortEnv, ExpertSpec, expert_specs, train_experts
-from k2lab.agentic.mopd import (
+from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, expert_specs, train_experts
+from k2lab.agentic.distill.mopd import (
     MOPDConfig,
     MOPDTrainer,
     TeacherRouter,
@@ -27,8 +27,8 @@ from k2lab.agentic.mopd import (
     mopd_loss,
     sft_loss,
 )
-from k2lab.agentic.rl import RLConfig
-from k2lab.agentic.rollout import LocalPolicy
+from k2lab.agentic.episodes.rollout import LocalPolicy
+from k2lab.agentic.rl.trainer import RLConfig
 from k2lab.cli import main
 from k2lab.errors import K2LabError
 from k2lab.model_dir import load_model, save_model
@@ -166,7 +166,8 @@ def sft_dir(tmp_path_factory, small_tokenizer):
 
 
 def test_nine_experts_distill_and_report_through_the_cli(sft_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("k2lab.agentic.rl.plot_metrics", lambda *args: None)  # 9 matplotlib figures: slow
+    # 9 matplotlib figures: slow
+    monkeypatch.setattr("k2lab.agentic.rl.trainer.plot_metrics", lambda *args: None)
     experts, distill = tmp_path / "experts", tmp_path / "distill"
     common = ["--iterations", "1", "--group", "2", "--prompts", "1", "--updates", "1", "--budgets", "1,2,3"]
     cli("mopd", "experts", "--checkpoint", str(sft_dir), "--out", str(experts), *common)
@@ -288,7 +289,7 @@ def write_experts(directory: Path, tokenizer, specs) -> None:
 DISTILL_SCRIPT = """
 import os, signal, sys
 import torch
-from k2lab.agentic import mopd
+from k2lab.agentic.distill import mopd
 from k2lab.cli import main
 torch.set_num_threads(1)
 original = mopd.MOPDTrainer.run
@@ -335,8 +336,8 @@ def test_sigkilled_distillation_resumes_to_the_uninterrupted_run(sft_dir, small_
 
 
 def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokenizer):
-    from k2lab.agentic.mopd import evaluate_cells, trainable_turns
-    from k2lab.agentic.rollout import run_episode
+    from k2lab.agentic.distill.mopd import evaluate_cells, trainable_turns
+    from k2lab.agentic.episodes.rollout import run_episode
     from k2lab.posttrain.scoring import turn_logprobs
     from k2lab.train.persistence import derive_seed
 
@@ -362,7 +363,7 @@ def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokeni
 
 @pytest.mark.parametrize("mode", ["mopd", "sft"])
 def test_a_step_plays_its_prompts_together_as_each_would_alone(small_tokenizer, tmp_path, mode):
-    from k2lab.agentic.rollout import run_episode
+    from k2lab.agentic.episodes.rollout import run_episode
     from k2lab.train.persistence import derive_seed
 
     specs = [
@@ -389,8 +390,8 @@ def test_a_step_plays_its_prompts_together_as_each_would_alone(small_tokenizer, 
 
 
 def test_teacher_logprobs_scores_each_turn_with_its_own_model(small_tokenizer):
-    from k2lab.agentic.mopd import teacher_logprobs, trainable_turns
-    from k2lab.agentic.rollout import run_episode
+    from k2lab.agentic.distill.mopd import teacher_logprobs, trainable_turns
+    from k2lab.agentic.episodes.rollout import run_episode
     from k2lab.posttrain.scoring import turn_logprobs
 
     spec = ExpertSpec("arithmetic", "max", 6)

@@ -16,10 +16,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.critic import Preference, RubricCritic
-from k2lab.agentic.envs import ArithmeticEnv
-from k2lab.agentic.rl import RLConfig, RLTrainer, temperature_at
-from k2lab.agentic.rollout import (
+from k2lab.agentic.episodes.rollout import (
     LocalPolicy,
     PolicyOutputError,
     Rollout,
@@ -28,6 +25,9 @@ from k2lab.agentic.rollout import (
     run_episode,
     save_rollouts,
 )
+from k2lab.agentic.rl.critic import Preference, RubricCritic
+from k2lab.agentic.rl.envs import ArithmeticEnv
+from k2lab.agentic.rl.trainer import RLConfig, RLTrainer, temperature_at
 from k2lab.cli import main
 from k2lab.model_dir import load_model, save_model
 from k2lab.posttrain.objective import budget_penalty, k15_loss
@@ -86,7 +86,7 @@ def test_offpolicy_clipping_masks_exactly_the_far_tokens():
 def test_turns_of_one_conversation_share_a_row_with_the_same_logprobs():
     """A turn whose prompt extends the previous turn's prompt + completion is read from that row; the
     log-probs equal those of scoring every turn in its own forward."""
-    from k2lab.agentic.rollout import Turn
+    from k2lab.agentic.episodes.rollout import Turn
 
     model = nano_model().eval()
     first = Turn([5, 6, 7], [8, 9])
@@ -292,7 +292,7 @@ def test_rl_run_writes_metrics_checkpoints_and_resumes_after_sigkill(policy_dir,
     script = (
         "import os, signal, sys\n"
         "from k2lab.cli import main\n"
-        "from k2lab.agentic import rl\n"
+        "from k2lab.agentic.rl import trainer as rl\n"
         "original = rl.RLTrainer.run\n"
         "def run(self, iterations=None, on_iteration=None):\n"
         "    def kill(m):\n"
@@ -351,7 +351,7 @@ def test_partial_rollouts_span_iterations_and_survive_resume(policy_dir, small_t
 
 def test_endpoint_policy_against_k2lab_serve(small_tokenizer):
     pytest.importorskip("openai")
-    from k2lab.agentic.rollout import EndpointPolicy
+    from k2lab.agentic.episodes.rollout import EndpointPolicy
     from k2lab.serve import Engine
     from k2lab.serve.server import build_app
 
@@ -371,9 +371,9 @@ def test_endpoint_policy_against_k2lab_serve(small_tokenizer):
 
 def test_update_raises_the_better_response_of_a_group(small_tokenizer, tmp_path):
     """One K1.5 step at θ = θ_old is a group-relative policy gradient: log π(y_better) − log π(y_worse) grows."""
-    from k2lab.agentic.env import Episode
-    from k2lab.agentic.rl import Group
-    from k2lab.agentic.rollout import Turn
+    from k2lab.agentic.episodes.env import Episode
+    from k2lab.agentic.episodes.rollout import Turn
+    from k2lab.agentic.rl.trainer import Group
     from k2lab.optim.grouping import OptimizerConfig
 
     config = RLConfig(envs=["arithmetic"], updates_per_iteration=1, optimizer=OptimizerConfig(lr=2e-2))
@@ -402,7 +402,7 @@ def test_update_raises_the_better_response_of_a_group(small_tokenizer, tmp_path)
 def test_logprobs_over_allowed_tokens_hand_computed():
     """log π_A(y_t) = z_t[y_t] − log Σ_{v∈A_t} exp z_t[v]; a None mask (or an all-true one) is the plain
     log-softmax."""
-    from k2lab.agentic.rollout import Turn
+    from k2lab.agentic.episodes.rollout import Turn
 
     model = nano_model().eval()
     turns = [Turn([5, 6, 7], [8, 9, 10]), Turn([5, 6, 7, 8, 9, 10, 11], [12, 13]), Turn([3, 4], [40])]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.env import Episode
-from k2lab.agentic.rollout import LocalPolicy, run_episode
+from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.episodes.rollout import LocalPolicy, run_episode
 from k2lab.cli import main
 from k2lab.swarm.parl import (
     CompactOrchestrator,
@@ -274,7 +274,7 @@ def test_lm_subagents_run_in_the_swarm(small_tokenizer):
 
 def test_endpoint_orchestrator_against_k2lab_serve(small_tokenizer):
     pytest.importorskip("openai")
-    from k2lab.agentic.rollout import EndpointPolicy
+    from k2lab.agentic.episodes.rollout import EndpointPolicy
     from k2lab.serve import Engine
     from k2lab.serve.server import build_app
 

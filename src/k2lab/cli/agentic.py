@@ -53,7 +53,7 @@ def rl(
     ] = True,
 ) -> None:
     """Joint RL (K2): verifiable environments + rubric critic, K1.5's objective, MuonClip, exact resume."""
-    from k2lab.agentic.rl import RLConfig, run_rl
+    from k2lab.agentic.rl.trainer import RLConfig, run_rl
     from k2lab.optim.grouping import OptimizerConfig
 
     config = RLConfig(
@@ -140,7 +140,7 @@ def factory_generate(
     MCP tools with --tools), a stateful simulator injecting failures, scripted users and procedural experts
     (imperfect on a share of tasks, so the judge has trajectories to reject).
     """
-    from k2lab.agentic.factory import FactoryConfig, generate, print_summary
+    from k2lab.agentic.factory.pipeline import FactoryConfig, generate, print_summary
 
     if tools is not None and not tools.is_file():
         raise K2LabError(f"--tools {tools}: no such file")
@@ -228,7 +228,7 @@ def recipe_agentic_mini(
     Every stage is reused when complete, so a killed run resumes. Writes report.json, report.md and
     agentic_mini.png in OUT.
     """
-    from k2lab.agentic.recipe import RecipeConfig, print_report, run_recipe
+    from k2lab.agentic.recipe.mini import RecipeConfig, print_report, run_recipe
 
     chosen = {
         "pretrain_steps": pretrain_steps,
@@ -267,7 +267,7 @@ app.add_typer(mopd_app, name="mopd")
 
 
 def _mopd_budgets(text: str) -> dict[str, int]:
-    from k2lab.agentic.effort import EFFORTS
+    from k2lab.agentic.distill.effort import EFFORTS
 
     values = [int(x) for x in text.split(",") if x.strip()]
     if len(values) != len(EFFORTS):
@@ -302,8 +302,8 @@ def mopd_experts(
     """Train the nine effort experts by RL from one SFT checkpoint (skips finished ones, resumes the rest)."""
     import torch
 
-    from k2lab.agentic.effort import expert_specs, train_experts
-    from k2lab.agentic.rl import RLConfig
+    from k2lab.agentic.distill.effort import expert_specs, train_experts
+    from k2lab.agentic.rl.trainer import RLConfig
     from k2lab.optim.grouping import OptimizerConfig
 
     if threads is not None:
@@ -350,7 +350,7 @@ def mopd_distill(
     """Multi-teacher on-policy distillation: per-token reward log π_teacher − log π_student (exact resume)."""
     import torch
 
-    from k2lab.agentic.mopd import MOPDConfig, run_mopd
+    from k2lab.agentic.distill.mopd import MOPDConfig, run_mopd
     from k2lab.optim.grouping import OptimizerConfig
 
     if threads is not None:
@@ -393,7 +393,7 @@ def mopd_report_command(
     """Per cell: MOPD student vs its teacher (goal ≥ 90 %) and vs an SFT-on-teacher-samples baseline."""
     import torch
 
-    from k2lab.agentic.mopd import markdown_table, mopd_report
+    from k2lab.agentic.distill.mopd import markdown_table, mopd_report
 
     if threads is not None:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
-"""Post-training machinery shared by RL (``k2lab.agentic.rl``), MOPD (``k2lab.agentic.mopd``) and PARL
-(``k2lab.swarm.parl``).
+"""Post-training machinery shared by RL (``k2lab.agentic.rl.trainer``), MOPD (``k2lab.agentic.distill.mopd``)
+and PARL (``k2lab.swarm.parl``).
 
 * ``k2lab.posttrain.base``       ``IterativeTrainer``: the loop's state, resume with the settings check,
                                  checkpoint cadence and metrics log; ``rounded_mean`` for metrics lines

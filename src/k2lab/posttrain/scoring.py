@@ -1,11 +1,11 @@
 """Scoring a policy's sampled turns: the log-probabilities post-training objectives are built from.
 
 ``turn_logprobs`` gives log π(y_t | prompt, y_<t) of each turn's completion tokens (at temperature 1,
-optionally renormalised over the tokens the decoding enforcer allowed), folding the turns of one
-conversation into one row (``turn_rows``). ``offpolicy_mask`` and ``sequence_log_ratio`` turn per-token
-log-probs of the current and the sampling policy into the sequence log-ratio of K1.5's objective
-(``k2lab.posttrain.objective``). RL (``k2lab.agentic.rl``), MOPD (``k2lab.agentic.mopd``) and PARL
-(``k2lab.swarm.parl``) score with these.
+optionally renormalised over the tokens the decoding enforcer allowed), folding the turns of one conversation
+into one row (``turn_rows``). ``offpolicy_mask`` and ``sequence_log_ratio`` turn per-token log-probs of the
+current and the sampling policy into the sequence log-ratio of K1.5's objective
+(``k2lab.posttrain.objective``). RL (``k2lab.agentic.rl.trainer``), MOPD (``k2lab.agentic.distill.mopd``) and
+PARL (``k2lab.swarm.parl``) score with these.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from k2lab.agentic.rollout import Turn
+from k2lab.agentic.episodes.rollout import Turn
 from k2lab.runtime.enforcer import unpack_token_mask
 
 __all__ = ["offpolicy_mask", "sequence_log_ratio", "turn_logprobs", "turn_rows"]

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from k2lab.agentic.env import Episode
-from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode
+from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episode
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import k15_loss
 from k2lab.posttrain.scoring import sequence_log_ratio, turn_logprobs

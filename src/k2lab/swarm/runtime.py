@@ -36,9 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.envs import tool_call_parts
-from k2lab.agentic.rollout import Policy, PolicyOutputError
+from k2lab.agentic.episodes.env import Environment, Episode, tool_call_parts
+from k2lab.agentic.episodes.rollout import Policy, PolicyOutputError
 from k2lab.swarm.tasks import WideTask, make_task, parse_facts, verify_answer
 from k2lab.train.persistence import derive_seed
 

@@ -9,9 +9,9 @@ tables (titles, passengers, phrases ...), and the final-state checks its templat
 
 This registry lists the domains and merges what the machinery needs from them: ``DOMAINS`` (name ->
 ``Domain``), ``BASE_TOOLS`` / ``BASES`` (every base tool, in domain order / by key) for the tool repository
-(``k2lab.agentic.tools``), ``CHECKS`` (check kind -> verifier) for the judge (``k2lab.agentic.judge``),
-``PARAM_KINDS`` (parameter kind -> codecs) for tool evolution, and ``initial_world``; task generation
-(``k2lab.agentic.tasks``) draws from ``DOMAINS[name].templates``.
+(``k2lab.agentic.factory.tools``), ``CHECKS`` (check kind -> verifier) for the judge
+(``k2lab.agentic.factory.judge``), ``PARAM_KINDS`` (parameter kind -> codecs) for tool evolution, and
+``initial_world``; task generation (``k2lab.agentic.factory.tasks``) draws from ``DOMAINS[name].templates``.
 
 Adding a domain
 ---------------

@@ -2,8 +2,8 @@
 several domains share (days of the week, quantities, money rounding, JSON-schema snippets).
 
 Nothing here knows a particular domain; ``k2lab.agentic.domains`` lists the domains, and the machinery that
-uses them lives in ``k2lab.agentic.tools`` (evolution, repository), ``k2lab.agentic.tasks`` (agents, task
-generation, the environment) and ``k2lab.agentic.judge`` (the rubric judge).
+uses them lives in ``k2lab.agentic.factory.tools`` (evolution, repository), ``k2lab.agentic.factory.tasks``
+(agents, task generation, the environment) and ``k2lab.agentic.factory.judge`` (the rubric judge).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from k2lab.agentic.domains.base import ToolError
-from k2lab.agentic.tools import SyntheticTool, ToolRepository
+from k2lab.agentic.factory.tools import SyntheticTool, ToolRepository
 
 __all__ = ["FailureRates", "Observation", "ToolSimulator", "error_observation", "invent_value"]
 

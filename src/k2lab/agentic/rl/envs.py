@@ -11,7 +11,7 @@ end the episode with ``outcome.reason`` saying why (reward 0).
                       no commas), ``needs_tools=False``.
 * ``CodingEnv``       small Python functions; reward = fraction of unit tests passed in the sandbox.
 * ``OpenQAEnv``       open-ended prompts with no verifier (``state["open_ended"]``): the RL loop rewards
-                      them with the self-critique rubric critic (``k2lab.agentic.critic``).
+                      them with the self-critique rubric critic (``k2lab.agentic.rl.critic``).
 * ``GuardedEnv``      wraps any ``Environment`` (e.g. the factory's tool tasks): exceptions and hangs in
                       ``step`` end the episode ("environment error" / "timeout") instead of the run.
 * ``EnvMixture``      a weighted mixture; ``reset(seed)`` picks a member from the seed.
@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from k2lab.agentic.env import Environment, Episode
+from k2lab.agentic.episodes.env import Environment, Episode, tool_call_parts
 from k2lab.runtime.sandbox import SandboxLimits, run_python
 
 __all__ = [
@@ -137,22 +137,6 @@ def run_tool_calls(
             return False
         episode.messages.append({"role": "tool", "tool_call_id": call.get("id") or name, "content": result})
     return True
-
-
-def tool_call_parts(call: object) -> tuple[str, dict[str, Any], str | None]:
-    """(name, arguments, problem) of one OpenAI tool call."""
-    function = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        return "", {}, "a tool call must be {'function': {'name': str, 'arguments': str}}"
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except (ValueError, RecursionError) as error:
-            return function["name"], {}, f"arguments are not JSON ({error})"
-    if not isinstance(arguments, dict):
-        return function["name"], {}, "arguments must be a JSON object"
-    return function["name"], arguments, None
 
 
 def call_with_deadline(function: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
@@ -556,11 +540,11 @@ ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 
 def build_env(name: str) -> Environment:
     """An environment by name: arithmetic, instruction, coding, open_qa, or the factory's tool tasks
-    ``tools[:DOMAIN]`` / ``mini-tools[:DOMAIN]`` (``k2lab.agentic.tasks.tool_env``)."""
+    ``tools[:DOMAIN]`` / ``mini-tools[:DOMAIN]`` (``k2lab.agentic.factory.tasks.tool_env``)."""
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]()
     if name.partition(":")[0] in ("tools", "tool_tasks", "mini-tools"):
-        from k2lab.agentic.tasks import tool_env
+        from k2lab.agentic.factory.tasks import tool_env
 
         return tool_env(name)
     choices = ", ".join([*ENVIRONMENTS, "tools[:DOMAIN]", "mini-tools[:DOMAIN]"])

@@ -7,7 +7,8 @@ Effort is chosen through the system prompt. ``EffortEnv(domain, effort)`` wraps 
 * sets ``episode.token_budget = B_effort`` (the RL loop's budget penalty then applies), and
 * records ``state["domain"]`` / ``state["effort"]`` (MOPD routes each prompt to its teacher with them).
 
-The policy may generate up to ``max_new_tokens = 2 · B`` per turn: the budget penalty of ``k2lab.agentic.rl``
+The policy may generate up to ``max_new_tokens = 2 · B`` per turn: the budget penalty of
+``k2lab.agentic.rl.trainer``
 
     r_j = R_env(y_j) − λ · min(1, max(0, n_j − B) / B)
 
@@ -30,8 +31,8 @@ from typing import Any
 
 import torch
 
-from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.envs import GuardedEnv, build_env
+from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.agentic.rl.envs import GuardedEnv, build_env
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -133,7 +134,7 @@ def train_expert(
 
     ``config`` is an ``RLConfig``; its ``envs`` and ``max_new_tokens`` are set from ``spec``.
     """
-    from k2lab.agentic.rl import RLTrainer
+    from k2lab.agentic.rl.trainer import RLTrainer
     from k2lab.data import load_tokenizer
     from k2lab.model_dir import load_model, save_model
 

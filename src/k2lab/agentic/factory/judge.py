@@ -1,10 +1,11 @@
 """The rubric judge: keeps only trajectories that satisfy their task's rubric, with reasons for the rest.
 
-A rubric (``k2lab.agentic.tasks``) has ``final_state`` checks, verified on the episode's world (compared
-with its initial copy) and its call log (the domains' own check kinds, ``k2lab.agentic.domains.CHECKS``,
-plus the generic ``unchanged`` and ``called``), and trajectory ``items``, verified on the messages. Every
-failed check yields one reason ``"<category>: <what is wrong>"``; categories: ``final_state``, ``unfinished``,
-``confirmation``, ``unnecessary_question``, ``unnecessary_tool_call`` and ``tool_on_no_tool_task``.
+A rubric (``k2lab.agentic.factory.tasks``) has ``final_state`` checks, verified on the episode's world
+(compared with its initial copy) and its call log (the domains' own check kinds,
+``k2lab.agentic.domains.CHECKS``, plus the generic ``unchanged`` and ``called``), and trajectory ``items``,
+verified on the messages. Every failed check yields one reason ``"<category>: <what is wrong>"``; categories:
+``final_state``, ``unfinished``, ``confirmation``, ``unnecessary_question``, ``unnecessary_tool_call`` and
+``tool_on_no_tool_task``.
 
 The judge is rule-based (the world state makes tool tasks verifiable); an LLM judge for open-ended rubric
 items could be added behind the same ``Verdict``.
@@ -18,7 +19,7 @@ from typing import Any
 
 from k2lab.agentic.domains import CHECKS
 from k2lab.agentic.domains.base import StateCheck
-from k2lab.agentic.env import Episode
+from k2lab.agentic.episodes.env import Episode
 
 __all__ = ["CATEGORIES", "Verdict", "judge", "judge_episode", "reason_category", "solution_progress"]
 

@@ -18,8 +18,9 @@ and a **rubric**:
   names the key facts), ``no_unnecessary_questions``, ``only_needed_tools`` and, for no-tool tasks
   (chit-chat, questions answerable directly), ``no_tool_calls``.
 
-``ToolTaskEnvironment`` runs such tasks behind ``k2lab.agentic.env.Environment``; ``k2lab.agentic.judge``
-checks the rubric. The world, its initial copy, the task and a log of calls live in ``episode.state``.
+``ToolTaskEnvironment`` runs such tasks behind ``k2lab.agentic.episodes.env.Environment``;
+``k2lab.agentic.factory.judge`` checks the rubric. The world, its initial copy, the task and a log of calls
+live in ``episode.state``.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from jsonschema import Draft202012Validator
 from k2lab.agentic.domains import BASES, DOMAINS, initial_world
 from k2lab.agentic.domains.base import Clarification, Draft, Phase, Step, ToolError
 from k2lab.agentic.domains.no_tool import no_tool_task
-from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.judge import judge_episode
-from k2lab.agentic.simulator import FailureRates, ToolSimulator, error_observation, invent_value
-from k2lab.agentic.tools import SyntheticTool, ToolRepository, build_repository
+from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.agentic.factory.judge import judge_episode
+from k2lab.agentic.factory.simulator import FailureRates, ToolSimulator, error_observation, invent_value
+from k2lab.agentic.factory.tools import SyntheticTool, ToolRepository, build_repository
 from k2lab.runtime.chat import tool_call_id
 
 __all__ = [
@@ -345,13 +346,13 @@ class ToolTaskEnvironment(Environment):
     the user simulator, moves to the next phase's request after an answer, and judges the episode when the
     last phase is answered or ``max_turns`` is reached.
 
-    ``domains`` restricts the tasks to some of the repository's domains, ``max_turns`` caps every task's
-    turn limit. The reward is 1 for a trajectory that meets its whole rubric; otherwise ``partial_credit`` times
-    (``credit``) the fraction of rubric checks it meets (``"checks"``) or the share of the reference solution it
-    reproduced (``"progress"``: planned calls graded by their arguments and the answer's key facts,
-    ``k2lab.agentic.judge.solution_progress``; nothing for what doing nothing satisfies). The default partial
-    credit of 0 rewards success only. A partial credit below 1 keeps every success above every failure while
-    giving RL groups whose members all fail a signal to rank them by.
+    ``domains`` restricts the tasks to some of the repository's domains, ``max_turns`` caps every task's turn
+    limit. The reward is 1 for a trajectory that meets its whole rubric; otherwise ``partial_credit`` times
+    (``credit``) the fraction of rubric checks it meets (``"checks"``) or the share of the reference solution
+    it reproduced (``"progress"``: planned calls graded by their arguments and the answer's key facts,
+    ``k2lab.agentic.factory.judge.solution_progress``; nothing for what doing nothing satisfies). The default
+    partial credit of 0 rewards success only. A partial credit below 1 keeps every success above every failure
+    while giving RL groups whose members all fail a signal to rank them by.
     """
 
     name = "tool_tasks"

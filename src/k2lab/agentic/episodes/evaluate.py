@@ -3,12 +3,12 @@
     report = evaluate_policy(model, tokenizer, env, seeds=range(1000, 1200), batch_size=32)
     report["success"], report["ci95"], report["no_tool_calls"], report["tokens_per_task"], report["domains"]
 
-All episodes start together and play through ``k2lab.agentic.rollout.run_episodes``: at each round every
-unfinished episode plays its next turn, so episodes of the same turn index go through ``generate``
+All episodes start together and play through ``k2lab.agentic.episodes.rollout.run_episodes``: at each round
+every unfinished episode plays its next turn, so episodes of the same turn index go through ``generate``
 together (sub-batches of ``batch_size`` rows, sorted by prompt length to keep padding small), each row with
-its own tool-call enforcer constraint. Decoding is greedy, and a turn is handled exactly as
-``run_episode`` handles it (truncated / malformed output and context overflow end the episode with that
-reason), so the batched evaluator gives the outcomes of evaluating the episodes one at a time.
+its own tool-call enforcer constraint. Decoding is greedy, and a turn is handled exactly as ``run_episode``
+handles it (truncated / malformed output and context overflow end the episode with that reason), so the
+batched evaluator gives the outcomes of evaluating the episodes one at a time.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.rollout import LocalPolicy, Rollout, run_episodes
+from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, run_episodes
 
 __all__ = [
     "episode_summary",
@@ -100,7 +100,7 @@ def play_greedy(
     tool_format: str = "typescript",
 ) -> list[Rollout]:
     """The rollouts (episodes with their turns' ids) of ``seeds``, greedy, batched by turn
-    (``k2lab.agentic.rollout.run_episodes``)."""
+    (``k2lab.agentic.episodes.rollout.run_episodes``)."""
     policy = LocalPolicy(
         model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, tool_format=tool_format
     )

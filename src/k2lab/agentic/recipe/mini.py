@@ -12,7 +12,7 @@ resumes; SFT and RL also resume from their own checkpoints mid-stage):
   than x the fraction of rubric checks met (``"checks"``), which pays an answer that does nothing;
 * ``eval``: base, SFT and RL on ``eval_n`` held-out tasks (seeds ``eval_seed * 1_000_003 + i``, a factory
   seed no training stage uses; RL draws hashed task seeds), batched greedy decoding
-  (``k2lab.agentic.evaluate``), and on a probe of ``no_tool_eval_n`` held-out tasks that need no tool
+  (``k2lab.agentic.episodes.evaluate``), and on a probe of ``no_tool_eval_n`` held-out tasks that need no tool
   (seeds ``eval_seed * 1_000_003 + NO_TOOL_OFFSET + i``): the main set holds only ~15 % of those, too few
   to see whether RL's budget penalty lowers the tool calls made where none is needed.
 
@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k2lab.agentic.env import Episode
-from k2lab.agentic.tasks import MINI_TOOLS, ToolTaskEnvironment, check_credit
+from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.factory.tasks import MINI_TOOLS, ToolTaskEnvironment, check_credit
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
@@ -87,7 +87,7 @@ class RecipeToolTasks(ToolTaskEnvironment):
         no_tool_fraction: float = 0.15,
         partial_credit: float = 0.0,
     ) -> None:
-        from k2lab.agentic.tools import build_repository
+        from k2lab.agentic.factory.tools import build_repository
 
         super().__init__(
             build_repository(config.factory_seed, config.variants_per_tool),
@@ -170,7 +170,7 @@ def stage_base(config: RecipeConfig, directory: Path) -> dict[str, Any]:
 
 def stage_factory(config: RecipeConfig, directory: Path) -> dict[str, Any]:
     """Factory trajectories (seed ``factory_seed``)."""
-    from k2lab.agentic.factory import FactoryConfig, generate
+    from k2lab.agentic.factory.pipeline import FactoryConfig, generate
 
     result = generate(
         FactoryConfig(
@@ -211,7 +211,7 @@ def stage_sft(config: RecipeConfig, directory: Path, base: str, data: str) -> di
 
 def rl_config(config: RecipeConfig) -> Any:
     """The ``RLConfig`` of the RL stage."""
-    from k2lab.agentic.rl import RLConfig
+    from k2lab.agentic.rl.trainer import RLConfig
     from k2lab.optim.grouping import OptimizerConfig
 
     return RLConfig(
@@ -234,7 +234,7 @@ def rl_config(config: RecipeConfig) -> Any:
 
 def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str, Any]:
     """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
-    from k2lab.agentic.rl import run_rl
+    from k2lab.agentic.rl.trainer import run_rl
 
     env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit)
     history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
@@ -262,7 +262,7 @@ def stage_eval(config: RecipeConfig, directory: Path, models: dict[str, str], lo
 
 def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
     """One model directory on the held-out tasks, with the no-tool probe's result under ``no_tool_probe``."""
-    from k2lab.agentic.evaluate import evaluate_policy
+    from k2lab.agentic.episodes.evaluate import evaluate_policy
     from k2lab.data import load_tokenizer
     from k2lab.model_dir import load_model
 
@@ -283,7 +283,7 @@ def no_tool_summary(probe: dict[str, Any]) -> dict[str, Any]:
     """Tool calls per task, the share of tasks with any tool call (with its Wilson interval), success on the
     no-tool probe, and per task whether it stayed without a tool call (``quiet``: rows for
     ``paired_comparison``)."""
-    from k2lab.agentic.evaluate import wilson_interval
+    from k2lab.agentic.episodes.evaluate import wilson_interval
 
     episodes = probe["episodes"]
     calling = sum(e["tool_calls"] > 0 for e in episodes)
@@ -329,7 +329,7 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
 
 def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """report.json, report.md and agentic_mini.png from the stage records."""
-    from k2lab.agentic.evaluate import paired_comparison
+    from k2lab.agentic.episodes.evaluate import paired_comparison
 
     evaluations, episodes, quiet = {}, {}, {}
     for name, path in records["eval"]["reports"].items():

@@ -28,11 +28,11 @@ student ends closer to its teachers on every evaluation and meets the 90 % goal 
 
     ∇L   = (1/N) Σ_t E_{v∼π_θ}[(log π_θ(v) − log π_T(v)) ∇ log π_θ(v)] = E_y[∇L_sampled]   (since Σ_v ∇π_θ(v) = 0)
 
-Either way log π is the model at temperature 1 renormalised over the tokens the student's tool-call
-enforcer allowed at that position (``k2lab.agentic.rl``: the policy that sampled; the teacher is scored
-over the same tokens), so forced tokens the model itself would not pick do not dominate A_t. One MuonClip step
-per step; metrics.jsonl gets one line (loss, per-token reverse KL: the exact mean KL when dense, the
-estimate mean(−A_t) when sampled, per-cell rewards).
+Either way log π is the model at temperature 1 renormalised over the tokens the student's tool-call enforcer
+allowed at that position (``k2lab.agentic.rl.trainer``: the policy that sampled; the teacher is scored over
+the same tokens), so forced tokens the model itself would not pick do not dominate A_t. One MuonClip step per
+step; metrics.jsonl gets one line (loss, per-token reverse KL: the exact mean KL when dense, the estimate
+mean(−A_t) when sampled, per-cell rewards).
 
 **Baseline** (``mode="sft"``): the same prompts, but the *teacher* of each cell samples and the student
 minimises plain cross-entropy on the teacher's tokens, L = −(1/N) Σ_t log π_θ(y_t|ctx_t) (SFT on teacher
@@ -61,9 +61,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from k2lab.agentic.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
-from k2lab.agentic.env import Environment, Episode
-from k2lab.agentic.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
+from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
+from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
@@ -405,8 +405,8 @@ def evaluate_cells(
     """Per cell on held-out seeds derive_seed(seed, "heldout", cell, i): mean R_env (``score``), success,
     tokens, the budget-penalised reward and the per-token KL estimate mean(log π_model − log π_teacher)
     on the model's own samples. Greedy evaluation (``temperature`` 0) plays a cell's episodes together
-    (``k2lab.agentic.evaluate.play_greedy``, the same outcomes as one at a time)."""
-    from k2lab.agentic.evaluate import play_greedy
+    (``k2lab.agentic.episodes.evaluate.play_greedy``, the same outcomes as one at a time)."""
+    from k2lab.agentic.episodes.evaluate import play_greedy
 
     results = {}
     for spec in specs:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-from k2lab.agentic.env import Environment, Episode
+from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.runtime.chat import (
     ChatFormatError,
     ToolCallParseError,

@@ -24,10 +24,10 @@ from typing import Any
 
 from k2lab.agentic.domains.base import DAYS, Phase, Step
 from k2lab.agentic.domains.math import LENGTH_UNITS
-from k2lab.agentic.env import Episode
-from k2lab.agentic.simulator import invent_value
-from k2lab.agentic.tasks import Task
-from k2lab.agentic.tools import ToolRepository
+from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.factory.simulator import invent_value
+from k2lab.agentic.factory.tasks import Task
+from k2lab.agentic.factory.tools import ToolRepository
 from k2lab.runtime.chat import tool_call_id
 
 __all__ = ["EXPECTED_REASONS", "MODES", "ExpertAgent", "LLMAgent"]

@@ -17,11 +17,13 @@ rollouts can be persisted and resumed in a later RL iteration or after a crash.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Environment", "Episode", "Outcome"]
+__all__ = ["Environment", "Episode", "Outcome", "tool_call_parts"]
 
 
 @dataclass
@@ -85,3 +87,19 @@ class Environment(ABC):
     def step(self, episode: Episode, message: dict[str, Any]) -> None:
         """Apply one assistant message: append it, run its tool calls (appending ``role: tool`` results),
         verify, and set ``episode.done`` / ``reward`` / ``outcome`` when the episode ends."""
+
+
+def tool_call_parts(call: object) -> tuple[str, dict[str, Any], str | None]:
+    """(name, arguments, problem) of one OpenAI tool call."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        return "", {}, "a tool call must be {'function': {'name': str, 'arguments': str}}"
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except (ValueError, RecursionError) as error:
+            return function["name"], {}, f"arguments are not JSON ({error})"
+    if not isinstance(arguments, dict):
+        return function["name"], {}, "arguments must be a JSON object"
+    return function["name"], arguments, None

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k2lab.agentic.env import Episode
-from k2lab.agentic.experts import ExpertAgent
-from k2lab.agentic.judge import reason_category
-from k2lab.agentic.simulator import FailureRates
-from k2lab.agentic.tasks import ToolTaskEnvironment
-from k2lab.agentic.tools import build_repository
+from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.factory.experts import ExpertAgent
+from k2lab.agentic.factory.judge import reason_category
+from k2lab.agentic.factory.simulator import FailureRates
+from k2lab.agentic.factory.tasks import ToolTaskEnvironment
+from k2lab.agentic.factory.tools import build_repository
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 from k2lab.runtime.chat import normalize_messages

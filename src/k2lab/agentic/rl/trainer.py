@@ -14,7 +14,7 @@ Each iteration i:
                                                                  n_j = completion tokens, 0 without B)
 
    where R_env is the verifier's reward, or, for open-ended prompts, the rubric critic's win rate within
-   the group (``k2lab.agentic.critic``).
+   the group (``k2lab.agentic.rl.critic``).
 4. The K1.5 objective (K2 inherits it), per group, with π_old the weights at the start of the iteration:
 
        L(θ) = (1/K) Σ_j ( r_j − r̄ − τ · log(π_θ(y_j|x) / π_old(y_j|x)) )²,     r̄ = (1/K) Σ_j r_j
@@ -57,10 +57,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from k2lab.agentic.critic import Preference, RubricCritic
-from k2lab.agentic.env import Environment
-from k2lab.agentic.envs import EnvMixture, build_env
-from k2lab.agentic.rollout import (
+from k2lab.agentic.episodes.env import Environment
+from k2lab.agentic.episodes.rollout import (
     LocalPolicy,
     Policy,
     Rollout,
@@ -69,6 +67,8 @@ from k2lab.agentic.rollout import (
     run_episodes,
     save_rollouts,
 )
+from k2lab.agentic.rl.critic import Preference, RubricCritic
+from k2lab.agentic.rl.envs import EnvMixture, build_env
 from k2lab.fsutil import save_figure_atomically
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
