@@ -15,7 +15,8 @@ from the config and shown in ``--help``) and adds ``--recipe FILE.toml`` and rep
 Precedence, lowest first: the config's defaults, the recipe, ``--set`` in order, the named options.
 ``--set`` values are read as TOML values (``--set optimizer.lr=3e-3``, ``--set 'curriculum=[]'``); a value
 that is not TOML is taken as a string (``--set preset=k2-nano``). A list field (``list[float]``, ...) is a
-named option taking comma-separated values (``--lrs 1e-3,3e-3``).
+named option taking comma-separated values (``--lrs 1e-3,3e-3``), as is a ``tuple[X, ...]`` field; ``Opt(...,
+sep=",")`` splits on that separator only, for text values with spaces (``--styles 'qa,a limerick'``).
 
 A ``Profile`` is a named overlay of config values, e.g. a smoke run's smaller model and fewer steps, as
 data: ``profiles={"quick": Profile(QUICK, help=...)}`` adds ``--quick``, whose overlay goes below the
@@ -42,7 +43,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from k2lab.errors import K2LabError
-from k2lab.recipes import load_config
+from k2lab.recipes import load_config, read_recipe
 
 __all__ = ["Opt", "Profile", "field_at", "parse_set", "runs_config"]
 
@@ -53,18 +54,28 @@ Loader = Callable[..., BaseModel]
 class Opt:
     """A named option for config field ``path`` (dotted for nested sections), with extra flag spellings
     (``"-p"``; a ``"--long"`` one replaces the ``--name`` spelling), its help (default: the field's
-    description) and an environment variable it is read from when not given."""
+    description), an environment variable it is read from when not given, and for a list field the
+    separator its values are split on (default: commas or whitespace)."""
 
     path: str
     flags: tuple[str, ...] = ()
     help: str | None = None
     envvar: str | None = None
+    sep: str | None = None
 
-    def __init__(self, path: str, *flags: str, help: str | None = None, envvar: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *flags: str,
+        help: str | None = None,
+        envvar: str | None = None,
+        sep: str | None = None,
+    ) -> None:
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "flags", flags)
         object.__setattr__(self, "help", help)
         object.__setattr__(self, "envvar", envvar)
+        object.__setattr__(self, "sep", sep)
 
 
 @dataclass(frozen=True)
@@ -117,20 +128,25 @@ def default_at(config: type[BaseModel], path: str) -> Any:
 
 
 def _list_item(annotation: Any) -> type | None:
-    """``X`` for a field of type ``list[X]`` (or ``list[X] | None``) with X int, float or str, else None."""
+    """``X`` for a field of type ``list[X]`` or ``tuple[X, ...]`` (or either ``| None``) with X int, float or
+    str, else None."""
     args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
         annotation = args[0]
     item = typing.get_args(annotation)
-    if typing.get_origin(annotation) is list and len(item) == 1 and item[0] in (int, float, str):
-        return item[0]
-    return None
+    if typing.get_origin(annotation) is tuple and len(item) == 2 and item[1] is Ellipsis:
+        item = item[:1]  # tuple[X, ...]
+    elif typing.get_origin(annotation) is not list:
+        return None
+    return item[0] if len(item) == 1 and item[0] in (int, float, str) else None
 
 
-def parse_list(flag: str, text: str, item: type) -> list[Any]:
-    """``"1e-3, 3e-3"`` → ``[0.001, 0.003]``: the comma- (or space-) separated values of a list option."""
+def parse_list(flag: str, text: str, item: type, sep: str | None = None) -> list[Any]:
+    """``"1e-3, 3e-3"`` → ``[0.001, 0.003]``: the comma- (or space-) separated values of a list option
+    (with ``sep``: the values between separators, stripped)."""
+    parts = re.split(r"[\s,]+", text) if sep is None else [part.strip() for part in text.split(sep)]
     try:
-        return [item(part) for part in re.split(r"[\s,]+", text) if part]
+        return [item(part) for part in parts if part]
     except ValueError as error:
         raise K2LabError(
             f"{flag} takes {item.__name__} values separated by commas (e.g. 1,2), got {text!r}"
@@ -253,6 +269,23 @@ def parse_set(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+def _default_loader(config: type[BaseModel], defaults: Mapping[str, Any]) -> Loader:
+    """``load_config`` with the command's own ``defaults`` below the recipe: each applies unless the recipe
+    or an override sets its key."""
+
+    def load(recipe: str | Path | None, **overrides: Any) -> BaseModel:
+        table = read_recipe(recipe) if defaults else {}
+        below = {
+            path: value
+            for path, value in defaults.items()
+            if _overlay_value(table, path) is PydanticUndefined
+        }
+        given = {path: value for path, value in overrides.items() if value is not None}
+        return load_config(config, recipe, **{**below, **given})
+
+    return load
+
+
 def runs_config(
     config: type[BaseModel],
     *,
@@ -265,12 +298,12 @@ def runs_config(
 
     ``load(recipe, **dotted_overrides)`` builds the config (default: ``k2lab.recipes.load_config``);
     ``defaults`` is the table of the command's own defaults where they differ from the config's (dotted keys,
-    e.g. SFT's ``SFT_DEFAULTS``): ``load`` applies it, ``--help`` shows it. With ``profiles`` (``--name``
-    flags, at most one per invocation) ``load`` is called as ``load(recipe, overlay=..., **overrides)``
-    with the chosen profile's values (``{}`` without one)."""
+    e.g. SFT's ``SFT_DEFAULTS``): ``load`` applies it (the default loader puts it below the recipe),
+    ``--help`` shows it. With ``profiles`` (``--name`` flags, at most one per invocation) ``load`` is called
+    as ``load(recipe, overlay=..., **overrides)`` with the chosen profile's values (``{}`` without one)."""
     if profiles and load is None:
         raise TypeError("profiles need a load(recipe, overlay=..., **overrides) that applies them")
-    loader = load or (lambda recipe, **overrides: load_config(config, recipe, **overrides))
+    loader = load or _default_loader(config, defaults or {})
     lists = {name: _list_item(field_at(config, option.path).annotation) for name, option in options.items()}
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,7 +329,7 @@ def runs_config(
         def _named_value(name: str, value: Any) -> Any:
             item = lists[name]
             return (
-                parse_list(_flags(name, options[name])[0], value, item)
+                parse_list(_flags(name, options[name])[0], value, item, options[name].sep)
                 if item and value is not None
                 else value
             )

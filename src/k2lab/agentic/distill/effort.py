@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_DOMAINS",
     "EFFORTS",
+    "EXPERT_RL_DEFAULTS",
     "EffortEnv",
     "ExpertSpec",
     "expert_specs",
@@ -48,6 +49,8 @@ __all__ = [
 EFFORTS = ("low", "high", "max")
 DEFAULT_DOMAINS = ("arithmetic", "instruction", "coding")
 DEFAULT_BUDGETS = {"low": 16, "high": 48, "max": 128}
+# RLConfig values of the experts' runs (``k2lab mopd experts``) where they differ from RLConfig's own
+EXPERT_RL_DEFAULTS = {"keep_checkpoints": 2}
 MANIFEST = "experts.json"
 
 

@@ -95,16 +95,21 @@ class MOPDConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(default=20, ge=1)
-    prompts_per_step: int = Field(default=9, ge=1)
-    temperature: float = Field(default=1.0, gt=0)
-    objective: Literal["sampled", "dense"] = "dense"
+    steps: int = Field(default=20, ge=1, description="Distillation steps.")
+    prompts_per_step: int = Field(default=9, ge=1, description="Prompts per step (cells round-robin).")
+    temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
+    objective: Literal["sampled", "dense"] = Field(
+        default="dense",
+        description="dense: the per-token KL(student || teacher) over the whole next-token distribution, the "
+        "exact expectation of the log-ratio reward (no sampling noise, tokens x vocab memory); sampled: the "
+        "reward log pi_teacher - log pi_student of the sampled token (K3's estimator).",
+    )
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4)
-    checkpoint_every: int = Field(default=1, ge=1)
-    keep_checkpoints: int | None = Field(default=3, ge=1)
+    checkpoint_every: int = Field(default=1, ge=1, description="Checkpoint every N steps.")
+    keep_checkpoints: int | None = Field(default=3, ge=1, description="Checkpoints kept (unset: all).")
     step_timeout_s: float = Field(default=30.0, gt=0)
     logprob_batch: int = Field(default=8, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, description="Run seed (prompts and sampling).")
 
 
 # ------------------------------------------------------------------------------------------ the math

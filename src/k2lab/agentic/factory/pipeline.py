@@ -18,43 +18,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from k2lab.agentic.episodes.env import Episode
 from k2lab.agentic.factory.experts import ExpertAgent
 from k2lab.agentic.factory.judge import reason_category
 from k2lab.agentic.factory.simulator import FailureRates
 from k2lab.agentic.factory.tasks import ToolTaskEnvironment
 from k2lab.agentic.factory.tools import build_repository
-from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 from k2lab.runtime.chat import normalize_messages
 
 __all__ = ["FactoryConfig", "FactoryResult", "generate", "print_summary", "rollout", "summary_path_for"]
 
 
-@dataclass
-class FactoryConfig:
-    """What to generate: ``n`` tasks from ``seed``; rates in [0, 1]."""
+class FactoryConfig(BaseModel):
+    """What to generate: ``n`` tasks from ``seed`` (``k2lab factory generate``); rates in [0, 1]."""
 
-    n: int = 100
-    seed: int = 0
-    tools_path: Path | None = None
-    failure_rate: float = 0.1
-    imperfection: float = 0.2
-    no_tool_fraction: float = 0.15
-    mcp_fraction: float = 0.2
-    variants_per_tool: int = 12
-    max_distractors: int = 2
+    model_config = ConfigDict(extra="forbid")
 
-    def validate(self) -> None:
-        if self.n < 0:
-            raise K2LabError("--n must be at least 0")
-        if self.variants_per_tool < 0 or self.max_distractors < 0:
-            raise K2LabError("variants-per-tool and max-distractors must be at least 0")
-        for name in ("failure_rate", "imperfection", "no_tool_fraction", "mcp_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise K2LabError(
-                    f"{name.replace('_', '-')} must be between 0 and 1, got {getattr(self, name)}"
-                )
+    n: int = Field(default=100, ge=0, description="Tasks to roll out.")
+    seed: int = Field(default=0, description="Seed of the tool evolution, tasks and failures.")
+    tools_path: Path | None = Field(
+        default=None, description="Harvested MCP tools (JSONL of `k2lab tools harvest`)."
+    )
+    failure_rate: float = Field(
+        default=0.1, ge=0, le=1, description="Injected failures per call (errors, rate limits, edge cases)."
+    )
+    imperfection: float = Field(
+        default=0.2, ge=0, le=1, description="Share of tasks where the expert makes one mistake."
+    )
+    no_tool_fraction: float = Field(
+        default=0.15, ge=0, le=1, description="Share of tasks that need no tool at all."
+    )
+    mcp_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="Share of tasks for harvested MCP tools (with tools_path)."
+    )
+    variants_per_tool: int = Field(
+        default=12, ge=0, description="Evolved variants of every base tool (0: canonical names only)."
+    )
+    max_distractors: int = Field(
+        default=2, ge=0, description="Tools of other domains an agent may also hold."
+    )
 
 
 @dataclass
@@ -104,7 +109,6 @@ def record(episode: Episode) -> dict[str, Any]:
 
 def generate(config: FactoryConfig) -> FactoryResult:
     """Roll out, judge and keep (see the module docstring)."""
-    config.validate()
     started = time.perf_counter()
     repository = build_repository(config.seed, config.variants_per_tool, config.tools_path)
     env = ToolTaskEnvironment(
@@ -180,7 +184,7 @@ class _Stats:
             "turns": _describe(self.turns),
             "tool_calls_per_trajectory": _describe(self.calls),
             "seconds": round(seconds, 3),
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(config).items()},
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.model_dump().items()},
         }
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.episodes.env import Episode
 from k2lab.agentic.factory.tasks import MINI_TOOLS, ToolTaskEnvironment, check_credit
@@ -39,41 +40,59 @@ NO_TOOL_OFFSET = 500_000
 EVALUATED = ("base", "sft", "rl")
 
 
-@dataclass
-class RecipeConfig:
+class RecipeConfig(BaseModel):
     """Sizes of every stage (defaults: about 25 minutes on 2 CPU cores with an existing base)."""
 
-    out: Path = Path("runs/agentic-mini")
-    base: Path | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    out: Path = Field(
+        default=Path("runs/agentic-mini"), description="Run directory (one subdirectory per stage)."
+    )
+    base: Path | None = Field(
+        default=None, description="Trained k2lab model dir (tokenizer.json); unset: pre-train one."
+    )
     pretrain_recipe: Path = Path("recipes/k2-mini-demo.toml")
-    pretrain_steps: int = 250
-    factory_n: int = 1500
+    pretrain_steps: int = Field(default=250, ge=1, description="Pre-training steps without a base.")
+    factory_n: int = Field(default=1500, ge=1, description="Factory tasks rolled out for SFT data.")
     factory_seed: int = 0
     variants_per_tool: int = MINI_TOOLS["variants_per_tool"]
     max_distractors: int = MINI_TOOLS["max_distractors"]
-    partial_credit: float = MINI_TOOLS["partial_credit"]
-    credit: str = "progress"
-    sft_steps: int = 240
+    partial_credit: float = Field(
+        default=MINI_TOOLS["partial_credit"],
+        ge=0.0,
+        le=1.0,
+        description="RL reward of a failed task = this x its credit (0: reward for success only).",
+    )
+    credit: str = Field(
+        default="progress",
+        description="RL partial credit of a failed task: progress (planned calls graded by their arguments, "
+        "the answer's key facts) or checks (fraction of rubric checks met).",
+    )
+    sft_steps: int = Field(default=240, ge=1, description="SFT optimizer steps.")
     sft_batch_size: int = 4
     sft_seq_len: int = 1024
     sft_lr: float = 1e-3
-    rl_iterations: int = 12
-    rl_groups: int = 4
-    rl_group_size: int = 4
+    rl_iterations: int = Field(default=12, ge=1, description="RL iterations.")
+    rl_groups: int = Field(default=4, ge=1, description="RL prompts per iteration.")
+    rl_group_size: int = Field(default=4, ge=2, description="RL samples per prompt (K).")
     rl_lr: float = 2e-4
     rl_updates: int = 1
-    rl_no_tool_fraction: float = 0.6
+    rl_no_tool_fraction: float = Field(
+        default=0.6, ge=0.0, le=1.0, description="Share of RL prompts that need no tool."
+    )
     budget_penalty: float = 0.5
     no_tool_budget: int = 24
     max_new_tokens: int = 128
     max_turns: int = MINI_TOOLS["max_turns"]
-    eval_n: int = 200
-    no_tool_eval_n: int = 300
-    eval_seed: int = 7
-    eval_batch_size: int = 32
-    threads: int | None = None
+    eval_n: int = Field(default=200, ge=1, description="Held-out evaluation tasks.")
+    no_tool_eval_n: int = Field(
+        default=300, ge=0, description="Held-out tasks that need no tool, for the tool-call probe."
+    )
+    eval_seed: int = Field(default=7, description="Factory seed of the held-out tasks, unused in training.")
+    eval_batch_size: int = Field(default=32, ge=1, description="Rows per batched generate call.")
+    threads: int | None = Field(default=None, ge=1, description="torch CPU threads.")
     seed: int = 0
-    pretrain_overrides: dict[str, Any] = field(default_factory=dict)
+    pretrain_overrides: dict[str, Any] = Field(default_factory=dict)
 
 
 class RecipeToolTasks(ToolTaskEnvironment):
@@ -338,7 +357,7 @@ def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, 
         quiet[name] = report["no_tool_probe"].pop("quiet", None)
         evaluations[name] = report
     report = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.model_dump().items()},
         "stages": {name: records[name] for name in STAGES},
         "seconds": {name: records[name]["seconds"] for name in STAGES},
         "total_seconds": round(sum(records[name]["seconds"] for name in STAGES), 2),

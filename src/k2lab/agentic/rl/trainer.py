@@ -94,30 +94,43 @@ class RLConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    iterations: int = Field(default=10, ge=1)
-    groups_per_iteration: int = Field(default=2, ge=1, description="New prompts per iteration.")
+    iterations: int = Field(default=10, ge=1, description="RL iterations.")
+    groups_per_iteration: int = Field(default=2, ge=1, description="New prompts (groups) per iteration.")
     group_size: int = Field(default=4, ge=2, description="K responses per prompt.")
-    envs: list[str] = ["arithmetic", "instruction", "coding"]
-    env_weights: list[float] | None = None
-    max_new_tokens: int = Field(default=64, ge=1)
-    token_limit: int | None = Field(default=None, ge=1, description="Per episode per iteration.")
-    temperature_start: float = Field(default=1.0, gt=0)
-    temperature_floor: float = Field(default=0.3, ge=0)
-    temperature_decay: float = Field(default=0.9, gt=0, le=1)
-    tau: float = Field(default=0.5, gt=0)
-    offpolicy_clip: float | None = Field(default=None, gt=0)
-    budget_penalty: float = Field(default=0.1, ge=0)
-    updates_per_iteration: int = Field(default=2, ge=1)
-    ptx_data: str | None = None
-    ptx_weight: float = Field(default=0.0, ge=0)
+    envs: list[str] = Field(
+        default=["arithmetic", "instruction", "coding"],
+        description="Environments: arithmetic, instruction, coding, open_qa, tools[:DOMAIN], mini-tools[:DOMAIN].",
+    )
+    env_weights: list[float] | None = Field(
+        default=None, description="Mixture weights, one per environment; unset: equal."
+    )
+    max_new_tokens: int = Field(default=64, ge=1, description="Tokens per assistant turn.")
+    token_limit: int | None = Field(
+        default=None, ge=1, description="Tokens per episode per iteration (partial rollouts)."
+    )
+    temperature_start: float = Field(
+        default=1.0, gt=0, description="Sampling temperature T_0 of the first iteration (then decays)."
+    )
+    temperature_floor: float = Field(default=0.3, ge=0, description="Temperature floor.")
+    temperature_decay: float = Field(default=0.9, gt=0, le=1, description="γ in T_i = max(floor, T_0 γ^i).")
+    tau: float = Field(default=0.5, gt=0, description="τ of the K1.5 objective.")
+    offpolicy_clip: float | None = Field(
+        default=None, gt=0, description="K2.5 token-level clip δ on |log π_θ − log π_old|."
+    )
+    budget_penalty: float = Field(default=0.1, ge=0, description="λ of the token-budget penalty.")
+    updates_per_iteration: int = Field(default=2, ge=1, description="Optimizer steps per iteration.")
+    ptx_data: str | None = Field(default=None, description="PTX corpus directory.")
+    ptx_weight: float = Field(default=0.0, ge=0, description="α of the PTX loss (0: off).")
     ptx_batch_size: int = Field(default=2, ge=1)
     ptx_seq_len: int = Field(default=64, ge=2)
-    critic: str = Field(default="none", description='"none", "self" (a copy of the policy) or a checkpoint.')
+    critic: str = Field(
+        default="none", description='Rubric critic: "none", "self" (a copy of the policy) or a checkpoint.'
+    )
     critic_refresh_steps: int = Field(default=2, ge=0)
     critic_lr: float = Field(default=1e-4, gt=0)
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
-    checkpoint_every: int = Field(default=1, ge=1)
-    keep_checkpoints: int | None = Field(default=3, ge=1)
+    checkpoint_every: int = Field(default=1, ge=1, description="Checkpoint every N iterations.")
+    keep_checkpoints: int | None = Field(default=3, ge=1, description="Checkpoints kept (unset: all).")
     step_timeout_s: float = Field(default=30.0, gt=0)
     logprob_batch: int = Field(default=8, ge=1)
     enforced_logprobs: bool = Field(
@@ -127,7 +140,7 @@ class RLConfig(BaseModel):
     rollout_batch: int = Field(
         default=16, ge=1, description="Rows per batched generate call of local rollouts (1: one at a time)."
     )
-    seed: int = 0
+    seed: int = Field(default=0, description="Run seed (tasks and sampling).")
 
 
 # ------------------------------------------------------------------------------------------ the math
