@@ -266,3 +266,26 @@ def test_cli_strict_exit_code(tmp_path, capsys) -> None:
             main(["tools", "harvest", "--config", str(config), "--out", str(out), *flags])
         assert exit_info.value.code == code
         assert out.read_text() == "" and "cannot start the server" in capsys.readouterr().out
+
+
+def test_cli_runs_a_harvest_recipe_with_the_library_defaults(tmp_path, capsys) -> None:
+    """`tools harvest` runs a HarvestRun: a TOML recipe and --set reach it, its defaults are harvest()'s."""
+    import inspect
+
+    from k2lab.cli import main
+    from k2lab.cli.runtime import HarvestRun
+
+    parameters = inspect.signature(harvest).parameters
+    for name in ("timeout", "concurrency"):
+        assert HarvestRun.model_fields[name].default == parameters[name].default
+    config = write_config(tmp_path, {"gone": {"command": str(tmp_path / "no-such-server")}})
+    out = tmp_path / "from-recipe.jsonl"
+    recipe = tmp_path / "harvest.toml"
+    recipe.write_text(f"servers = {json.dumps(str(config))}\nout = {json.dumps(str(out))}\nstrict = true\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tools", "harvest", "--recipe", str(recipe), "--set", "timeout=5"])
+    assert exit_info.value.code == 1 and out.read_text() == ""  # strict, from the recipe
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tools", "harvest", "--recipe", str(recipe), "--concurrency", "0"])
+    assert exit_info.value.code == 2 and "concurrency" in capsys.readouterr().err

@@ -248,3 +248,37 @@ def test_ablate_rephrase_end_to_end(echo, tiny_corpus, tmp_path, capsys):
     again = json.loads((out / "rephrase.json").read_text())
     assert [run["reused"] for run in again["runs"]] == [True, True]
     assert again["runs"][1]["probe_loss"] == arms["rephrased"]["probe_loss"]
+
+
+def test_cli_rephrase_runs_a_recipe_with_free_text_styles(tmp_path, monkeypatch):
+    """`data rephrase` runs a RephraseRun: recipe < --set < options, --styles split at commas only (a free-text
+    style keeps its spaces), and the library receives RephraseSettings alone (what the manifest records)."""
+    import k2lab.data.rephrase as rephrase
+    from k2lab.data.rephrase import RephraseReport
+
+    seen = []
+    monkeypatch.setattr(
+        rephrase,
+        "rephrase_corpus",
+        lambda docs, out, s, on_document: seen.append(s) or RephraseReport(str(out)),
+    )
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(FACTS)
+    recipe = tmp_path / "rephrase.toml"
+    recipe.write_text(
+        f'data = "{tmp_path / "corpus"}"\nout = "{tmp_path / "out"}"\nmodel = "m"\nretries = 5\n'
+    )
+    args = ("data", "rephrase", "--recipe", recipe, "--set", "n_rephrasings=3", "--base-url", "http://x/v1")
+    assert run_cli(*args, "--styles", "qa, a limerick about it", "--judge") == 0
+    assert seen == [
+        RephraseSettings(
+            base_url="http://x/v1",
+            model="m",
+            retries=5,
+            n_rephrasings=3,
+            styles=("qa", "a limerick about it"),
+            judge=True,
+        )
+    ]
+    assert type(seen[0]) is RephraseSettings
+    assert run_cli("data", "rephrase", "--recipe", recipe, "--base-url", "u", "--temperature", "3") == 2

@@ -253,3 +253,35 @@ def test_without_namespaces_the_report_is_honest(monkeypatch):
     assert isolation["pid_namespace"] is False
     assert any("disabled for this test" in note for note in isolation["notes"])
     assert any("network: NOT isolated" in note for note in isolation["notes"])
+
+
+def test_cli_limits_come_from_sandbox_limits_recipe_set_and_options(tmp_path, monkeypatch, capsys):
+    """`sandbox run` runs a SandboxRun whose defaults are SandboxLimits' own; recipe < --set < options."""
+    from dataclasses import fields
+
+    from k2lab.cli import main
+    from k2lab.cli.runtime import SandboxRun
+
+    assert SandboxRun().limits() == SandboxLimits()
+    assert {f.name for f in fields(SandboxLimits)} <= set(SandboxRun.model_fields)
+    seen = []
+
+    def fake_run(file, limits, workdir=None):
+        seen.append((limits, workdir))
+        return sandbox.SandboxResult(0, "", "", False, None, 0.0, None)
+
+    monkeypatch.setattr(sandbox, "run_python", fake_run)
+    program = tmp_path / "p.py"
+    program.write_text("pass")
+    recipe = tmp_path / "limits.toml"
+    recipe.write_text("timeout_s = 2.5\nmax_processes = 4\nmemory_mb = 100\n")
+    args = ["--recipe", recipe, "--set", "memory_mb=300", "--memory", "256", "--cpu", "1.5", program]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sandbox", "run", *map(str, args)])
+    assert exit_info.value.code == 0
+    limits = SandboxLimits(timeout_s=2.5, cpu_s=1.5, memory_mb=256, max_processes=4)
+    assert seen == [(limits, None)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sandbox", "run", "--timeout", "0", str(program)])
+    assert exit_info.value.code == 2 and "timeout_s" in capsys.readouterr().err and len(seen) == 1

@@ -192,3 +192,31 @@ def test_the_default_loader_applies_the_commands_defaults_below_the_recipe(tmp_p
 def test_the_agentic_commands_run_their_configs():
     names = {name for name, _ in CONFIG_COMMANDS}
     assert {"rl", "factory generate", "recipe agentic-mini", "mopd experts", "mopd distill"} <= names
+
+
+class Styled(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    styles: tuple[str, ...] = Field(default=("qa", "plain"), description="Styles.")
+    sizes: tuple[int, ...] = Field(default=(1,), description="Sizes.")
+
+
+def test_tuple_fields_and_a_separator_of_their_own():
+    """A ``tuple[X, ...]`` field is a list option; ``Opt(sep=",")`` splits at commas only (spaces kept)."""
+    seen: list[Styled] = []
+    demo = typer.Typer()
+
+    @demo.command()
+    @runs_config(Styled, options={"styles": Opt("styles", sep=","), "sizes": Opt("sizes")})
+    def run(config: Styled) -> None:
+        seen.append(config)
+
+    @demo.command()
+    def other() -> None:
+        pass
+
+    runner = CliRunner()
+    assert runner.invoke(demo, ["run", "--styles", "qa, a limerick ,", "--sizes", "2 3,4"]).exit_code == 0
+    assert seen[-1] == Styled(styles=("qa", "a limerick"), sizes=(2, 3, 4))
+    assert runner.invoke(demo, ["run"]).exit_code == 0 and seen[-1] == Styled()
+    text = " ".join(runner.invoke(demo, ["run", "--help"]).output.replace("│", " ").split())
+    assert "(default: qa,plain; recipe key: styles)" in text

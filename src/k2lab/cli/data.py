@@ -1,13 +1,16 @@
-"""The ``data`` group: knowledge rephrasing of a corpus."""
+"""The ``data`` group: knowledge rephrasing of a corpus, run from ``RephraseRun`` (``RephraseSettings`` plus
+the source and output directories)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 import typer
+from pydantic import Field
 
 from k2lab.cli.app import app, console
+from k2lab.cli.options import Opt, runs_config
+from k2lab.data.rephrase import RephraseSettings
 
 data_app = typer.Typer(help="Pre-training data recipes (K2's knowledge rephrasing).", no_args_is_help=True)
 
@@ -15,37 +18,40 @@ data_app = typer.Typer(help="Pre-training data recipes (K2's knowledge rephrasin
 app.add_typer(data_app, name="data")
 
 
+class RephraseRun(RephraseSettings):
+    """What ``k2lab data rephrase`` runs: the rephrasing settings, the source corpus and the output."""
+
+    data: Path = Field(description="Source corpus: a directory of .txt/.md/.jsonl.")
+    out: Path = Field(description="Output corpus directory (texts/, manifest.json).")
+
+    def settings(self) -> RephraseSettings:
+        """The rephrasing settings alone (what the manifest records)."""
+        return RephraseSettings(**self.model_dump(exclude={"data", "out"}))
+
+
 @data_app.command("rephrase")
-def data_rephrase(
-    data: Annotated[Path, typer.Option(help="Source corpus: a directory of .txt/.md/.jsonl.")],
-    out: Annotated[Path, typer.Option(help="Output corpus directory (texts/, manifest.json).")],
-    base_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1.")],
-    model: Annotated[str, typer.Option(help="Model name at the endpoint.")],
-    api_key: Annotated[
-        str | None, typer.Option(envvar="OPENAI_API_KEY", help="API key of the endpoint ($OPENAI_API_KEY).")
-    ] = None,
-    n_rephrasings: Annotated[int, typer.Option(min=1, help="Rephrasings per document.")] = 2,
-    chunk_chars: Annotated[int, typer.Option(min=1, help="Characters per chunk (rewritten in turn).")] = 1500,
-    tail_chars: Annotated[
-        int, typer.Option(min=0, help="Characters of the rephrased text so far shown with each chunk.")
-    ] = 600,
-    styles: Annotated[
-        str, typer.Option(help="Comma-separated styles, one per rephrasing in turn (names or free text).")
-    ] = "encyclopedic,textbook,qa,plain",
-    fidelity_threshold: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="Drop rephrasings whose fidelity score is below this.")
-    ] = 0.5,
-    judge: Annotated[
-        bool, typer.Option("--judge", help="Also ask the endpoint to rate faithfulness (0-10).")
-    ] = False,
-    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 4,
-    max_tokens: Annotated[
-        int | None, typer.Option(min=1, help="Completion tokens per chunk (default ~chunk chars / 2).")
-    ] = None,
-    temperature: Annotated[float, typer.Option(min=0.0, max=2.0, help="Sampling temperature.")] = 0.7,
-    timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 120.0,
-    retries: Annotated[int, typer.Option(min=0, help="Retries of a failed request (with backoff).")] = 3,
-) -> None:
+@runs_config(
+    RephraseRun,
+    options={
+        "data": Opt("data"),
+        "out": Opt("out"),
+        "base_url": Opt("base_url"),
+        "model": Opt("model"),
+        "api_key": Opt("api_key", envvar="OPENAI_API_KEY"),
+        "n_rephrasings": Opt("n_rephrasings"),
+        "chunk_chars": Opt("chunk_chars"),
+        "tail_chars": Opt("tail_chars"),
+        "styles": Opt("styles", sep=","),
+        "fidelity_threshold": Opt("fidelity_threshold"),
+        "judge": Opt("judge"),
+        "concurrency": Opt("concurrency"),
+        "max_tokens": Opt("max_tokens"),
+        "temperature": Opt("temperature"),
+        "timeout": Opt("timeout"),
+        "retries": Opt("retries"),
+    },
+)
+def data_rephrase(config: RephraseRun) -> None:
     """Rewrite a corpus chunk by chunk in diverse styles through an OpenAI-compatible endpoint, verified.
 
     Each chunk's prompt holds the tail of the rephrased text so far and the next source chunk; a fidelity
@@ -54,16 +60,13 @@ def data_rephrase(
     document whose requests keep failing is reported and retried on the next run.
     """
     from k2lab.data.corpus import load_corpus
-    from k2lab.data.rephrase import RephraseSettings, rephrase_corpus
+    from k2lab.data.rephrase import rephrase_corpus
 
-    corpus = load_corpus(data, val_fraction=0.0)
-    settings = RephraseSettings(
-        base_url=base_url, model=model, api_key=api_key, n_rephrasings=n_rephrasings, chunk_chars=chunk_chars,
-        tail_chars=tail_chars, styles=tuple(s.strip() for s in styles.split(",") if s.strip()),
-        fidelity_threshold=fidelity_threshold, judge=judge, concurrency=concurrency, max_tokens=max_tokens,
-        temperature=temperature, timeout=timeout, retries=retries,
-    )  # fmt: skip
-    console.print(f"rephrasing {len(corpus.train)} documents × {n_rephrasings} through {base_url} → {out}")
+    corpus = load_corpus(config.data, val_fraction=0.0)
+    out = config.out
+    console.print(
+        f"rephrasing {len(corpus.train)} documents × {config.n_rephrasings} through {config.base_url} → {out}"
+    )
 
     def progress(path: str, entry: dict) -> None:
         if entry["status"] == "failed":
@@ -73,7 +76,7 @@ def data_rephrase(
                                for r in entry["rephrasings"])  # fmt: skip
             console.print(f"done {path}: {scores}", markup=False, highlight=False)
 
-    report = rephrase_corpus(corpus.train, out, settings, on_document=progress)
+    report = rephrase_corpus(corpus.train, out, config.settings(), on_document=progress)
     console.print(
         f"{report.done} done, {report.skipped} skipped (already done), {report.failed} failed; "
         f"{report.kept} rephrasings kept, {report.dropped} dropped; {report.seconds:.1f}s → {out}"

@@ -1,15 +1,21 @@
-"""Agent runtime commands: ``tools harvest`` (MCP) and ``sandbox run``."""
+"""Agent runtime commands: ``tools harvest`` (MCP) and ``sandbox run``, each running a pydantic config
+(``HarvestRun``, ``SandboxRun``) whose defaults come from the library (``k2lab.runtime``)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.cli.app import app, console
+from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
+from k2lab.runtime.mcp_harvest import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT
+from k2lab.runtime.sandbox import SandboxLimits
 
 tools_app = typer.Typer(
     help="Tool specs for the agent data factory, harvested from real MCP servers.", no_args_is_help=True
@@ -19,29 +25,37 @@ tools_app = typer.Typer(
 app.add_typer(tools_app, name="tools")
 
 
+class HarvestRun(BaseModel):
+    """What ``k2lab tools harvest`` runs: the servers file, the output and the per-server limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    servers: Path = Field(
+        description='servers.json in the Claude Desktop / Cursor layout: {"mcpServers": {"name": {"command": '
+        '..., "args": ..., "env": ..., "cwd": ...}}}.'
+    )
+    out: Path = Field(
+        Path("tools.jsonl"), description="JSONL output; the summary goes to OUT's stem + .summary.json."
+    )
+    timeout: float = Field(
+        DEFAULT_TIMEOUT, gt=0, description="Seconds per server for start, initialize and tools/list."
+    )
+    concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1, description="Servers harvested at once.")
+    strict: bool = Field(False, description="Exit with code 1 when any server failed.")
+
+
 @tools_app.command("harvest")
-def tools_harvest(
-    config: Annotated[
-        Path,
-        typer.Option(
-            "--config",
-            "-c",
-            help='servers.json in the Claude Desktop / Cursor layout: {"mcpServers": {"name": {"command": '
-            '..., "args": ..., "env": ..., "cwd": ...}}}.',
-        ),
-    ],
-    out: Annotated[
-        Path,
-        typer.Option("--out", "-o", help="JSONL output; the summary goes to OUT's stem + .summary.json."),
-    ] = Path("tools.jsonl"),
-    timeout: Annotated[
-        float, typer.Option(help="Seconds per server for start, initialize and tools/list.")
-    ] = 30.0,
-    concurrency: Annotated[int, typer.Option(help="Servers harvested at once.")] = 8,
-    strict: Annotated[
-        bool, typer.Option("--strict", help="Exit with code 1 when any server failed.")
-    ] = False,
-) -> None:
+@runs_config(
+    HarvestRun,
+    options={
+        "config": Opt("servers", "--config", "-c"),
+        "out": Opt("out", "-o"),
+        "timeout": Opt("timeout"),
+        "concurrency": Opt("concurrency"),
+        "strict": Opt("strict"),
+    },
+)
+def tools_harvest(config: HarvestRun) -> None:
     """Start the MCP servers of a config, list their tools and write OpenAI-ready normalised specs (JSONL).
 
     A server that fails to start, crashes, hangs or answers garbage is reported; the others go on.
@@ -49,11 +63,11 @@ def tools_harvest(
     """
     from k2lab.runtime.mcp_harvest import harvest, print_summary
 
-    result = harvest(config, timeout=timeout, concurrency=concurrency)
-    summary = result.write(out)
+    result = harvest(config.servers, timeout=config.timeout, concurrency=config.concurrency)
+    summary = result.write(config.out)
     print_summary(result, console)
-    console.print(f"wrote {len(result.tools)} tools to {out} (summary: {summary})", highlight=False)
-    if strict and result.failed:
+    console.print(f"wrote {len(result.tools)} tools to {config.out} (summary: {summary})", highlight=False)
+    if config.strict and result.failed:
         raise typer.Exit(1)
 
 
@@ -63,20 +77,54 @@ sandbox_app = typer.Typer(help="Run untrusted Python in a contained sandbox.", n
 app.add_typer(sandbox_app, name="sandbox")
 
 
+class SandboxRun(BaseModel):
+    """What ``k2lab sandbox run`` runs under: ``SandboxLimits`` (its defaults) and the working directory.
+
+    ``SandboxLimits`` stays a dataclass: ``k2lab/runtime/sandbox.py`` also runs as the sandbox's own init
+    process under ``python -I -S``, where pydantic cannot be imported.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(SandboxLimits.timeout_s, gt=0, description="Wall-clock limit in seconds.")
+    cpu_s: float | None = Field(
+        SandboxLimits.cpu_s, gt=0, description="CPU-time limit in seconds; none: the timeout."
+    )
+    memory_mb: int = Field(SandboxLimits.memory_mb, gt=0, description="Address-space limit in MB.")
+    max_processes: int = Field(
+        SandboxLimits.max_processes, gt=0, description="RLIMIT_NPROC of the run's uid."
+    )
+    max_output_bytes: int = Field(
+        SandboxLimits.max_output_bytes,
+        gt=0,
+        description="Bytes kept of stdout and of stderr; more kills the run.",
+    )
+    max_file_bytes: int = Field(
+        SandboxLimits.max_file_bytes, gt=0, description="RLIMIT_FSIZE: the largest file it may write."
+    )
+    max_open_files: int = Field(
+        SandboxLimits.max_open_files, gt=0, description="RLIMIT_NOFILE: open files at once."
+    )
+    workdir: Path | None = Field(None, description="Writable working directory; none: a fresh temp dir.")
+
+    def limits(self) -> SandboxLimits:
+        """The ``SandboxLimits`` of this run."""
+        return SandboxLimits(**{f.name: getattr(self, f.name) for f in fields(SandboxLimits)})
+
+
 @sandbox_app.command("run")
+@runs_config(
+    SandboxRun,
+    options={
+        "timeout": Opt("timeout_s", "--timeout"),
+        "memory": Opt("memory_mb", "--memory"),
+        "cpu": Opt("cpu_s", "--cpu"),
+        "max_output": Opt("max_output_bytes", "--max-output"),
+        "workdir": Opt("workdir", "--workdir"),
+    },
+)
 def sandbox_run(
-    file: Annotated[Path, typer.Argument(help="The Python program to run.")],
-    timeout: Annotated[float, typer.Option("--timeout", help="Wall-clock limit in seconds.")] = 10.0,
-    memory: Annotated[int, typer.Option("--memory", help="Address-space limit in MB.")] = 512,
-    cpu: Annotated[
-        float | None, typer.Option("--cpu", help="CPU-time limit in seconds (default: the timeout).")
-    ] = None,
-    max_output: Annotated[
-        int, typer.Option("--max-output", help="Bytes kept of stdout and of stderr; more kills the run.")
-    ] = 1_000_000,
-    workdir: Annotated[
-        Path | None, typer.Option("--workdir", help="Writable working directory (default: a fresh temp dir).")
-    ] = None,
+    config: SandboxRun, file: Annotated[Path, typer.Argument(help="The Python program to run.")]
 ) -> None:
     """Run FILE in the sandbox and print the JSON result (exit code 0 whenever the sandbox ran).
 
@@ -84,12 +132,9 @@ def sandbox_run(
     directory, an unprivileged uid, resource limits, and nothing of it survives the run; the result's
     `isolation` says what was actually contained on this machine.
     """
-    from k2lab.runtime.sandbox import SandboxLimits, run_python
+    from k2lab.runtime.sandbox import run_python
 
     if not file.is_file():
         raise K2LabError(f"cannot run {file}: it does not exist or is not a file")
-    if timeout <= 0 or memory <= 0 or max_output <= 0 or (cpu is not None and cpu <= 0):
-        raise K2LabError("--timeout, --memory, --cpu and --max-output must be positive")
-    limits = SandboxLimits(timeout_s=timeout, cpu_s=cpu, memory_mb=memory, max_output_bytes=max_output)
-    result = run_python(file, limits, workdir=workdir)
+    result = run_python(file, config.limits(), workdir=config.workdir)
     print(json.dumps(result.to_dict(), indent=2))

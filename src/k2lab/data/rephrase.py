@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from k2lab.data.corpus import Document
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
@@ -90,31 +92,37 @@ class ChatEndpoint(Protocol):
     def complete(self, messages: list[dict[str, str]], max_tokens: int, seed: int) -> str: ...
 
 
-@dataclass(frozen=True)
-class RephraseSettings:
+class RephraseSettings(BaseModel):
     """How to rephrase: endpoint, rephrasings per document, chunking, styles, fidelity, retries."""
 
-    base_url: str
-    model: str
-    api_key: str | None = None
-    n_rephrasings: int = 2
-    chunk_chars: int = 1500
-    tail_chars: int = 600
-    styles: tuple[str, ...] = DEFAULT_STYLES
-    fidelity_threshold: float = 0.5
-    min_length_ratio: float = 0.3
-    max_length_ratio: float = 3.0
-    judge: bool = False
-    judge_threshold: float = 0.6
-    concurrency: int = 4
-    max_tokens: int | None = None  # per chunk; None: about half the chunk's characters + 16
-    temperature: float = 0.7
-    timeout: float = 120.0
-    retries: int = 3
-    backoff: float = 1.0
-    seed: int = 0
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
+    base_url: str = Field(description="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1.")
+    model: str = Field(description="Model name at the endpoint.")
+    api_key: str | None = Field(None, description="API key of the endpoint.")
+    n_rephrasings: int = Field(2, description="Rephrasings per document.")
+    chunk_chars: int = Field(1500, description="Characters per chunk (rewritten in turn).")
+    tail_chars: int = Field(600, description="Characters of the rephrased text so far shown with each chunk.")
+    styles: tuple[str, ...] = Field(
+        DEFAULT_STYLES, description="Styles, one per rephrasing in turn (names or free text)."
+    )
+    fidelity_threshold: float = Field(0.5, description="Drop rephrasings whose fidelity score is below this.")
+    min_length_ratio: float = Field(0.3, description="Shortest rephrasing kept, as a fraction of its source.")
+    max_length_ratio: float = Field(3.0, description="Longest rephrasing kept, as a multiple of its source.")
+    judge: bool = Field(False, description="Also ask the endpoint to rate faithfulness (0-10).")
+    judge_threshold: float = Field(0.6, description="Judge rating (0-1 of 10) a kept rephrasing reaches.")
+    concurrency: int = Field(4, description="Requests in flight.")
+    max_tokens: int | None = Field(
+        None, description="Completion tokens per chunk; none: about half the chunk's characters + 16."
+    )
+    temperature: float = Field(0.7, description="Sampling temperature (0-2).")
+    timeout: float = Field(120.0, description="Seconds per request.")
+    retries: int = Field(3, description="Retries of a failed request (with backoff).")
+    backoff: float = Field(1.0, description="Seconds before the first retry (doubling after).")
+    seed: int = Field(0, description="Sampling seed (per document and rephrasing).")
+
+    @model_validator(mode="after")
+    def _check(self) -> RephraseSettings:
         if self.n_rephrasings < 1 or self.chunk_chars < 1 or self.concurrency < 1 or self.retries < 0:
             raise K2LabError("n_rephrasings, chunk_chars and concurrency must be positive, retries >= 0")
         if not self.styles:
@@ -123,6 +131,9 @@ class RephraseSettings:
             raise K2LabError(f"fidelity_threshold must be in [0, 1], got {self.fidelity_threshold}")
         if self.tail_chars < 0 or self.min_length_ratio > self.max_length_ratio:
             raise K2LabError("tail_chars must be >= 0 and min_length_ratio <= max_length_ratio")
+        if (self.max_tokens is not None and self.max_tokens < 1) or not 0.0 <= self.temperature <= 2.0:
+            raise K2LabError("max_tokens must be positive and temperature in [0, 2]")
+        return self
 
     def style_text(self, name: str) -> str:
         """The instruction of a style: a known name's description, or the name itself as free text."""
@@ -418,7 +429,7 @@ class _Writer:
 
     def __init__(self, out: Path, manifest: dict[str, Any], settings: RephraseSettings) -> None:
         self.out, self.manifest, self.lock = out, manifest, threading.Lock()
-        settings_record = asdict(settings)
+        settings_record = settings.model_dump()
         settings_record.pop("api_key")
         self.manifest["settings"] = settings_record
 

@@ -59,6 +59,7 @@ from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 
 __all__ = [
+    "DEFAULT_CONCURRENCY",
     "DEFAULT_TIMEOUT",
     "HarvestConfig",
     "HarvestConfigError",
@@ -75,7 +76,8 @@ __all__ = [
     "summary_path_for",
 ]
 
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = 30.0  # seconds per server: start, initialize and every tools/list page
+DEFAULT_CONCURRENCY = 8  # servers harvested at once
 MAX_NAME_LENGTH = 64
 OPENAI_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -542,7 +544,7 @@ def _quiet_sdk_logging() -> Iterator[None]:
 async def aharvest(
     config: str | Path | HarvestConfig | Mapping[str, Any],
     timeout: float = DEFAULT_TIMEOUT,
-    concurrency: int = 8,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> HarvestResult:
     """Harvest the tools of every configured server (async core of :func:`harvest`)."""
     config = _as_config(config)
@@ -579,7 +581,7 @@ def _assemble(config: HarvestConfig, outcomes: dict[str, tuple[ServerReport, lis
 def harvest(
     config: str | Path | HarvestConfig | Mapping[str, Any],
     timeout: float = DEFAULT_TIMEOUT,
-    concurrency: int = 8,
+    concurrency: int = DEFAULT_CONCURRENCY,
 ) -> HarvestResult:
     """Start the configured MCP servers, list their tools and normalise them (blocking wrapper).
 
