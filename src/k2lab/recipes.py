@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 
-__all__ = ["load_config", "read_recipe", "set_dotted"]
+__all__ = ["MISSING", "is_set", "load_config", "read_recipe", "set_dotted", "unset_defaults", "value_at"]
 
 Config = TypeVar("Config", bound=BaseModel)
 
@@ -45,6 +45,32 @@ def set_dotted(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
             target = target.setdefault(parent, {})
         target[leaf] = value
     return data
+
+
+MISSING = object()  # what ``value_at`` returns for a key the tables do not hold
+
+
+def value_at(table: Mapping[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` of nested tables, or ``MISSING``."""
+    node: Any = table
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return MISSING
+        node = node[part]
+    return node
+
+
+def is_set(table: Mapping[str, Any], overrides: Mapping[str, Any], key: str) -> bool:
+    """Whether dotted ``key`` is given by the recipe ``table`` or by a non-None override."""
+    return overrides.get(key) is not None or value_at(table, key) is not MISSING
+
+
+def unset_defaults(
+    table: Mapping[str, Any], overrides: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The entries of a command's own ``defaults`` that neither the recipe nor an override sets: they go
+    below both (e.g. SFT's learning rate over pre-training's)."""
+    return {key: value for key, value in defaults.items() if not is_set(table, overrides, key)}
 
 
 def load_config(

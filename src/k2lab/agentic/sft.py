@@ -29,7 +29,7 @@ own state) continues with exactly the same batches, so ``k2lab sft --resume`` af
 uninterrupted losses.
 
 The recipe's ``[sft]`` table is ``k2lab.train.sections.SFTConfig``; ``SFTData`` is what the trainer reads
-(``k2lab.train.data.TrainingData``), ``sft_train_config`` the command line's recipe.
+(``k2lab.train.data.TrainingData``), ``k2lab.train.config.load_sft_config`` the command line's recipe.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import tomllib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from k2lab.model_dir import load_model
 from k2lab.models import CausalLM, build_model
 from k2lab.runtime.chat import encode_chat, normalize_messages
 from k2lab.train import distributed
-from k2lab.train.config import TrainConfig, load_train_config
+from k2lab.train.config import TrainConfig
 from k2lab.train.data import Log, StagedData
 from k2lab.vision.mixture import vision_rows_at
 from k2lab.vision.vlm import VisionLanguageModel
@@ -70,7 +69,6 @@ __all__ = [
     "encode_conversations",
     "load_conversations",
     "load_sft_checkpoint",
-    "sft_train_config",
 ]
 
 IGNORE = -100
@@ -450,44 +448,6 @@ def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
             f"{model.config.vocab_size}"
         )
     return tokenizer, model
-
-
-# ---- the command line's recipe ---------------------------------------------------------------------------
-SFT_DEFAULTS: dict[str, Any] = {
-    "optimizer.lr": 5e-4,  # a quarter of pre-training's: adapt the checkpoint, do not overwrite it
-    "schedule.warmup_steps": 10,
-    "batch_size": 4,
-    "seq_len": 1024,  # agentic conversations with tool declarations run to hundreds of tokens
-    "eval_every": 25,
-    "save_every": 50,
-    "out": "runs/sft",
-    "sample_prompt": "<|im_user|>user<|im_middle|>Hello!<|im_end|><|im_assistant|>assistant<|im_middle|>",
-    "sft.epochs": 3.0,  # only when neither the recipe nor a flag sets steps or epochs
-}
-
-
-def sft_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
-    """``load_train_config`` for SFT: the recipe, then the flags (``None`` = unset), and ``SFT_DEFAULTS`` for
-    whatever neither sets (``sft.epochs`` only when neither gives ``steps``)."""
-    try:
-        table = tomllib.loads(Path(recipe).read_text()) if recipe is not None else {}
-    except (OSError, tomllib.TOMLDecodeError):
-        table = {}  # load_train_config reports it
-
-    def is_set(key: str) -> bool:
-        node: Any = table
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return overrides.get(key) is not None
-            node = node[part]
-        return True
-
-    for key, value in SFT_DEFAULTS.items():
-        if key == "sft.epochs" and is_set("steps"):
-            continue
-        if not is_set(key):
-            overrides[key] = value
-    return load_train_config(recipe, **overrides)
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------

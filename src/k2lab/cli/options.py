@@ -43,7 +43,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from k2lab.errors import K2LabError
-from k2lab.recipes import load_config, read_recipe
+from k2lab.recipes import MISSING, load_config, read_recipe, unset_defaults, value_at
 
 __all__ = ["Opt", "Profile", "field_at", "parse_set", "runs_config"]
 
@@ -173,16 +173,6 @@ def _shown(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
-def _overlay_value(values: Mapping[str, Any], path: str) -> Any:
-    """The value at dotted ``path`` of a profile's nested tables, or ``PydanticUndefined``."""
-    value: Any = values
-    for part in path.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return PydanticUndefined
-        value = value[part]
-    return value
-
-
 def option_help(
     config: type[BaseModel],
     name: str,
@@ -203,8 +193,8 @@ def option_help(
     default = (defaults or {}).get(option.path, default_at(config, option.path))
     shown = "required" if default is PydanticUndefined else f"default: {_shown(default)}"
     for profile, overlay in (profiles or {}).items():
-        value = _overlay_value(overlay.values, option.path)
-        if value is not PydanticUndefined and value != default:
+        value = value_at(overlay.values, option.path)
+        if value is not MISSING and value != default:
             shown += f"; --{profile}: {_shown(value)}"
     return f"{text.rstrip('.')}{choices}. ({shown}; recipe key: {option.path})"
 
@@ -274,12 +264,7 @@ def _default_loader(config: type[BaseModel], defaults: Mapping[str, Any]) -> Loa
     or an override sets its key."""
 
     def load(recipe: str | Path | None, **overrides: Any) -> BaseModel:
-        table = read_recipe(recipe) if defaults else {}
-        below = {
-            path: value
-            for path, value in defaults.items()
-            if _overlay_value(table, path) is PydanticUndefined
-        }
+        below = unset_defaults(read_recipe(recipe), overrides, defaults) if defaults else {}
         given = {path: value for path, value in overrides.items() if value is not None}
         return load_config(config, recipe, **{**below, **given})
 

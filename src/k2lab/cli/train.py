@@ -9,12 +9,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from k2lab.agentic.sft import SFT_DEFAULTS, sft_train_config
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.optim.stability import StabilityConfig, stability_run
 from k2lab.presets import load_preset
-from k2lab.train.config import TrainConfig, load_train_config
+from k2lab.train.config import SFT_DEFAULTS, TrainConfig, load_sft_config, load_train_config
 
 
 @app.command()
@@ -54,8 +53,8 @@ def train(
 @app.command()
 @runs_config(
     TrainConfig,
-    load=sft_train_config,
-    defaults={**SFT_DEFAULTS, "steps": "from epochs"},  # shown in --help; sft_train_config applies them
+    load=load_sft_config,
+    defaults={**SFT_DEFAULTS, "steps": "from epochs"},  # shown in --help; load_sft_config applies them
     options={
         "checkpoint": Opt("sft.init_checkpoint", "--checkpoint", "-c"),
         "data": Opt("sft.data"),

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.presets import available_presets, get_preset
-from k2lab.recipes import load_config
+from k2lab.recipes import is_set, load_config, read_recipe, unset_defaults
 from k2lab.train.curriculum import CurriculumStage, validate_stages
 from k2lab.train.schedule import ScheduleConfig
 from k2lab.train.sections import SFTConfig, VisionDataConfig
@@ -127,3 +127,26 @@ class TrainConfig(BaseModel):
 def load_train_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
     """Recipe file (TOML) plus overrides (None values ignored; ``optimizer.lr`` style keys for nesting)."""
     return load_config(TrainConfig, recipe, what="training recipe", **overrides)
+
+
+SFT_DEFAULTS: dict[str, Any] = {  # ``k2lab sft``'s own defaults, below its recipe and flags
+    "optimizer.lr": 5e-4,  # a quarter of pre-training's: adapt the checkpoint, do not overwrite it
+    "schedule.warmup_steps": 10,
+    "batch_size": 4,
+    "seq_len": 1024,  # agentic conversations with tool declarations run to hundreds of tokens
+    "eval_every": 25,
+    "save_every": 50,
+    "out": "runs/sft",
+    "sample_prompt": "<|im_user|>user<|im_middle|>Hello!<|im_end|><|im_assistant|>assistant<|im_middle|>",
+    "sft.epochs": 3.0,  # only when neither the recipe nor a flag sets steps or epochs
+}
+
+
+def load_sft_config(recipe: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """``load_train_config`` for SFT: the recipe, then the overrides (``None`` = unset), and ``SFT_DEFAULTS``
+    for whatever neither sets (``sft.epochs`` only when neither gives ``steps``)."""
+    table = read_recipe(recipe)
+    below = unset_defaults(table, overrides, SFT_DEFAULTS)
+    if is_set(table, overrides, "steps"):
+        below.pop("sft.epochs", None)
+    return load_train_config(recipe, **{**overrides, **below})

@@ -206,11 +206,11 @@ def stage_factory(config: RecipeConfig, directory: Path) -> dict[str, Any]:
 
 def stage_sft(config: RecipeConfig, directory: Path, base: str, data: str) -> dict[str, Any]:
     """SFT of the base on the trajectories (resumes from its checkpoints)."""
-    from k2lab.agentic.sft import sft_train_config
+    from k2lab.train.config import load_sft_config
     from k2lab.train.trainer import run_training
 
     every = max(1, config.sft_steps // 4)
-    train = sft_train_config(
+    train = load_sft_config(
         None,
         out=str(directory),
         steps=config.sft_steps,
