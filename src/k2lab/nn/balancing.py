@@ -14,7 +14,7 @@ With the thresholds α_i held fixed, expert j then clears exactly q tokens ({i :
 (every token's (k+1)-th expert has margin exactly 0; an expert that is that runner-up for enough tokens keeps
 its bias with load ≤ q). The update is computed on one batch and applied to the next (and frozen at
 inference). Since α moves with b, top-k routing of the same batch under the new bias is close to, not exactly,
-q per expert (tests/test_quantile_balancing.py has the figures).
+q per expert (tests/nn/test_balancing.py has the figures).
 
 Sequence-wise balance loss (DeepSeek-V3, complementary, small α), per sequence of T tokens:
     f_i = E/(K·T) · Σ_t 1[i ∈ TopK(t)],   P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t},   L = α Σ_i f_i P_i

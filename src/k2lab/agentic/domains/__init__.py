@@ -24,7 +24,7 @@ Adding a domain
    ``DOMAIN = Domain(name, description, prefixes, TOOLS, templates, initial_state, checks, param_kinds)``.
 2. Register it here: import the module, append its ``DOMAIN`` to ``DOMAINS`` and its name to the end of
    ``WORLD_DRAW_ORDER`` (so the existing world sections are drawn as before).
-3. Test it: ``tests/test_agentic_domains.py`` checks every registered domain (its tools, that its templates
+3. Test it: ``tests/agentic/domains/test_domains.py`` checks every registered domain (its tools, that its templates
    are feasible and emit registered checks, that the expert solves them). A new domain changes the tasks
    of existing seeds (a seed draws its domain among all of them; evolution round-robins over all base
    tools): update the digest pinned there in the same commit. See ``docs/agentic-domains.md``.

@@ -1,0 +1,417 @@
+"""K3's multi-effort RL + MOPD: the per-token loss and gradient on a hand-computed 2-token case, teacher
+routing by (domain, effort), the effort wrapper (system prompt, budget), a tiny end-to-end run (nine
+experts, distillation, baseline, report) through the CLI, and exact resume of distillation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, expert_specs, train_experts
+from k2lab.agentic.distill.mopd import (
+    MOPDConfig,
+    MOPDTrainer,
+    TeacherRouter,
+    dense_reverse_kl,
+    mopd_advantages,
+    mopd_dense_loss,
+    mopd_loss,
+    sft_loss,
+)
+from k2lab.agentic.episodes.rollout import LocalPolicy
+from k2lab.agentic.rl.trainer import RLConfig
+from k2lab.cli import main
+from k2lab.errors import K2LabError
+from k2lab.model_dir import load_model, save_model
+from tests.conftest import randomize
+
+TINY_BUDGETS = {"low": 2, "high": 4, "max": 6}
+
+
+def cli(*args) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in args])
+    assert exit_info.value.code == 0
+
+
+def nano_model(seed: int = 0):
+    model = build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=2048))
+    return randomize(model, seed=seed)
+
+
+# ---- the math
+
+
+def test_mopd_loss_and_gradient_hand_computed():
+    # position 1: student p_S = [1/4, 3/4], teacher p_T = [1/2, 1/2], sampled y = 1
+    # position 2: student p_S = [1/2, 1/2], teacher p_T = [0.8, 0.2], sampled y = 0
+    student_logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], requires_grad=True)
+    teacher_logits = torch.tensor([[0.0, 0.0], [math.log(0.8), math.log(0.2)]], requires_grad=True)
+    y = torch.tensor([1, 0])
+    logp_s = student_logits.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+    logp_t = teacher_logits.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+    a1, a2 = math.log(0.5 / 0.75), math.log(0.8 / 0.5)  # A_t = log π_T(y_t) − log π_S(y_t)
+    assert mopd_advantages(logp_t, logp_s).tolist() == pytest.approx([a1, a2])
+    loss = mopd_loss(logp_s, logp_t)
+    # L = −(1/2) [A_1 · log(3/4) + A_2 · log(1/2)]
+    assert float(loss.detach()) == pytest.approx(-(a1 * math.log(0.75) + a2 * math.log(0.5)) / 2)
+    loss.backward()
+    # ∂L/∂z_t = −(A_t / N) (onehot(y_t) − p_S,t)
+    expected = [[-a1 / 2 * (0 - 0.25), -a1 / 2 * (1 - 0.75)], [-a2 / 2 * (1 - 0.5), -a2 / 2 * (0 - 0.5)]]
+    assert student_logits.grad.tolist()[0] == pytest.approx(expected[0])
+    assert student_logits.grad.tolist()[1] == pytest.approx(expected[1])
+    assert teacher_logits.grad is None  # the teacher only scores (sg)
+    # over-weighted token 1 at position 1 is pushed down, under-weighted token 0 at position 2 up
+    assert student_logits.grad[0, 1] > 0 and student_logits.grad[1, 0] < 0
+
+
+def test_dense_reverse_kl_hand_computed_with_ruled_out_tokens():
+    # position 1: p_S = [1/4, 3/4], p_T = [1/2, 1/2]; position 2: token 2 ruled out, p_S = p_T = [1/2, 1/2]
+    inf = float("inf")
+    student = torch.tensor([[math.log(0.25), math.log(0.75), -inf], [math.log(0.5), math.log(0.5), -inf]])
+    teacher = torch.tensor([[math.log(0.5), math.log(0.5), -inf], [math.log(0.5), math.log(0.5), -inf]])
+    kl_1 = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    assert dense_reverse_kl(student, teacher).tolist() == pytest.approx([kl_1, 0.0])
+    assert float(mopd_dense_loss(student, teacher)) == pytest.approx(kl_1 / 2)
+    assert float(mopd_dense_loss(torch.zeros(0, 3), torch.zeros(0, 3))) == 0.0
+
+
+def test_dense_gradient_is_the_expected_sampled_gradient():
+    """∇ KL(π_S ‖ π_T) = E_{y∼π_S}[∇ L_sampled(y)]: enumerate y with its probability (3 positions, a ruled-out
+    token at one of them) and compare with the dense loss's gradient; no NaN flows from the −inf entries."""
+    generator = torch.Generator().manual_seed(0)
+    logits_s = torch.randn(3, 5, generator=generator)
+    logits_t = torch.randn(3, 5, generator=generator)
+    ruled_out = torch.zeros(3, 5, dtype=torch.bool)
+    ruled_out[1, 3:] = True
+    bias = torch.zeros(3, 5).masked_fill(ruled_out, float("-inf"))
+    teacher = (logits_t + bias).log_softmax(-1)
+
+    dense_logits = logits_s.clone().requires_grad_(True)
+    mopd_dense_loss((dense_logits + bias).log_softmax(-1), teacher).backward()
+
+    expected = torch.zeros(3, 5)
+    probs = (logits_s + bias).softmax(-1)
+    for t in range(3):
+        for y in range(5):
+            if ruled_out[t, y]:
+                continue
+            z = logits_s[t : t + 1].clone().requires_grad_(True)
+            logp = (z + bias[t : t + 1]).log_softmax(-1)[:, y]
+            mopd_loss(logp, teacher[t : t + 1, y]).backward()  # one sampled token at one position (N = 1)
+            expected[t] += probs[t, y] * z.grad[0] / 3  # the dense loss averages over the N = 3 positions
+    assert torch.isfinite(dense_logits.grad).all()
+    assert torch.allclose(dense_logits.grad, expected, atol=1e-6)
+
+
+def test_sft_baseline_loss_is_mean_negative_logprob():
+    logp = torch.tensor([-1.0, -3.0])
+    assert float(sft_loss(logp)) == pytest.approx(2.0)
+    assert float(mopd_loss(torch.zeros(0), torch.zeros(0))) == 0.0
+
+
+# ---- effort and routing
+
+
+def test_effort_env_sets_system_prompt_budget_and_cell(small_tokenizer):
+    spec = ExpertSpec("arithmetic", "high", 48)
+    env = EffortEnv(spec)
+    episode = env.reset(3)
+    assert episode.messages[0] == {"role": "system", "content": "Reasoning effort: high"}
+    assert episode.messages[1]["role"] == "system" and episode.messages[-1]["role"] == "user"
+    assert episode.token_budget == 48 and spec.max_new_tokens == 96
+    assert episode.state["domain"] == "arithmetic" and episode.state["effort"] == "high"
+    assert episode.env == "arithmetic-high"
+    env.step(episode, {"role": "assistant", "content": str(episode.state["answer"])})
+    assert episode.done and episode.reward == 1.0 and episode.env == "arithmetic-high"
+    policy = LocalPolicy(nano_model(), small_tokenizer)
+    prompt = small_tokenizer.decode(policy.encode_prompt(env.reset(3).messages, []))
+    assert "Reasoning effort: high" in prompt
+    specs = expert_specs()
+    assert len(specs) == 9 and {s.effort for s in specs} == {"low", "high", "max"}
+    assert [s.budget for s in specs[:3]] == [16, 48, 128]
+
+
+def test_teacher_routing_by_domain_and_effort():
+    specs = expert_specs(budgets=TINY_BUDGETS)
+    teachers = {(s.domain, s.effort): torch.nn.Linear(1, 1) for s in specs}
+    router = TeacherRouter(teachers)
+    for spec in specs:
+        episode = EffortEnv(spec).reset(7)
+        assert router.route(episode) is teachers[(spec.domain, spec.effort)]
+    partial = TeacherRouter({("arithmetic", "low"): torch.nn.Linear(1, 1)})
+    with pytest.raises(KeyError):
+        partial.route(EffortEnv(ExpertSpec("arithmetic", "max", 6)).reset(1))
+
+
+# ---- end to end
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory, small_tokenizer):
+    directory = tmp_path_factory.mktemp("sft")
+    save_model(nano_model(), directory)
+    small_tokenizer.save(directory / "tokenizer.json")
+    return directory
+
+
+def test_nine_experts_distill_and_report_through_the_cli(sft_dir, tmp_path, capsys, monkeypatch):
+    # 9 matplotlib figures: slow
+    monkeypatch.setattr("k2lab.agentic.rl.trainer.plot_metrics", lambda *args: None)
+    experts, distill = tmp_path / "experts", tmp_path / "distill"
+    common = ["--iterations", "1", "--group", "2", "--prompts", "1", "--updates", "1", "--budgets", "1,2,3"]
+    cli("mopd", "experts", "--checkpoint", str(sft_dir), "--out", str(experts), *common)
+    manifest = json.loads((experts / "experts.json").read_text())
+    assert len(manifest["experts"]) == 9
+    for spec in manifest["experts"]:
+        key = f"{spec['domain']}-{spec['effort']}"
+        assert (experts / key / "model" / "model.safetensors").is_file()
+        assert (experts / key / "metrics.jsonl").is_file()
+    capsys.readouterr()
+    cli("mopd", "experts", "--checkpoint", str(sft_dir), "--out", str(experts), *common)
+    assert capsys.readouterr().out.count("skipped") == 9
+    cli("mopd", "distill", "--experts", str(experts), "--student", str(sft_dir), "--out", str(distill),
+          "--steps", "1")  # fmt: skip
+    lines = [json.loads(x) for x in (distill / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0] and all(x["mode"] == "mopd" for x in lines)
+    assert len(lines[0]["per_cell"]) == 9 and lines[0]["trained_tokens"] > 0
+    cli("mopd", "report", "--experts", str(experts), "--distill", str(distill), "--episodes", "1",
+          "--baseline-steps", "1")  # fmt: skip
+    report = json.loads((distill / "report" / "report.json").read_text())
+    assert len(report["cells"]) == 9 and set(report["scores"]) == {"teacher", "student", "baseline", "start"}
+    assert all(row["start"] is not None for row in report["cells"])
+    assert all(isinstance(row["goal_met"], bool) for row in report["cells"])
+    assert (distill / "report" / "report.png").stat().st_size > 0
+    assert "| cell |" in (distill / "report" / "report.md").read_text()
+    assert (distill / "baseline" / "model" / "model.safetensors").is_file()
+
+
+def test_train_experts_subset_and_resume_skips(sft_dir, tmp_path):
+    specs = [ExpertSpec("instruction", "low", 2)]
+    config = RLConfig(iterations=1, group_size=2, groups_per_iteration=1, updates_per_iteration=1)
+    logs: list[str] = []
+    train_experts(sft_dir, tmp_path, config, specs, log=logs.append)
+    train_experts(sft_dir, tmp_path, config, specs, log=logs.append)
+    assert "RL" in logs[0] and logs[1].endswith("skipped")
+    with pytest.raises(K2LabError, match="other domains or budgets"):
+        train_experts(sft_dir, tmp_path, config, [ExpertSpec("instruction", "low", 3)])
+
+
+@pytest.mark.parametrize("objective", ["sampled", "dense"])
+def test_distillation_resumes_exactly(small_tokenizer, tmp_path, objective):
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 5)]
+    teachers = {(s.domain, s.effort): nano_model(seed=10 + i) for i, s in enumerate(specs)}
+    config = MOPDConfig(steps=3, prompts_per_step=2, objective=objective)
+
+    def trainer(out):
+        return MOPDTrainer(nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, out)
+
+    straight = trainer(tmp_path / "a")
+    straight.run()
+    interrupted = trainer(tmp_path / "b")
+    interrupted.run(steps=1)
+    resumed = trainer(tmp_path / "b")  # fresh weights: everything comes from the step-1 checkpoint
+    assert resumed.step == 1
+    resumed.run()
+
+    def metrics(path):
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    assert metrics(tmp_path / "a")[0]["trained_tokens"] > 0
+    for name, value in straight.student.state_dict().items():
+        assert torch.equal(value, resumed.student.state_dict()[name]), name
+
+
+def test_resuming_with_another_objective_is_refused_and_loses_nothing(small_tokenizer, tmp_path):
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    teachers = {("arithmetic", "low"): nano_model(seed=10)}
+
+    def trainer(**settings):
+        config = MOPDConfig(prompts_per_step=1, **settings)
+        return MOPDTrainer(nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, tmp_path)
+
+    trainer(steps=1, objective="sampled").run()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(K2LabError, match="objective: 'sampled' then, 'dense' now"):
+        trainer(steps=2, objective="dense")
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert trainer(steps=2, objective="sampled").step == 1  # a longer run of the same settings resumes
+
+
+def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_path):
+    """Both objectives sample step 0 from the same student with the same seeds: the same trained tokens
+    (positions, not positions × vocabulary), and the dense loss is the exact KL the sampled one estimates."""
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 5)]
+    teachers = {(s.domain, s.effort): nano_model(seed=10 + i) for i, s in enumerate(specs)}
+    first = {}
+    for objective in ("sampled", "dense"):
+        config = MOPDConfig(steps=1, prompts_per_step=2, objective=objective)
+        trainer = MOPDTrainer(
+            nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, tmp_path / objective
+        )
+        first[objective] = trainer.train_step()
+    assert first["dense"]["trained_tokens"] == first["sampled"]["trained_tokens"] > 0
+    assert first["dense"]["mean_reward"] == first["sampled"]["mean_reward"]
+    assert first["dense"]["reverse_kl"] == first["dense"]["loss"] > 0
+
+
+def test_an_unknown_objective_is_refused_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["mopd", "distill", "--experts", str(tmp_path / "none"), "--student", str(tmp_path / "none"),
+              "--out", str(tmp_path / "out"), "--objective", "topk"])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "objective" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def write_experts(directory: Path, tokenizer, specs) -> None:
+    """An experts directory as ``k2lab mopd experts`` leaves it: the manifest and one policy per cell (here
+    distinct random nano models, so every cell has its own teacher)."""
+    for i, spec in enumerate(specs):
+        save_model(nano_model(seed=20 + i), directory / spec.key / "model")
+        tokenizer.save(directory / spec.key / "model" / "tokenizer.json")
+    manifest = {"checkpoint": "random", "experts": [vars(s) for s in specs], "rl": {}}
+    (directory / "experts.json").write_text(json.dumps(manifest))
+
+
+DISTILL_SCRIPT = """
+import os, signal, sys
+import torch
+from k2lab.agentic.distill import mopd
+from k2lab.cli import main
+torch.set_num_threads(1)
+original = mopd.MOPDTrainer.run
+def run(self, steps=None, on_step=None):
+    def kill(metrics):
+        if metrics["step"] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # after step 1's checkpoint, before step 2
+    return original(self, steps, kill)
+if sys.argv[1] == "kill":
+    mopd.MOPDTrainer.run = run
+main(sys.argv[2:])
+"""
+
+
+def test_sigkilled_distillation_resumes_to_the_uninterrupted_run(sft_dir, small_tokenizer, tmp_path):
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "high", 4)]
+    experts = tmp_path / "experts"
+    write_experts(experts, small_tokenizer, specs)
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "src")}
+
+    def distill(mode: str, out: Path) -> int:  # every run in a fresh process with the same thread count
+        args = ["mopd", "distill", "--experts", experts, "--student", sft_dir, "--steps", 3, "--prompts", 2]
+        command = [sys.executable, "-c", DISTILL_SCRIPT, mode, *map(str, args), "--out", str(out)]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode in (0, -signal.SIGKILL), result.stderr[-2000:]
+        return result.returncode
+
+    assert distill("run", tmp_path / "straight") == 0
+    assert distill("kill", killed) == -signal.SIGKILL
+    assert not (killed / "model").exists()
+
+    def metrics(path):
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+    assert metrics(killed) == metrics(tmp_path / "straight")[:2]
+    assert distill("run", killed) == 0
+    assert metrics(killed) == metrics(tmp_path / "straight")
+    assert sum(m["trained_tokens"] for m in metrics(killed)) > 0
+    resumed, straight = load_model(killed / "model"), load_model(tmp_path / "straight" / "model")
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), straight.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokenizer):
+    from k2lab.agentic.distill.mopd import evaluate_cells, trainable_turns
+    from k2lab.agentic.episodes.rollout import run_episode
+    from k2lab.posttrain.scoring import turn_logprobs
+    from k2lab.train.persistence import derive_seed
+
+    specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 6)]
+    teachers = {(s.domain, s.effort): nano_model(seed=30 + i) for i, s in enumerate(specs)}
+    router, model = TeacherRouter(teachers), nano_model(seed=3).eval()
+    batched = evaluate_cells(model, small_tokenizer, router, specs, episodes=3, seed=5, batch_size=2)
+    for spec in specs:
+        policy = LocalPolicy(model, small_tokenizer, 0.0, spec.max_new_tokens)
+        rollouts = [
+            run_episode(EffortEnv(spec), policy, derive_seed(5, "heldout", spec.key, i)) for i in range(3)
+        ]
+        tokens = [r.episode.completion_tokens for r in rollouts]
+        assert batched[spec.key]["tokens"] == pytest.approx(sum(tokens) / 3)
+        assert batched[spec.key]["score"] == pytest.approx(sum(r.episode.reward or 0 for r in rollouts) / 3)
+        with torch.no_grad():
+            turns = [t for r in rollouts for t in trainable_turns(r)]
+            gap = torch.cat(turn_logprobs(model, turns)) - torch.cat(
+                turn_logprobs(router.route(rollouts[0].episode), turns)
+            )
+        assert batched[spec.key]["kl"] == pytest.approx(float(gap.mean()), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["mopd", "sft"])
+def test_a_step_plays_its_prompts_together_as_each_would_alone(small_tokenizer, tmp_path, mode):
+    from k2lab.agentic.episodes.rollout import run_episode
+    from k2lab.train.persistence import derive_seed
+
+    specs = [
+        ExpertSpec("arithmetic", "low", 3),
+        ExpertSpec("instruction", "low", 3),
+        ExpertSpec("arithmetic", "max", 5),
+    ]
+    teachers = {(s.domain, s.effort): nano_model(seed=40 + i) for i, s in enumerate(specs)}
+    config = MOPDConfig(prompts_per_step=6, seed=3)
+    trainer = MOPDTrainer(
+        nano_model(), small_tokenizer, TeacherRouter(teachers), specs, config, tmp_path, mode
+    )
+    played = trainer._sample_step(2)
+    assert [spec for spec, _, _ in played] == [trainer.cell(2, i) for i in range(6)]
+    for index, (spec, rollout, teacher) in enumerate(played):
+        assert teacher is teachers[(spec.domain, spec.effort)]
+        sampler = trainer.student if mode == "mopd" else teacher
+        policy = LocalPolicy(sampler, small_tokenizer, config.temperature, spec.max_new_tokens)
+        task, sample = derive_seed(3, "mopd-task", 2, index), derive_seed(3, "s", 2, index)
+        alone = run_episode(EffortEnv(spec), policy, task, sample_seed=sample)
+        assert [t.completion_ids for t in rollout.turns] == [t.completion_ids for t in alone.turns]
+        assert rollout.episode.reward == alone.episode.reward
+        assert rollout.episode.env == spec.key
+
+
+def test_teacher_logprobs_scores_each_turn_with_its_own_model(small_tokenizer):
+    from k2lab.agentic.distill.mopd import teacher_logprobs, trainable_turns
+    from k2lab.agentic.episodes.rollout import run_episode
+    from k2lab.posttrain.scoring import turn_logprobs
+
+    spec = ExpertSpec("arithmetic", "max", 6)
+    models = [nano_model(seed=50), nano_model(seed=51)]
+    policy = LocalPolicy(nano_model(seed=52), small_tokenizer, 1.0, spec.max_new_tokens)
+    turns = [t for seed in range(4) for t in trainable_turns(run_episode(EffortEnv(spec), policy, seed))]
+    pairs = [(turn, models[i % 2]) for i, turn in enumerate(turns)]
+    scored = teacher_logprobs(pairs, batch=3)
+    assert len(scored) == len(pairs) > 2
+    for (turn, model), logp in zip(pairs, scored, strict=True):
+        with torch.no_grad():
+            alone = turn_logprobs(model, [turn])[0]
+        assert torch.allclose(logp, alone, atol=1e-5)
+        assert not logp.requires_grad
+    generator = torch.Generator().manual_seed(0)
+    masks = [torch.rand(len(t.completion_ids), 300, generator=generator) < 0.5 for t in turns]
+    for mask, turn in zip(masks, turns, strict=True):
+        mask[torch.arange(len(turn.completion_ids)), torch.tensor(turn.completion_ids)] = True
+    masks[0] = None
+    restricted = teacher_logprobs(pairs, batch=3, allowed=masks)
+    for (turn, model), mask, logp in zip(pairs, masks, restricted, strict=True):
+        with torch.no_grad():
+            alone = turn_logprobs(model, [turn], 1, [mask])[0]
+        assert torch.allclose(logp, alone, atol=1e-5)

@@ -1,0 +1,104 @@
+"""Batched rollouts: ``generate`` with one sampling seed per row, ``LocalPolicy.respond_batch`` and
+``run_episodes`` against one-at-a-time ``run_episode`` (equal at batch size 1, deterministic batched, partial
+rollouts continued), on a tiny random model with sampling at temperature 1."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, run_episode, run_episodes
+from k2lab.agentic.recipe.mini import RecipeConfig, RecipeToolTasks
+from k2lab.agentic.rl.envs import ArithmeticEnv
+from k2lab.infer.generate import GenerationConfig, generate
+from tests.conftest import randomize
+
+
+@pytest.fixture(scope="module")
+def model(small_tokenizer):
+    """A random k2-nano whose <|im_end|> logit is boosted: turns end (answers, tool calls, malformed text)
+    as well as run out of tokens."""
+    model = randomize(build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=4096)))
+    with torch.no_grad():
+        model.lm_head.weight[small_tokenizer.special_tokens["<|im_end|>"]] *= 3.0
+    return model.eval()
+
+
+def test_row_seeds_sample_each_row_as_it_would_alone(model):
+    prompts = [[5, 6, 7], [9, 10, 11], [12, 13, 14]]
+    config = GenerationConfig(max_new_tokens=12, temperature=1.0)
+    batched = generate(model, prompts, config, row_seeds=[3, 4, 5])
+    alone = [
+        generate(model, [p], config.model_copy(update={"seed": s}))[0]
+        for p, s in zip(prompts, [3, 4, 5], strict=True)
+    ]
+    assert batched == alone
+    assert len({tuple(row) for row in batched}) > 1
+    with pytest.raises(ValueError, match="row seeds"):
+        generate(model, prompts, config, row_seeds=[1])
+
+
+def episodes_of(rollouts):
+    return [
+        (r.episode.to_dict(), [(t.prompt_ids, t.completion_ids, t.iteration) for t in r.turns])
+        for r in rollouts
+    ]
+
+
+@pytest.mark.parametrize("make_env", [ArithmeticEnv, lambda: RecipeToolTasks(RecipeConfig(max_turns=3), 0.3)])
+def test_run_episodes_at_batch_one_equals_run_episode(model, small_tokenizer, make_env):
+    env, seeds = make_env(), list(range(5))
+    policy = LocalPolicy(model, small_tokenizer, temperature=1.0, max_new_tokens=24)
+    alone = [run_episode(env, policy, s, sample_seed=100 + s) for s in seeds]
+    together = run_episodes(
+        env, policy, [Rollout(env.reset(s)) for s in seeds], [100 + s for s in seeds], batch_size=1
+    )
+    assert episodes_of(together) == episodes_of(alone)
+    assert len({r.episode.outcome.reason for r in alone}) > 1  # a mix of outcomes, not one path
+
+
+def test_batched_rollouts_are_deterministic_and_continue_partials(model, small_tokenizer):
+    env = RecipeToolTasks(RecipeConfig(max_turns=4), 0.0)
+    caller = copy.deepcopy(model)  # one that opens tool-call sections: episodes of several turns
+    with torch.no_grad():
+        caller.lm_head.weight[small_tokenizer.special_tokens["<|tool_calls_section_begin|>"]] *= 4.0
+    policy = LocalPolicy(caller, small_tokenizer, temperature=1.0, max_new_tokens=48)
+
+    def play(limit):
+        rollouts = [Rollout(env.reset(s)) for s in range(12)]
+        run_episodes(env, policy, rollouts, list(range(12)), token_limit=limit, batch_size=4)
+        return rollouts
+
+    assert episodes_of(play(None)) == episodes_of(play(None))
+    partial = play(1)  # one turn each, then back partial (a turn is never split)
+    assert all(len(r.turns) == 1 for r in partial) and any(r.partial for r in partial)
+    run_episodes(env, policy, partial, list(range(6)), batch_size=4, iteration=1)
+    assert not any(r.partial for r in partial)
+    assert any(t.iteration == 1 for r in partial for t in r.turns)
+    # the continued rollouts met the same batches and seeds as the uninterrupted ones: the same episodes
+    drop_iteration = lambda rollouts: [(e, [t[:2] for t in turns]) for e, turns in episodes_of(rollouts)]  # noqa: E731
+    assert drop_iteration(partial) == drop_iteration(play(None))
+
+
+def test_a_policy_failure_in_a_batch_fails_only_its_rollout(model, small_tokenizer):
+    class Flaky(LocalPolicy):
+        def _grammar(self, tools):
+            if any(t["function"]["name"] == "broken" for t in tools or []):
+                raise RuntimeError("grammar build failed")
+            return super()._grammar(tools)
+
+    env, seeds = ArithmeticEnv(), list(range(4))
+    policy = Flaky(model, small_tokenizer, temperature=1.0, max_new_tokens=24)
+    rollouts = [Rollout(env.reset(s)) for s in seeds]
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object"}}}
+    rollouts[1].episode.tools = [*rollouts[1].episode.tools, broken]
+    run_episodes(env, policy, rollouts, seeds, batch_size=4)
+    assert rollouts[1].episode.outcome.reason == "policy error"
+    assert "grammar build failed" in rollouts[1].episode.outcome.details["error"]
+    alone = [run_episode(env, policy, s, sample_seed=s) for s in seeds]
+    for k in (0, 2, 3):
+        assert rollouts[k].episode.outcome.reason != "policy error"
+        assert episodes_of([rollouts[k]]) == episodes_of([alone[k]])

@@ -1,0 +1,283 @@
+"""K2's knowledge rephrasing: chunking, autoregressive prompts, styles, fidelity, the output corpus, resume
+and failures against a recording echo endpoint on loopback; the real k2lab server with a tiny random
+model; and a tiny end-to-end `k2lab ablate rephrase`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from k2lab.data.corpus import Document, load_corpus
+from k2lab.data.rephrase import (
+    RephraseSettings,
+    build_messages,
+    fidelity,
+    kept_rephrasings,
+    rephrase_corpus,
+    split_chunks,
+)
+from tests.ablations.test_optimizer import PNG_MAGIC, run_cli
+from tests.conftest import randomize, serving
+
+openai = pytest.importorskip("openai")
+
+SOURCE_RE = re.compile(r"<source>\n(.*)\n</source>", re.S)
+TAIL_RE = re.compile(r"<rewritten_so_far>\n(.*)\n</rewritten_so_far>", re.S)
+FACTS = (
+    "Marie Curie was born in Warsaw in 1867. She moved to Paris in 1891 to study physics.\n\n"
+    "In 1903 she shared the Nobel Prize in Physics with Pierre Curie and Henri Becquerel. "
+    "She won a second Nobel Prize, in Chemistry, in 1911.\n\n"
+    "The element polonium, discovered in 1898, is named after Poland."
+)
+
+
+class EchoEndpoint:
+    """A recording OpenAI-compatible app: echoes the prompt's source chunk, or answers garbage, or fails."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.mode = "echo"
+        self.fail_marker = "FAIL-ME"
+        self.app = FastAPI()
+        self.app.post("/v1/chat/completions")(self.complete)
+
+    async def complete(self, request: Request):
+        body = await request.json()
+        self.requests.append(body)
+        prompt = body["messages"][-1]["content"]
+        if self.fail_marker in prompt:
+            return JSONResponse(status_code=503, content={"error": {"message": "overloaded", "type": "x"}})
+        match = SOURCE_RE.search(prompt)
+        if self.mode == "garbage" or match is None:
+            text = "bananas are yellow and tasty fruit " * 3 if match else "7"
+        else:
+            text = match.group(1)
+        message = {"role": "assistant", "content": text}
+        return {
+            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def echo():
+    endpoint = EchoEndpoint()
+    with serving(endpoint.app) as base:
+        endpoint.base = f"{base}/v1"
+        yield endpoint
+
+
+def settings(base: str, **fields) -> RephraseSettings:
+    values = dict(
+        base_url=base, model="echo", n_rephrasings=3, chunk_chars=80, tail_chars=60, concurrency=2,
+        backoff=0.0, retries=1,
+    )  # fmt: skip
+    return RephraseSettings(**{**values, **fields})
+
+
+def test_chunks_cut_at_boundaries_and_reassemble():
+    chunks = split_chunks(FACTS, 80)
+    assert "".join(chunks) == FACTS and all(len(c) <= 80 for c in chunks)
+    assert chunks[0] == "Marie Curie was born in Warsaw in 1867. "  # a sentence end, not mid-word
+    assert chunks[1].endswith("\n\n")  # a paragraph break wins where there is one
+    assert all(c[-1].isspace() or c is chunks[-1] for c in chunks)
+    assert split_chunks("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]  # no boundary: hard cuts
+    assert split_chunks("short", 100) == ["short"]
+
+
+def test_autoregressive_prompts_styles_and_exact_assembly(echo, tmp_path):
+    echo.requests.clear()
+    docs = [Document("bio/curie.txt", FACTS)]
+    config = settings(echo.base, styles=("encyclopedic", "qa"), concurrency=1)
+    report = rephrase_corpus(docs, tmp_path, config)
+    assert (report.done, report.kept, report.dropped, report.failed) == (1, 3, 0, 0)
+    chunks = split_chunks(FACTS, 80)
+    assert len(echo.requests) == 3 * len(chunks)
+    by_style: dict[str, list[str]] = {}
+    for body in echo.requests:
+        prompt = body["messages"][-1]["content"]
+        style = "encyclopedic" if "encyclopedia" in prompt else "qa"
+        by_style.setdefault(style, []).append(prompt)
+    assert sorted(len(p) for p in by_style.values()) == [len(chunks), 2 * len(chunks)]  # r0, r2 / r1
+    prompts = by_style["qa"]
+    for index, prompt in enumerate(prompts):  # chunk i's prompt: the rephrased tail so far + source chunk i
+        assert SOURCE_RE.search(prompt).group(1) == chunks[index]
+        assert f"Part {index + 1} of {len(chunks)}" in prompt
+        tail = TAIL_RE.search(prompt)
+        if index == 0:
+            assert tail is None and "beginning of the document" in prompt
+        else:
+            so_far = "".join(chunks[:index])  # the echo's rephrasing so far is the source so far
+            assert so_far.endswith(tail.group(1)) and 0 < len(tail.group(1)) <= 60
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    entry = manifest["documents"]["bio/curie.txt"]
+    assert [r["style"] for r in entry["rephrasings"]] == ["encyclopedic", "qa", "encyclopedic"]
+    assert all(r["kept"] and r["score"] == 1.0 and r["chunks"] == len(chunks) for r in entry["rephrasings"])
+    for record in entry["rephrasings"]:
+        assert (tmp_path / record["file"]).read_text() == FACTS  # an echo reassembles the source exactly
+    corpus = load_corpus(tmp_path, val_fraction=0.0)
+    assert len(corpus.train) == 3 and all(d.text == FACTS for d in corpus.train)
+    assert "api_key" not in manifest["settings"]
+
+
+def test_fidelity_keeps_a_faithful_text_and_drops_an_unfaithful_one():
+    assert fidelity(FACTS, FACTS)["score"] == 1.0
+    paraphrase = (
+        "Born in Warsaw (1867), Marie Curie went to Paris in 1891 for physics. Her 1903 Nobel Prize in "
+        "Physics was shared with Pierre Curie and Henri Becquerel; in 1911 came a Nobel Prize in Chemistry. "
+        "Polonium, found in 1898, honours Poland, where the element was named after."
+    )
+    assert fidelity(FACTS, paraphrase)["score"] > 0.6
+    wrong = fidelity(FACTS, "Bananas grow in 1492 on trees in tropical regions and are yellow when ripe.")
+    assert wrong["score"] < 0.2 and wrong["number_precision"] == 0.0
+    assert fidelity(FACTS, "Curie.")["score"] == 0.0  # far too short
+    messages = build_messages("plain words", "SRC", "TAIL", 1, 3)
+    assert "<source>\nSRC\n</source>" in messages[1]["content"] and "TAIL" in messages[1]["content"]
+
+
+def test_unfaithful_output_is_dropped_resume_skips_and_failures_do_not_stop_the_run(echo, tmp_path):
+    docs = [Document(f"d{i}.txt", FACTS.replace("1867", str(1800 + i))) for i in range(3)]
+    echo.mode = "garbage"
+    try:
+        report = rephrase_corpus(docs[:1], tmp_path, settings(echo.base, n_rephrasings=2))
+    finally:
+        echo.mode = "echo"
+    assert (report.done, report.kept, report.dropped) == (1, 0, 2)
+    entry = json.loads((tmp_path / "manifest.json").read_text())["documents"]["d0.txt"]
+    assert all(not r["kept"] and r["score"] < 0.5 for r in entry["rephrasings"])
+    assert all(
+        (tmp_path / r["file"]).is_file() and r["file"].startswith(".dropped/") for r in entry["rephrasings"]
+    )
+    assert kept_rephrasings(tmp_path) == {"d0.txt": []}
+    assert len(kept_rephrasings(tmp_path, threshold=0.0)["d0.txt"]) == 2  # re-decided from the scores
+
+    # Resume: d0 is done (skipped); d1 fails (503 retried, then failed); d2 goes through.
+    failing = Document("d1.txt", docs[1].text + " FAIL-ME")
+    echo.requests.clear()
+    report = rephrase_corpus([docs[0], failing, docs[2]], tmp_path, settings(echo.base, n_rephrasings=2))
+    assert (report.skipped, report.done, report.failed, report.kept) == (1, 1, 1, 2)
+    assert "InternalServerError" in report.failures["d1.txt"] or "503" in report.failures["d1.txt"]
+    prompts = [b["messages"][-1]["content"] for b in echo.requests]
+    assert not any("1800" in p for p in prompts)  # d0 was not asked again
+    assert sum("FAIL-ME" in p for p in prompts) == 2 * 2  # 2 rephrasings × (1 try + 1 retry) of chunk 0
+    documents = json.loads((tmp_path / "manifest.json").read_text())["documents"]
+    assert documents["d1.txt"]["status"] == "failed" and documents["d2.txt"]["status"] == "done"
+    assert len(load_corpus(tmp_path, val_fraction=0.0).train) == 2  # only d2's kept rephrasings
+
+    # A later run retries the failed document only.
+    echo.requests.clear()
+    report = rephrase_corpus([docs[0], docs[1], docs[2]], tmp_path, settings(echo.base, n_rephrasings=2))
+    assert (report.skipped, report.done, report.failed) == (2, 1, 0)
+
+
+def test_cli_rephrase_against_the_k2lab_server(small_tokenizer, tmp_path, capsys):
+    from k2lab import build_model, load_preset
+    from k2lab.serve import Engine
+    from k2lab.serve.server import build_app
+
+    model = randomize(build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=2048)))
+    engine = Engine(model, max_batch=8).start()
+    data = tmp_path / "raw"
+    data.mkdir()
+    (data / "a.txt").write_text("hello there, how are you? " * 3)
+    (data / "b.jsonl").write_text(json.dumps({"text": 'the "city": "Paris", days 3.'}) + "\n")
+    out = tmp_path / "rephrased"
+    try:
+        with serving(build_app(engine, small_tokenizer, "nano")) as base:
+            args = (
+                "data",
+                "rephrase",
+                "--data",
+                data,
+                "--out",
+                out,
+                "--base-url",
+                f"{base}/v1",
+                "--model",
+                "nano",
+            )
+            flags = ("--n-rephrasings", 2, "--chunk-chars", 40, "--max-tokens", 12, "--fidelity-threshold", 0)
+            assert run_cli(*args, *flags, "--styles", "textbook,qa") == 0
+    finally:
+        engine.shutdown()
+    printed = capsys.readouterr().out
+    assert "2 done, 0 skipped (already done), 0 failed" in " ".join(printed.split())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["documents"]) == {"a.txt", "b.jsonl:1"}
+    for entry in manifest["documents"].values():
+        assert entry["status"] == "done" and [r["style"] for r in entry["rephrasings"]] == ["textbook", "qa"]
+        assert all(0.0 <= r["score"] <= 1.0 for r in entry["rephrasings"])
+
+
+def test_ablate_rephrase_end_to_end(echo, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "ablation"
+    args = (
+        "ablate",
+        "rephrase",
+        "--data",
+        tiny_corpus,
+        "--out",
+        out,
+        "--base-url",
+        echo.base,
+        "--model",
+        "echo",
+    )
+    small = ("--preset", "k2-nano", "--vocab-size", 300, "--docs", 4, "--doc-chars", 300, "--seq-len", 32)
+    tail = ("--batch-size", 2, "--n-rephrasings", 2, "--threads", 1, "--jobs", 1, "--probe-items", 8)
+    assert run_cli(*args, *small, *tail) == 0
+    results = json.loads((out / "rephrase.json").read_text())
+    arms = {run["arm"]: run for run in results["runs"]}
+    assert set(arms) == {"raw", "rephrased"} and results["same_tokens"]
+    assert arms["raw"]["steps"] == arms["rephrased"]["steps"] == results["settings"]["steps"]
+    assert results["rephrasing"]["kept_fraction"] == 1.0  # an echo is faithful
+    for run in arms.values():
+        assert run["final_val_loss"] > 0 and run["probe_loss"] > 0
+    assert (out / "rephrase.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| raw × 2 epochs |" in (out / "rephrase.md").read_text()
+    assert arms["raw"]["epochs"] == pytest.approx(2.0, rel=0.1)
+
+    # Reusing the rephrased corpus: same data, so both runs (and their probes) are reused.
+    assert run_cli(*args[:-4], "--rephrased", out / "rephrased", *small, *tail) == 0
+    again = json.loads((out / "rephrase.json").read_text())
+    assert [run["reused"] for run in again["runs"]] == [True, True]
+    assert again["runs"][1]["probe_loss"] == arms["rephrased"]["probe_loss"]
+
+
+def test_cli_rephrase_runs_a_recipe_with_free_text_styles(tmp_path, monkeypatch):
+    """`data rephrase` runs a RephraseRun: recipe < --set < options, --styles split at commas only (a free-text
+    style keeps its spaces), and the library receives RephraseSettings alone (what the manifest records)."""
+    import k2lab.data.rephrase as rephrase
+    from k2lab.data.rephrase import RephraseReport
+
+    seen = []
+    monkeypatch.setattr(
+        rephrase,
+        "rephrase_corpus",
+        lambda docs, out, s, on_document: seen.append(s) or RephraseReport(str(out)),
+    )
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(FACTS)
+    recipe = tmp_path / "rephrase.toml"
+    recipe.write_text(
+        f'data = "{tmp_path / "corpus"}"\nout = "{tmp_path / "out"}"\nmodel = "m"\nretries = 5\n'
+    )
+    args = ("data", "rephrase", "--recipe", recipe, "--set", "n_rephrasings=3", "--base-url", "http://x/v1")
+    assert run_cli(*args, "--styles", "qa, a limerick about it", "--judge") == 0
+    assert seen == [
+        RephraseSettings(
+            base_url="http://x/v1",
+            model="m",
+            retries=5,
+            n_rephrasings=3,
+            styles=("qa", "a limerick about it"),
+            judge=True,
+        )
+    ]
+    assert type(seen[0]) is RephraseSettings
+    assert run_cli("data", "rephrase", "--recipe", recipe, "--base-url", "u", "--temperature", "3") == 2

@@ -1,0 +1,161 @@
+"""The tool-call decoding enforcer: a random-weights model forced to call tools always produces calls that
+parse and validate against the declared JSON Schemas (over many seeds), and cannot open a call when told not to."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar, pack_token_mask, unpack_token_mask
+from tests.conftest import randomize
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+BOOKING = {
+    "type": "function",
+    "function": {
+        "name": "book-table",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "guests": {"type": "array", "items": {"type": "object", "properties": {
+                    "name": {"type": "string"}, "vegan": {"type": "boolean"}}, "required": ["name"]}},
+                "budget": {"type": "number"},
+                "note": {"type": ["string", "null"]},
+                "slot": {"type": "object", "properties": {"day": {"enum": ["mon", "tue"]}, "hour": {"type": "integer"}},
+                         "required": ["day", "hour"]},
+            },
+            "required": ["guests", "slot"],
+        },
+    },
+}  # fmt: skip
+TOOLS = [WEATHER, BOOKING]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+CALL = re.compile(
+    r"<\|tool_call_begin\|>functions\.(?P<name>[\w-]+):(?P<idx>\d+)<\|tool_call_argument_begin\|>"
+    r"(?P<args>.*?)<\|tool_call_end\|>",
+    re.S,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(small_tokenizer):
+    model = randomize(build_model(load_preset("k2-nano", vocab_size=300)), seed=0)
+    return small_tokenizer, model
+
+
+class FinishingModel:
+    """Wraps the enforcer: adds +3 to the random model's logits of closing tokens (any token with '"', '}'
+    or ']' in it, the call and section ends) so it finishes within the budget, as a trained model would.
+    The mask is applied after, so validity still rests on the enforcer alone."""
+
+    def __init__(self, inner, tokenizer):
+        self.inner = inner
+        text = [tokenizer.decode([i]) for i in range(300)]
+        self.closers = [i for i, t in enumerate(text) if any(c in t for c in '"}]')]
+        self.closers += [
+            tokenizer.special_tokens[t] for t in ("<|tool_call_end|>", "<|tool_calls_section_end|>")
+        ]
+
+    def mask(self, logits):
+        logits[self.closers] += 3.0
+        self.inner.mask(logits)
+
+    def advance(self, token):
+        self.inner.advance(token)
+
+
+def calls_of(text: str) -> list[tuple[str, dict]]:
+    body = text.split("<|tool_calls_section_begin|>", 1)[1].split("<|tool_calls_section_end|>", 1)[0]
+    found = [(m["name"], json.loads(m["args"])) for m in CALL.finditer(body)]
+    assert CALL.sub("", body) == "", f"stray text between calls: {body!r}"
+    return found
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel"),
+    [("required", True), ({"type": "function", "function": {"name": "book-table"}}, False)],
+)
+def test_forced_calls_always_parse_and_validate(setup, tool_choice, parallel):
+    tokenizer, model = setup
+    grammar = ToolCallGrammar.build(tokenizer, 300, TOOLS, tool_choice, parallel_tool_calls=parallel)
+    end = tokenizer.special_tokens["<|im_end|>"]
+    counted = 0
+    for seed in range(12):
+        settings = GenerationConfig(max_new_tokens=400, temperature=1.0, seed=seed, eos_token_id=end)
+        prompt = torch.randint(20, 290, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+        (out,) = generate(
+            model, [prompt], settings, constraints=[FinishingModel(grammar.constraint(), tokenizer)]
+        )
+        assert out[-1] == end, f"seed {seed}: did not finish in 400 tokens: {tokenizer.decode(out)!r}"
+        text = tokenizer.decode(out)
+        assert text.startswith("<|tool_calls_section_begin|>") and text.endswith(
+            "<|tool_calls_section_end|><|im_end|>"
+        )
+        for name, arguments in calls_of(text):
+            if isinstance(tool_choice, dict):
+                assert name == "book-table"
+            if not parallel:
+                assert len(calls_of(text)) == 1
+            jsonschema.validate(arguments, SCHEMAS[name])
+            counted += 1
+    assert counted >= 12
+
+
+def test_auto_and_none(setup):
+    tokenizer, model = setup
+    begin = tokenizer.special_tokens["<|tool_calls_section_begin|>"]
+    none = ToolCallGrammar.build(tokenizer, 300, TOOLS, "none").constraint()
+    logits = torch.zeros(300)
+    none.mask(logits)
+    assert logits[begin] == float("-inf") and torch.isfinite(logits[:begin]).all()
+    auto = ToolCallGrammar.build(tokenizer, 300, TOOLS, "auto").constraint()
+    logits = torch.zeros(300)
+    auto.mask(logits)
+    assert torch.isfinite(logits).all()  # free text until the model opens a section
+    auto.advance(begin)
+    logits = torch.zeros(300)
+    auto.mask(logits)
+    assert torch.isfinite(logits).sum() == 1  # only <|tool_call_begin|> may follow
+
+
+def test_bad_tool_choice_is_a_clear_error(setup):
+    tokenizer, _ = setup
+    with pytest.raises(GrammarError, match="not among the tools"):
+        ToolCallGrammar.build(tokenizer, 300, TOOLS, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(GrammarError, match="required"):
+        ToolCallGrammar.build(tokenizer, 300, [], "required")
+
+
+def test_token_masks_pack_to_bits_and_back():
+    """Bit b of byte i holds token 8i + b; a vocabulary that is not a multiple of 8 pads with zeros."""
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[0, [0, 9]] = True
+    mask[1, [3, 7, 8, 10]] = True
+    packed = pack_token_mask(mask)
+    assert packed.dtype == torch.uint8
+    assert packed.tolist() == [[1, 2], [8 + 128, 1 + 4]]
+    assert torch.equal(unpack_token_mask(packed, 11), mask)
+    generator = torch.Generator().manual_seed(0)
+    big = torch.rand(5, 300, generator=generator) < 0.5
+    assert torch.equal(unpack_token_mask(pack_token_mask(big), 300), big)

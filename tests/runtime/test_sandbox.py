@@ -1,0 +1,287 @@
+"""The execution sandbox: normal runs, and adversarial programs that must be contained and leave nothing behind.
+
+Where an isolation is impossible on the machine, the test asserts the honest report instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from k2lab.runtime import sandbox
+from k2lab.runtime.sandbox import (
+    INIT_FLAG,
+    SANDBOX_UID_RANGE,
+    SandboxLimits,
+    namespace_support,
+    restore,
+    run_python,
+    snapshot,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = SandboxLimits(timeout_s=3, memory_mb=200, max_processes=16, max_output_bytes=65536)
+NAMESPACES = namespace_support()[0] is not None
+
+
+def survivors() -> list[str]:
+    """Processes of any sandbox: an init process, or anything running as a sandbox uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{entry}").st_uid
+            cmdline = (
+                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:
+            continue
+        if SANDBOX_UID_RANGE[0] <= uid < SANDBOX_UID_RANGE[1] or INIT_FLAG in cmdline:
+            found.append(f"{entry} uid={uid} {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    yield
+    assert survivors() == []
+
+
+def run(code: str, stdin: str | None = None, **limits) -> tuple:
+    """Run ``code`` with FAST limits (overridden by ``limits``); (result, seconds)."""
+    start = time.monotonic()
+    result = run_python(code, SandboxLimits(**{**FAST.__dict__, **limits}), stdin=stdin)
+    return result, time.monotonic() - start
+
+
+def test_normal_run_stdout_stderr_exit_code():
+    result, _ = run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")
+    assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    assert result.killed_reason is None and not result.timed_out
+    assert result.cpu_seconds is not None and result.wall_seconds < 3
+    json.dumps(result.to_dict())  # JSON-able
+
+
+def test_stdin_and_exception():
+    result, _ = run("import sys\nprint(sys.stdin.read().upper())\n1/0", stdin="hello")
+    assert result.stdout == "HELLO\n"
+    assert result.exit_code == 1 and "ZeroDivisionError" in result.stderr and result.killed_reason is None
+
+
+def test_clean_environment_and_isolated_python(monkeypatch):
+    monkeypatch.setenv("K2LAB_SECRET_TOKEN", "hunter2")
+    code = (
+        "import os, sys\nprint(sorted(os.environ))\nprint(sys.flags.isolated, sys.flags.no_site)\nimport json"
+    )
+    result, _ = run(code)
+    assert result.exit_code == 0, result.stderr
+    assert "K2LAB_SECRET_TOKEN" not in result.stdout and "hunter2" not in result.stdout
+    assert result.stdout.splitlines()[1] == "1 1"
+
+
+def test_isolation_report():
+    result, _ = run("print('ok')")
+    isolation = result.isolation
+    assert {"network", "filesystem", "pid_namespace", "dedicated_uid", "notes"} <= set(isolation)
+    if NAMESPACES:
+        assert isolation["network"] and isolation["filesystem"] and isolation["pid_namespace"]
+    else:
+        assert not isolation["network"] and any("network" in note for note in isolation["notes"])
+
+
+def test_infinite_loop_times_out():
+    result, seconds = run("import time\nwhile True:\n    time.sleep(0.1)", timeout_s=1.5)
+    assert result.timed_out and result.killed_reason == "timeout" and result.exit_code == -9
+    assert seconds < 4
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "while True:\n    pass",
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+    ],
+    ids=["burn", "ignores-SIGXCPU"],
+)
+def test_cpu_burn_hits_cpu_limit(code):
+    result, seconds = run(code, cpu_s=1, timeout_s=8)
+    assert result.killed_reason == "cpu" and not result.timed_out
+    assert result.cpu_seconds >= 0.9 and seconds < 8
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(1 << 30)", "a = []\nwhile True:\n    a.append(' ' * 10**6)"])
+def test_memory_bomb(code):
+    result, seconds = run(code)
+    assert result.killed_reason == "memory" and "MemoryError" in result.stderr
+    assert seconds < 5
+
+
+def test_fork_bomb_is_contained():
+    code = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.05)"
+    result, seconds = run(code, timeout_s=2, max_processes=16)
+    assert result.killed_reason == "timeout" and seconds < 6
+    if not result.isolation["nproc_limit"]:
+        assert any("NPROC" in note for note in result.isolation["notes"])
+
+
+def test_process_limit_caps_children():
+    code = (
+        "import os, time\nmade = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+        "    made += 1\nprint(made)"
+    )
+    result, seconds = run(code, max_processes=8)
+    assert result.exit_code == 0, result.stderr
+    if result.isolation["nproc_limit"]:
+        assert int(result.stdout) < 8  # the main process counts too
+    assert seconds < 5  # sleeping children are killed when the main process exits
+
+
+def test_daemonized_child_does_not_survive():
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')"
+    result, seconds = run(code, timeout_s=10)
+    assert result.exit_code == 0 and result.stdout == "parent done\n" and seconds < 5
+
+
+def test_network_is_unreachable():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from outside
+        code = (
+            f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 53)]:\n    try:\n"
+            "        socket.create_connection(addr, timeout=1).close()\n        print('CONNECTED', addr)\n"
+            "    except OSError as e:\n        print('blocked', addr, e.errno)"
+        )
+        result, _ = run(code)
+    finally:
+        server.close()
+    assert result.exit_code == 0, result.stderr
+    if NAMESPACES:
+        assert result.isolation["network"] is True and "CONNECTED" not in result.stdout
+        assert result.stdout.count("blocked") == 2
+    else:
+        assert result.isolation["network"] is False and result.isolation["notes"]
+
+
+def test_writing_outside_workdir_fails(tmp_path):
+    tag = secrets.token_hex(6)
+    targets = [
+        Path(f"/tmp/k2lab-sandbox-escape-{tag}"),
+        REPO / f"k2lab-sandbox-escape-{tag}",
+        tmp_path / f"k2lab-sandbox-escape-{tag}",
+        Path(f"/dev/shm/k2lab-sandbox-escape-{tag}"),
+    ]
+    code = (
+        f"import json\nresults = {{}}\nfor path in {json.dumps([str(t) for t in targets])} + ['inside.txt']:\n"
+        "    try:\n        open(path, 'w').write('x')\n        results[path] = 'WROTE'\n"
+        "    except OSError as e:\n        results[path] = e.strerror\nprint(json.dumps(results))"
+    )
+    work = tmp_path / "work"
+    result = run_python(code, FAST, workdir=work)
+    outcome = json.loads(result.stdout)
+    assert outcome.pop("inside.txt") == "WROTE" and (work / "inside.txt").read_text() == "x"
+    assert all(status != "WROTE" for status in outcome.values()), outcome
+    assert not any(target.exists() for target in targets)
+
+
+def test_gigabyte_of_output_is_cut_at_the_limit():
+    code = "import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.buffer.write(chunk)"
+    result, seconds = run(code, max_output_bytes=65536, timeout_s=10)
+    assert result.killed_reason == "output_limit" and result.stdout_truncated
+    assert len(result.stdout) == 65536 and seconds < 5
+
+
+def test_file_size_limit():
+    code = "open('big.bin', 'wb').write(b'x' * (4 << 20))"
+    result, _ = run(code, max_file_bytes=1 << 20)
+    assert result.killed_reason == "file_size" and result.exit_code != 0
+
+
+def test_snapshot_restore_resumes_state(tmp_path):
+    work = tmp_path / "work"
+    step = (
+        "import json, os\nstate = json.load(open('state/s.json')) if os.path.exists('state/s.json') else "
+        "{'count': 0}\nstate['count'] += 1\nos.makedirs('state', exist_ok=True)\n"
+        "json.dump(state, open('state/s.json', 'w'))\nprint(state['count'])"
+    )
+    assert run_python(step, FAST, workdir=work).stdout == "1\n"
+    snap = snapshot(work)
+    assert isinstance(snap, bytes)
+    for child in work.iterdir():  # wipe
+        (child / "s.json").unlink()
+        child.rmdir()
+    assert list(work.iterdir()) == []
+    restore(snap, work)
+    assert run_python(step, FAST, workdir=work).stdout == "2\n"
+    path = snapshot(work, tmp_path / "snap.tar.gz")
+    restore(path, tmp_path / "other")
+    assert json.loads((tmp_path / "other" / "state" / "s.json").read_text()) == {"count": 2}
+
+
+def test_cli_runs_file_and_reports_usage_errors(tmp_path, capsys):
+    from k2lab.cli import main
+
+    program = tmp_path / "p.py"
+    program.write_text("print('from cli')\nraise SystemExit(5)")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sandbox", "run", "--timeout", "3", "--memory", "200", str(program)])
+    assert exit_info.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["exit_code"] == 5 and printed["stdout"] == "from cli\n"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sandbox", "run", str(tmp_path / "missing.py")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in " ".join(err.split()) and "Traceback" not in err
+
+
+def test_without_namespaces_the_report_is_honest(monkeypatch):
+    monkeypatch.setattr(sandbox, "namespace_support", lambda: (None, "disabled for this test"))
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('done')"
+    result, seconds = run(code)
+    isolation = result.isolation
+    assert result.stdout == "done\n" and seconds < 5  # the setsid'd child is still killed (by uid)
+    assert isolation["network"] is False and isolation["filesystem"] is False
+    assert isolation["pid_namespace"] is False
+    assert any("disabled for this test" in note for note in isolation["notes"])
+    assert any("network: NOT isolated" in note for note in isolation["notes"])
+
+
+def test_cli_limits_come_from_sandbox_limits_recipe_set_and_options(tmp_path, monkeypatch, capsys):
+    """`sandbox run` runs a SandboxRun whose defaults are SandboxLimits' own; recipe < --set < options."""
+    from dataclasses import fields
+
+    from k2lab.cli import main
+    from k2lab.cli.runtime import SandboxRun
+
+    assert SandboxRun().limits() == SandboxLimits()
+    assert {f.name for f in fields(SandboxLimits)} <= set(SandboxRun.model_fields)
+    seen = []
+
+    def fake_run(file, limits, workdir=None):
+        seen.append((limits, workdir))
+        return sandbox.SandboxResult(0, "", "", False, None, 0.0, None)
+
+    monkeypatch.setattr(sandbox, "run_python", fake_run)
+    program = tmp_path / "p.py"
+    program.write_text("pass")
+    recipe = tmp_path / "limits.toml"
+    recipe.write_text("timeout_s = 2.5\nmax_processes = 4\nmemory_mb = 100\n")
+    args = ["--recipe", recipe, "--set", "memory_mb=300", "--memory", "256", "--cpu", "1.5", program]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sandbox", "run", *map(str, args)])
+    assert exit_info.value.code == 0
+    limits = SandboxLimits(timeout_s=2.5, cpu_s=1.5, memory_mb=256, max_processes=4)
+    assert seen == [(limits, None)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sandbox", "run", "--timeout", "0", str(program)])
+    assert exit_info.value.code == 2 and "timeout_s" in capsys.readouterr().err and len(seen) == 1

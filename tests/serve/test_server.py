@@ -1,0 +1,193 @@
+"""`k2lab serve`: the official `openai` client against a real server on loopback — chat, streaming, tool
+calls constrained to their schemas, usage, stop, errors with OpenAI bodies, 50 concurrent requests,
+and a client that disconnects mid-stream freeing its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+from k2lab import build_model, load_preset
+from k2lab.serve import Engine
+from k2lab.serve.server import build_app
+from tests.conftest import randomize, serving
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-test"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(small_tokenizer):
+    tokenizer = small_tokenizer
+    model = randomize(
+        build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=512)), seed=0
+    )
+    engine = Engine(model, max_batch=8).start()
+    with serving(build_app(engine, tokenizer, "nano", api_key=KEY)) as base:
+        yield base, engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["nano"]
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+
+
+def test_chat_completion_with_usage_and_length(client):
+    out = client.chat.completions.create(
+        model="nano", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0, seed=1
+    )
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert out.usage.completion_tokens <= 5 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    if out.usage.completion_tokens == 5:
+        assert choice.finish_reason == "length"
+    again = client.chat.completions.create(
+        model="nano", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0, seed=1
+    )
+    assert again.choices[0].message.content == choice.message.content  # greedy is deterministic
+
+
+def test_streaming_matches_the_non_streaming_text(client):
+    kwargs = dict(
+        model="nano", messages=[{"role": "user", "content": "how are you"}], max_tokens=12, temperature=0
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_tool_calls_are_valid_in_both_modes(client):
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="nano", messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER],
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0.7, seed=seed,
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather" and call.id.startswith("functions.get_weather:")
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stream = client.chat.completions.create(
+        model="nano", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False,
+        max_tokens=200, temperature=0.7, seed=5, stream=True,
+    )  # fmt: skip
+    chunks = list(stream)
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_stop_strings(client):
+    full = (
+        client.chat.completions.create(
+            model="nano", messages=[{"role": "user", "content": "hello"}], max_tokens=20, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
+    if len(full) < 4:
+        pytest.skip("the random model ended too early to pick a stop string")
+    stop = full[2:4]
+    out = client.chat.completions.create(
+        model="nano",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+    )
+    assert out.choices[0].message.content == full[: full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (json.dumps({"model": "nano", "messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "does not exist"),
+        (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "word " * 600}]}).encode(), 400, "context length"),
+        (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}],
+                     "tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {"type": "array"}}}]}).encode(), 400, "name"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_openai_error_bodies(server, body, status, needle):
+    response = httpx.post(
+        server[0] + "/v1/chat/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle.lower() in error["message"].lower() and error["type"] == "invalid_request_error"
+
+
+def test_api_key_is_required(server):
+    bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(server[0] + "/health").status_code == 200  # health stays open
+
+
+def test_fifty_concurrent_requests_all_complete(server):
+    async def run() -> list:
+        client = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+        jobs = [
+            client.chat.completions.create(
+                model="nano", messages=[{"role": "user", "content": f"request {i}"}], max_tokens=6, seed=i
+            )
+            for i in range(50)
+        ]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run())
+    assert len(results) == 50 and all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    assert server[1].max_seen_batch > 1  # requests shared forward passes
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    body = {"model": "nano", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "stream": True,
+            "temperature": 1.0, "seed": 3, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}"}
+    cancelled = server[1].finished.get("cancelled", 0)
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body, headers=headers) as response:
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+        assert server[1].active == 1, (server[1].finished, next(lines), next(lines), next(lines))
+    deadline = time.time() + 10
+    while server[1].active and time.time() < deadline:
+        time.sleep(0.05)
+    assert server[1].active == 0
+    assert server[1].finished.get("cancelled", 0) == cancelled + 1  # freed, not run to its 400 tokens
