@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.hf import from_hf
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.vision.vlm import VisionLanguageModel, VLMConfig, build_vlm
@@ -75,8 +76,6 @@ def load_model(
     if (path / MANIFEST).is_file():
         return _load_own(path, dtype)
     if (path / "config.json").is_file():
-        from k2lab.hf import from_hf
-
         return from_hf(path, dtype=dtype)
     raise CheckpointError(
         f"{path} holds neither {MANIFEST} (k2lab format) nor config.json (Hugging Face format)"

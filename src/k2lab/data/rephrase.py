@@ -217,7 +217,7 @@ class OpenAIEndpoint:
     """Chat completions through the official ``openai`` client, retried with exponential backoff."""
 
     def __init__(self, settings: RephraseSettings, sleep: Callable[[float], None] = time.sleep) -> None:
-        import openai
+        import openai  # lazy: optional dependency openai
 
         self.settings, self.sleep, self.openai = settings, sleep, openai
         self.client = openai.OpenAI(

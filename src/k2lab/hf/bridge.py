@@ -18,7 +18,7 @@ from k2lab.models import CausalLM
 
 
 def _classes(model: CausalLM):
-    import transformers
+    import transformers  # lazy: optional dependency transformers (dev extra, 1 s to import)
 
     if hf_model_type(model.config) == kimi_linear.MODEL_TYPE:
         return transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM

@@ -20,6 +20,7 @@ from torch import nn
 
 from k2lab.config import ModelConfig, YarnScaling
 from k2lab.infer.cache import LatentCache
+from k2lab.models.init import init_weights
 from k2lab.nn.activations import mlp_activation
 from k2lab.nn.attnres import AttnRes, BlockAttnResState
 from k2lab.nn.kda import KimiDeltaAttention, RecurrentState
@@ -237,8 +238,6 @@ def _positions(valid: torch.Tensor | None, B: int, T: int, device: torch.device)
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int | None = 0) -> CausalLM:
     """Construct and initialise a model. On the meta device nothing is allocated or initialised."""
-    from k2lab.models.init import init_weights
-
     with torch.device(device):
         model = CausalLM(config)
     if torch.device(device).type != "meta":

@@ -360,8 +360,8 @@ def _fla_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     Importing ``fla.ops.kda`` needs triton and a GPU runtime; anything it raises means "not available".
     """
     try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-        from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+        from fla.ops.kda import chunk_kda as fla_chunk_kda  # lazy: optional dependency fla
+        from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda  # lazy: optional fla
     except Exception:  # noqa: BLE001 - ImportError, or triton/driver errors raised while importing
         return None
     return fla_chunk_kda, fla_fused_recurrent_kda

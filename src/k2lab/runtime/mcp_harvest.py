@@ -54,6 +54,8 @@ import anyio
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from rich.table import Table
+from rich.text import Text
 
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
@@ -369,7 +371,7 @@ def _wire_tool(tool: Any) -> dict[str, Any]:
 
 async def _list_all_tools(session: Any, stage: list[str]) -> list[dict[str, Any]]:
     """Every page of ``tools/list`` (``nextCursor`` pagination, loop-protected)."""
-    from mcp import types
+    from mcp import types  # lazy: mcp takes ~0.9 s to import and only a harvest needs it
 
     tools: list[dict[str, Any]] = []
     cursor: str | None = None
@@ -392,7 +394,7 @@ async def _session_tools(
     server: ServerConfig, errlog: TextIO, stage: list[str], on_garbage: Callable[[Exception], Any]
 ) -> list[dict[str, Any]]:
     """Spawn the server, initialise a session and list its tools."""
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, StdioServerParameters, stdio_client  # lazy: as _list_all_tools
 
     params = StdioServerParameters(
         command=server.command or "", args=server.args, env=server.env or None, cwd=server.cwd
@@ -596,9 +598,6 @@ def harvest(
 
 def print_summary(result: HarvestResult, console: Any) -> None:
     """Servers (status, tools, time, reason), renamed tools and warnings as rich tables."""
-    from rich.table import Table
-    from rich.text import Text
-
     table = Table(title="MCP servers")
     for column in ("server", "status", "tools", "skipped", "seconds", "reason"):
         numeric = column in ("tools", "skipped", "seconds")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import io
 import json
 import math
@@ -558,8 +559,6 @@ def _contain_filesystem(workdir: str, notes: list[str]) -> bool:
 
 def _loopback_up() -> None:
     """Bring up ``lo`` of the new network namespace (isolated; nothing else is reachable)."""
-    import fcntl
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         flags = struct.unpack("16sH22x", fcntl.ioctl(sock, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
         fcntl.ioctl(sock, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))

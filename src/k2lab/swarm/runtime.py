@@ -38,6 +38,7 @@ from typing import Any
 
 from k2lab.agentic.episodes.env import Environment, Episode, tool_call_parts
 from k2lab.agentic.episodes.rollout import Policy, PolicyOutputError
+from k2lab.runtime.chat import ChatFormatError, normalize_messages, render_assistant_body
 from k2lab.swarm.tasks import WideTask, make_task, parse_facts, verify_answer
 from k2lab.train.persistence import derive_seed
 
@@ -103,7 +104,6 @@ def estimate_tokens(message: Mapping[str, Any]) -> int:
 
 def tokenizer_counter(tokenizer: Any) -> Callable[[Mapping[str, Any]], int]:
     """A ``token_count`` that encodes the message as K2's chat format renders it (body + ``<|im_end|>``)."""
-    from k2lab.runtime.chat import ChatFormatError, normalize_messages, render_assistant_body
 
     def count(message: Mapping[str, Any]) -> int:
         try:

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
 from k2lab.train.metrics import METRICS_FILE, read_metrics
@@ -32,8 +34,8 @@ def plot_dashboard(
     written to a temporary file and renamed into place, so a viewer never sees a half-written image.
     Raises ``K2LabError`` if the run has no metrics.jsonl.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib (0.3 s) only to draw
+    from matplotlib.figure import Figure  # lazy: matplotlib only to draw
 
     run_dir = Path(run_dir)
     if not (run_dir / METRICS_FILE).is_file():
@@ -91,7 +93,7 @@ def _no_data(ax: Any, title: str) -> None:
 
 
 def _layer_colors(count: int) -> list[Any]:
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # lazy: matplotlib only to draw
 
     colormap = colormaps["viridis"]
     return [colormap(i / max(count - 1, 1)) for i in range(count)]
@@ -190,8 +192,6 @@ def _loads_at(record: dict[str, Any], layers: list[tuple[int, str]]) -> list[tup
 
 
 def _plot_load_heatmap(figure: Any, ax: Any, records: list[dict[str, Any]]) -> None:
-    import numpy as np
-
     layers = _layer_keys(records, "expert_load")
     latest = next(((r["step"], rows) for r in reversed(records) if (rows := _loads_at(r, layers))), None)
     if latest is None:
@@ -220,7 +220,7 @@ def _plot_load_heatmap(figure: Any, ax: Any, records: list[dict[str, Any]]) -> N
 
 
 def _centered_norm(high: float) -> Any:
-    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.colors import TwoSlopeNorm  # lazy: matplotlib only to draw
 
     return TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=max(high, 1.0 + 1e-6))
 

@@ -59,7 +59,7 @@ class MetricsLogger:
         self._writer = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # lazy: only when logging to TensorBoard
             except ImportError as error:
                 self._file.close()
                 raise K2LabError(

@@ -19,6 +19,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from k2lab.errors import CheckpointError
@@ -43,26 +44,21 @@ def derive_seed(*parts: object) -> int:
 
 # ---- random number generators ---------------------------------------------------------------------------
 def capture_rng_state() -> dict[str, Any]:
-    """The state of Python's ``random``, NumPy's global generator (if installed), torch CPU and CUDA RNGs.
+    """The state of Python's ``random``, NumPy's global generator, torch CPU and CUDA RNGs.
 
     The result is checkpoint-safe (plain containers and tensors). Explicit ``torch.Generator`` objects
     (e.g. a data loader's) are not included: save their ``get_state()`` yourself. In a distributed run
     every rank has its own RNG state.
     """
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-    except ImportError:
-        pass
-    else:
-        numpy_state = np.random.get_state(legacy=False)
-        state["numpy"] = {
-            "bit_generator": numpy_state["bit_generator"],
-            "key": [int(word) for word in numpy_state["state"]["key"]],
-            "pos": int(numpy_state["state"]["pos"]),
-            "has_gauss": int(numpy_state["has_gauss"]),
-            "gauss": float(numpy_state["gauss"]),
-        }
+    numpy_state = np.random.get_state(legacy=False)
+    state["numpy"] = {
+        "bit_generator": numpy_state["bit_generator"],
+        "key": [int(word) for word in numpy_state["state"]["key"]],
+        "pos": int(numpy_state["state"]["pos"]),
+        "has_gauss": int(numpy_state["has_gauss"]),
+        "gauss": float(numpy_state["gauss"]),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -76,20 +72,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(state["torch"].cpu())
     if "numpy" in state:
-        try:
-            import numpy as np
-        except ImportError:
-            pass
-        else:
-            saved = state["numpy"]
-            np.random.set_state(
-                {
-                    "bit_generator": saved["bit_generator"],
-                    "state": {"key": np.asarray(saved["key"], dtype=np.uint32), "pos": saved["pos"]},
-                    "has_gauss": saved["has_gauss"],
-                    "gauss": saved["gauss"],
-                }
-            )
+        saved = state["numpy"]
+        np.random.set_state(
+            {
+                "bit_generator": saved["bit_generator"],
+                "state": {"key": np.asarray(saved["key"], dtype=np.uint32), "pos": saved["pos"]},
+                "has_gauss": saved["has_gauss"],
+                "gauss": saved["gauss"],
+            }
+        )
     if "cuda" in state and torch.cuda.is_available():
         for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state.cpu(), device)

@@ -223,7 +223,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """
     # the one place that picks the data; imported here because it sits above the loop (it imports the
     # agentic and vision packages, which build on this one)
-    from k2lab.train.sources import build_training_data
+    from k2lab.train.sources import build_training_data  # lazy: a layer above the trainer
 
     with distributed.session():
         console.quiet = not distributed.is_main()

@@ -143,7 +143,7 @@ def _composite_on_white(rgba: torch.Tensor) -> torch.Tensor:
 
 def _pil_to_array(image: Any) -> np.ndarray:
     """PIL image -> [H, W, 3] uint8; transparency is composited onto white."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL only for PIL-image inputs; arrays and tensors need none
 
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))

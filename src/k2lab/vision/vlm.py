@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from k2lab.config import ModelConfig
+from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_END, VIDEO_PAD
 from k2lab.infer.cache import LatentCache
 from k2lab.models import CausalLM
 from k2lab.models.decoder import CausalLMOutput
@@ -68,8 +69,6 @@ class VLMConfig(BaseModel):
         cls, text: ModelConfig, vision: VisionConfig, special_tokens: dict[str, int]
     ) -> VLMConfig:
         """Media ids from a k2lab tokenizer's special tokens (``k2lab.data.tokenizer.MEDIA_TOKENS``)."""
-        from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_END, VIDEO_PAD
-
         missing = [t for t in (IMAGE_PAD, VIDEO_PAD, MEDIA_BEGIN, MEDIA_END) if t not in special_tokens]
         if missing:
             raise ValueError(f"the tokenizer lacks the media tokens {missing}")
