@@ -7,13 +7,8 @@ import sys
 import pytest
 
 from k2lab.config import ConfigError, ModelConfig
-from k2lab.presets import (
-    available_presets,
-    get_preset,
-    language_model_config,
-    load_preset,
-    load_vlm_preset,
-)
+from k2lab.presets import available_presets, get_preset, language_model_config, load_preset
+from k2lab.presets.vision_language import load_vlm_preset
 from k2lab.vision.vlm import VLMConfig
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, VIDEO_PAD
-from k2lab.presets import load_vlm_preset
+from k2lab.presets.vision_language import load_vlm_preset
 from k2lab.vision.chat import render_multimodal_chat
 from k2lab.vision.processor import num_image_tokens
 from k2lab.vision.tasks import make_task

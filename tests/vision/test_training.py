@@ -14,7 +14,7 @@ from k2lab.data.corpus import load_corpus
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_END, train_tokenizer
 from k2lab.infer.cache import LatentCache
 from k2lab.model_dir import load_model
-from k2lab.presets import load_vlm_preset
+from k2lab.presets.vision_language import load_vlm_preset
 from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.sections import VisionDataConfig
@@ -172,7 +172,7 @@ def test_k25_preset_counts_on_the_meta_device():
     """K2.5 = K2's 1.03T decoder + a 0.42B MoonViT-3D (the seed's "~1T / 32B + 0.4B ViT")."""
     from k2lab import load_preset
     from k2lab.params import count_parameters
-    from k2lab.presets import vlm_parameter_counts
+    from k2lab.presets.vision_language import vlm_parameter_counts
     from k2lab.vision.moonvit import num_parameters
 
     config = load_vlm_preset("k25")

@@ -41,7 +41,7 @@ def presets() -> None:
 def _print_vlm_presets() -> None:
     """The vision-language presets: language model + vision tower (exact counts on the meta device)."""
     from k2lab.params import humanize
-    from k2lab.presets import load_vlm_preset, vlm_parameter_counts
+    from k2lab.presets.vision_language import load_vlm_preset, vlm_parameter_counts
 
     table = Table(title="vision-language presets (train with --preset NAME)")
     for column in ("preset", "language model", "tower", "tower params", "projector", "total"):
@@ -75,7 +75,7 @@ def params(
 
     For a vision-language preset: its language model, then the tower and projector."""
     from k2lab.params import PUBLISHED, count_parameters, humanize
-    from k2lab.presets import load_vlm_preset, vlm_parameter_counts
+    from k2lab.presets.vision_language import load_vlm_preset, vlm_parameter_counts
 
     report = count_parameters(language_model_config(preset))
     vision = vlm_parameter_counts(load_vlm_preset(preset)) if get_preset(preset).is_vision_language else None

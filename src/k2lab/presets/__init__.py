@@ -12,7 +12,8 @@ language model preset and its tower, with the tower's sizes:
 | ``k25-nano`` / ``k3-vl-nano`` | ``k2-nano`` / ``k3-nano`` | 1-layer, 32-wide towers (tests)         |
 
 A command that builds text models only (``init``, ``stability`` ...) calls ``load_preset``; given a
-vision-language preset it refuses with the reason and names the preset's language model.
+vision-language preset it refuses with the reason and names the preset's language model. Reading the registry
+needs only ``ModelConfig``; building a vision-language config is ``k2lab.presets.vision_language``.
 
 The media token ids of a VLM come from the tokenizer the model is trained with (``VLMConfig.for_tokenizer``);
 without one, K2.5's own ids for a K2-size vocabulary, else a k2lab tokenizer's layout (special tokens first).
@@ -26,14 +27,9 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
-import torch
 from pydantic import ValidationError
 
 from k2lab.config import ConfigError, ModelConfig, format_validation_error
-from k2lab.data.tokenizer import SPECIAL_TOKENS
-from k2lab.params import count_parameters
-from k2lab.vision.config import VisionConfig
-from k2lab.vision.vlm import VisionLanguageModel, VLMConfig
 
 __all__ = [
     "Preset",
@@ -41,12 +37,10 @@ __all__ = [
     "get_preset",
     "language_model_config",
     "load_preset",
-    "load_vlm_preset",
-    "vlm_parameter_counts",
 ]
 
 Kind = Literal["text", "vision-language"]
-_TOWERS = {"moonvit-3d": VisionConfig.moonvit_3d, "moonvit-v2": VisionConfig.moonvit_v2}
+TOWERS = ("moonvit-3d", "moonvit-v2")  # built by k2lab.presets.vision_language
 
 
 @dataclass(frozen=True)
@@ -70,10 +64,8 @@ class Preset:
 def _entry(name: str, data: dict[str, Any]) -> Preset:
     if data.get("kind") != "vision-language":
         return Preset(name=name, kind="text", language_model=name, data=data)
-    if data.get("tower") not in _TOWERS:
-        raise ConfigError(
-            f"preset {name!r}: tower must be one of {sorted(_TOWERS)}, got {data.get('tower')!r}"
-        )
+    if data.get("tower") not in TOWERS:
+        raise ConfigError(f"preset {name!r}: tower must be one of {list(TOWERS)}, got {data.get('tower')!r}")
     return Preset(
         name=name,
         kind="vision-language",
@@ -123,42 +115,3 @@ def load_preset(name: str, **overrides: object) -> ModelConfig:
 def language_model_config(name: str, **overrides: object) -> ModelConfig:
     """The decoder's config of any preset: a text preset itself, a vision-language preset's language model."""
     return load_preset(get_preset(name).language_model, **overrides)
-
-
-def load_vlm_preset(
-    name: str,
-    special_tokens: dict[str, int] | None = None,
-    vision_overrides: dict[str, Any] | None = None,
-    **text_overrides: Any,
-) -> VLMConfig:
-    """The ``VLMConfig`` of vision-language preset ``name`` (``ConfigError`` with the reason otherwise)."""
-    preset = get_preset(name)
-    if not preset.is_vision_language:
-        vlm = ", ".join(available_presets("vision-language"))
-        raise ConfigError(f"preset {name!r} is a text preset; vision-language presets: {vlm}")
-    text = load_preset(preset.language_model, **text_overrides)
-    tower = _TOWERS[preset.tower]
-    vision = tower(**{**preset.vision, "text_hidden_size": text.hidden_size, **(vision_overrides or {})})
-    if special_tokens is None and text.vocab_size <= VLMConfig.model_fields["vision_end_token_id"].default:
-        # a small vocabulary is a k2lab tokenizer's: its special tokens take the first ids
-        special_tokens = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    if special_tokens is not None:
-        return VLMConfig.for_tokenizer(text, vision, special_tokens)
-    return VLMConfig(text=text, vision=vision)
-
-
-def vlm_parameter_counts(config: VLMConfig) -> dict[str, int]:
-    """Exact parameter counts of the VLM built on the meta device: language model, tower, projector, total."""
-    with torch.device("meta"):
-        model = VisionLanguageModel(config)
-
-    def count(module: torch.nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters())
-
-    counts = {  # the decoder as ``k2lab params`` counts it (router bias buffers included)
-        "language_model": count_parameters(config.text).total,
-        "vision_tower": count(model.vision.encoder),
-        "projector": count(model.vision.projector),
-    }
-    counts["total"] = sum(counts.values())
-    return counts

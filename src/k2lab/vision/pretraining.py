@@ -16,7 +16,7 @@ import torch
 from k2lab.data.corpus import Corpus
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
-from k2lab.presets import load_vlm_preset
+from k2lab.presets.vision_language import load_vlm_preset
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.data import Log
