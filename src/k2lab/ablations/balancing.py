@@ -375,7 +375,7 @@ def _curves(axes: Any, results: dict[str, Any]) -> None:
 
 def _final_loads(bottom: Any, results: dict[str, Any]) -> None:
     """One heat map per rule: each expert's tokens over the last window relative to the layer's mean."""
-    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.colors import TwoSlopeNorm  # lazy: matplotlib (0.3 s) only to draw
 
     runs, window = results["runs"], results["settings"]["window"]
     heat_axes = bottom.subplots(1, len(runs), squeeze=False)[0]

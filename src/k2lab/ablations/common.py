@@ -37,6 +37,7 @@ from k2lab.fsutil import atomic_write_text
 from k2lab.recipes import read_recipe, set_dotted
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
+from k2lab.train.trainer import run_training
 
 RUN_MARKER = "ablation_run.json"
 Settings = TypeVar("Settings", bound=BaseModel)
@@ -183,8 +184,6 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
     the CPU time this process spent in it over all its threads) and whether it was reused. A directory
     with an unfinished or different run is wiped first: it belongs to the study.
     """
-    from k2lab.train.trainer import run_training  # the trainer imports the whole model stack
-
     run_dir = Path(config.out)
     marker = run_dir / RUN_MARKER
     recipe = config.model_dump(mode="json")

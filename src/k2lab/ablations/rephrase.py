@@ -62,6 +62,7 @@ from k2lab.ablations.report import (
     timing_note,
     write_json,
 )
+from k2lab.data import load_tokenizer
 from k2lab.data.corpus import Document, load_corpus, stable_rank
 from k2lab.data.rephrase import (
     DEFAULT_STYLES,
@@ -73,8 +74,11 @@ from k2lab.data.rephrase import (
     rephrase_corpus,
     split_chunks,
 )
+from k2lab.data.tokenizer import train_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.model_dir import load_model
+from k2lab.serve import Engine
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 
@@ -169,12 +173,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def local_server(checkpoint: str | Path, max_batch: int = 16) -> Iterator[tuple[str, str]]:
     """k2lab's OpenAI-compatible server over ``checkpoint`` on loopback in this process: (base_url, model)."""
-    import uvicorn
+    import uvicorn  # lazy: only the local server needs uvicorn
 
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model
-    from k2lab.serve import Engine
-    from k2lab.serve.server import build_app
+    from k2lab.serve.server import build_app  # lazy: the server imports fastapi (0.3 s)
 
     checkpoint = Path(checkpoint)
     if not (checkpoint / "tokenizer.json").is_file():
@@ -291,8 +292,6 @@ def write_arm(out: Path, arm: str, train: list[Document], heldout: list[Document
 
 def shared_tokenizer(raw_dir: Path, out: Path, vocab_size: int) -> tuple[Path, Any]:
     """A BPE trained on the raw subset, saved to ``OUT/tokenizer.json`` (both arms use it)."""
-    from k2lab.data.tokenizer import train_tokenizer
-
     tokenizer = train_tokenizer(load_corpus(raw_dir), vocab_size)
     path = out / "tokenizer.json"
     tokenizer.save(path)
@@ -345,9 +344,6 @@ def _fact(sentence: str) -> str | None:
 @torch.no_grad()
 def run_probe(model_dir: Path, items: list[tuple[str, str]]) -> dict[str, float]:
     """Mean answer-token loss and exact-argmax accuracy of the model in ``model_dir`` on ``items``."""
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model
-
     if not items:
         return {"probe_loss": math.nan, "probe_accuracy": math.nan, "probe_items": 0}
     model = load_model(model_dir).eval()

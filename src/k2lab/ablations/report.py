@@ -104,8 +104,8 @@ def rich_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]])
 # ---- figures ---------------------------------------------------------------------------------------------
 def new_figure(figsize: tuple[float, float], layout: str | None = "constrained") -> Any:
     """A matplotlib ``Figure`` (100 dpi) on the Agg canvas, without pyplot's global state."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib (0.3 s) only to draw
+    from matplotlib.figure import Figure  # lazy: matplotlib only to draw
 
     figure = Figure(figsize=figsize, dpi=100, layout=layout)
     FigureCanvasAgg(figure)
