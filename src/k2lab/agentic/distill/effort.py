@@ -33,6 +33,11 @@ import torch
 
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.agentic.rl.envs import GuardedEnv, build_env
+from k2lab.agentic.rl.trainer import RLTrainer
+from k2lab.data import load_tokenizer
+from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text
+from k2lab.model_dir import load_model, save_model
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -114,8 +119,6 @@ class EffortEnv(Environment):
 
 def load_manifest(directory: str | Path) -> dict[str, Any]:
     """``experts.json`` of an experts directory (specs, SFT checkpoint, RL config)."""
-    from k2lab.errors import K2LabError
-
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise K2LabError(f"{directory} has no {MANIFEST}: train experts with `k2lab mopd experts` first")
@@ -137,10 +140,6 @@ def train_expert(
 
     ``config`` is an ``RLConfig``; its ``envs`` and ``max_new_tokens`` are set from ``spec``.
     """
-    from k2lab.agentic.rl.trainer import RLTrainer
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model, save_model
-
     out = Path(out_dir)
     config = config.model_copy(update={"envs": [spec.domain], "max_new_tokens": spec.max_new_tokens})
     torch.manual_seed(config.seed)
@@ -165,9 +164,6 @@ def train_experts(
     Each expert's RL seed is ``config.seed`` + its index, so experts see different prompts. Writes and
     returns the manifest.
     """
-    from k2lab.errors import K2LabError
-    from k2lab.fsutil import atomic_write_text
-
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")

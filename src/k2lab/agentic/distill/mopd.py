@@ -58,13 +58,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
 from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.agentic.episodes.evaluate import play_greedy
 from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
+from k2lab.data import load_tokenizer
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.model_dir import load_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
@@ -172,8 +176,6 @@ class TeacherRouter:
 
     @classmethod
     def load(cls, experts_dir: str | Path, specs: Sequence[ExpertSpec]) -> TeacherRouter:
-        from k2lab.model_dir import load_model
-
         return cls({(s.domain, s.effort): load_model(Path(experts_dir) / s.key / "model") for s in specs})
 
 
@@ -362,9 +364,6 @@ def run_mopd(
 ) -> list[dict[str, Any]]:
     """``k2lab mopd distill``: student from ``student_checkpoint``, teachers from ``experts_dir``; trains
     (resuming from ``OUT/checkpoints``) and saves the student to ``OUT/model`` with the tokenizer."""
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model, save_model
-
     specs = manifest_specs(load_manifest(experts_dir))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -411,8 +410,6 @@ def evaluate_cells(
     tokens, the budget-penalised reward and the per-token KL estimate mean(log π_model − log π_teacher)
     on the model's own samples. Greedy evaluation (``temperature`` 0) plays a cell's episodes together
     (``k2lab.agentic.episodes.evaluate.play_greedy``, the same outcomes as one at a time)."""
-    from k2lab.agentic.episodes.evaluate import play_greedy
-
     results = {}
     for spec in specs:
         env = EffortEnv(spec)
@@ -528,11 +525,10 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot_report(rows: Sequence[dict[str, Any]], png_path: str | Path) -> Path:
     """Heatmaps (domain × effort) of student/teacher and baseline/teacher (grey: teacher scores 0)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (0.3 s) only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # lazy: matplotlib only to draw
 
     domains = list(dict.fromkeys(r["domain"] for r in rows))
     efforts = list(dict.fromkeys(r["effort"] for r in rows))
@@ -575,9 +571,6 @@ def mopd_report(
     as the distillation, ``baseline_steps`` overriding its steps), scores teacher / student / baseline on
     ``episodes`` held-out seeds per cell, writes report.json, report.md and report.png to ``out_dir``
     (default ``DISTILL/report``); returns the report."""
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model
-
     distill = Path(distill_dir)
     run = json.loads((distill / "mopd.json").read_text())
     out = Path(out_dir) if out_dir else distill / "report"

@@ -33,12 +33,12 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 from k2lab.agentic.episodes.env import Environment, Episode
+from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.runtime.chat import (
     ChatFormatError,
     ToolCallParseError,
@@ -47,6 +47,7 @@ from k2lab.runtime.chat import (
     parse_assistant,
     render_assistant_body,
 )
+from k2lab.runtime.enforcer import ToolCallGrammar, pack_token_mask
 
 __all__ = [
     "EndpointPolicy",
@@ -144,8 +145,6 @@ class LocalPolicy:
         ).ids
 
     def _grammar(self, tools: list[dict[str, Any]]) -> Any:
-        from k2lab.runtime.enforcer import ToolCallGrammar
-
         key = json.dumps(tools, sort_keys=True)
         if key not in self._grammars:
             vocab = self.model.config.vocab_size
@@ -159,10 +158,6 @@ class LocalPolicy:
         (``pack_token_mask``): uint8 [len(completion_ids), ⌈V/8⌉], bit set where the token could be sampled;
         None when no position was constrained. The sampling policy is the model renormalised over these
         tokens."""
-        import torch
-
-        from k2lab.runtime.enforcer import pack_token_mask
-
         constraint = self._grammar(tools).constraint()
         rows: list[torch.Tensor | None] = []
         for token in completion_ids:
@@ -200,8 +195,6 @@ class LocalPolicy:
         ``batch_size`` prompts (sorted by length), each row with its own enforcer constraint and its own
         sampling seed, so a request gets the tokens it would get alone (up to batched rounding). Returns
         (prompt ids, reply or ``PolicyOutputError``) per request, in order."""
-        from k2lab.infer.generate import GenerationConfig, generate
-
         prompts = [self.encode_prompt(messages, tools) for messages, tools, _ in requests]
         replies: list[Reply | None] = [None] * len(requests)
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
@@ -274,7 +267,7 @@ class EndpointPolicy:
         tokenizer: Any = None,
         timeout_s: float = 120.0,
     ) -> None:
-        from openai import OpenAI
+        from openai import OpenAI  # lazy: optional dependency openai
 
         self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.model, self.tokenizer = model, tokenizer

@@ -277,7 +277,7 @@ class LLMAgent:
     ``act(episode)`` sends the conversation and the tools, returns the assistant message. Optional."""
 
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None, **sampling: Any):
-        from openai import OpenAI
+        from openai import OpenAI  # lazy: optional dependency openai
 
         self.model = model
         self.client = OpenAI(base_url=base_url, api_key=api_key or "EMPTY")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from rich.table import Table
 
 from k2lab.agentic.episodes.env import Episode
 from k2lab.agentic.factory.experts import ExpertAgent
@@ -196,8 +197,6 @@ def _describe(values: list[int]) -> dict[str, float]:
 
 def print_summary(summary: dict[str, Any], console: Any) -> None:
     """The summary as rich tables."""
-    from rich.table import Table
-
     table = Table(title=f"agentic data factory: kept {summary['kept']} of {summary['episodes']}")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -303,7 +303,7 @@ class LLMUserSimulator:
     ``base_url``); it knows the task's hidden details. Optional: the factory's default is scripted."""
 
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None):
-        from openai import OpenAI
+        from openai import OpenAI  # lazy: optional dependency openai
 
         self.model = model
         self.client = OpenAI(base_url=base_url, api_key=api_key or "EMPTY")

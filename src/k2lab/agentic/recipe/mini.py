@@ -27,11 +27,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
+from rich.table import Table
 
 from k2lab.agentic.episodes.env import Episode
+from k2lab.agentic.episodes.evaluate import evaluate_policy, paired_comparison, wilson_interval
+from k2lab.agentic.factory.pipeline import FactoryConfig, generate
 from k2lab.agentic.factory.tasks import MINI_TOOLS, ToolTaskEnvironment, check_credit
+from k2lab.agentic.factory.tools import build_repository
+from k2lab.agentic.rl.trainer import RLConfig, run_rl
+from k2lab.data import load_tokenizer
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.model_dir import load_model
+from k2lab.optim.grouping import OptimizerConfig
+from k2lab.train.config import load_sft_config, load_train_config
+from k2lab.train.trainer import run_training
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
 
@@ -106,8 +117,6 @@ class RecipeToolTasks(ToolTaskEnvironment):
         no_tool_fraction: float = 0.15,
         partial_credit: float = 0.0,
     ) -> None:
-        from k2lab.agentic.factory.tools import build_repository
-
         super().__init__(
             build_repository(config.factory_seed, config.variants_per_tool),
             no_tool_fraction=no_tool_fraction,
@@ -173,9 +182,6 @@ def stage_base(config: RecipeConfig, directory: Path) -> dict[str, Any]:
         if not (config.base / "tokenizer.json").is_file():
             raise ValueError(f"--base {config.base} is not a k2lab model directory with tokenizer.json")
         return {"model": str(config.base), "pretrained_here": False}
-    from k2lab.train.config import load_train_config
-    from k2lab.train.trainer import run_training
-
     overrides = {"steps": config.pretrain_steps, "out": str(directory), "save_every": 50, "keep_last": 1}
     train = load_train_config(config.pretrain_recipe, **(overrides | config.pretrain_overrides))
     summary = run_training(train, resume=True)
@@ -189,8 +195,6 @@ def stage_base(config: RecipeConfig, directory: Path) -> dict[str, Any]:
 
 def stage_factory(config: RecipeConfig, directory: Path) -> dict[str, Any]:
     """Factory trajectories (seed ``factory_seed``)."""
-    from k2lab.agentic.factory.pipeline import FactoryConfig, generate
-
     result = generate(
         FactoryConfig(
             n=config.factory_n,
@@ -206,9 +210,6 @@ def stage_factory(config: RecipeConfig, directory: Path) -> dict[str, Any]:
 
 def stage_sft(config: RecipeConfig, directory: Path, base: str, data: str) -> dict[str, Any]:
     """SFT of the base on the trajectories (resumes from its checkpoints)."""
-    from k2lab.train.config import load_sft_config
-    from k2lab.train.trainer import run_training
-
     every = max(1, config.sft_steps // 4)
     train = load_sft_config(
         None,
@@ -230,9 +231,6 @@ def stage_sft(config: RecipeConfig, directory: Path, base: str, data: str) -> di
 
 def rl_config(config: RecipeConfig) -> Any:
     """The ``RLConfig`` of the RL stage."""
-    from k2lab.agentic.rl.trainer import RLConfig
-    from k2lab.optim.grouping import OptimizerConfig
-
     return RLConfig(
         iterations=config.rl_iterations,
         groups_per_iteration=config.rl_groups,
@@ -253,8 +251,6 @@ def rl_config(config: RecipeConfig) -> Any:
 
 def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str, Any]:
     """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
-    from k2lab.agentic.rl.trainer import run_rl
-
     env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit)
     history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
     last = history[-1] if history else {}
@@ -281,10 +277,6 @@ def stage_eval(config: RecipeConfig, directory: Path, models: dict[str, str], lo
 
 def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
     """One model directory on the held-out tasks, with the no-tool probe's result under ``no_tool_probe``."""
-    from k2lab.agentic.episodes.evaluate import evaluate_policy
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model
-
     model = load_model(path).eval()
     tokenizer = load_tokenizer(Path(path) / "tokenizer.json")
 
@@ -302,8 +294,6 @@ def no_tool_summary(probe: dict[str, Any]) -> dict[str, Any]:
     """Tool calls per task, the share of tasks with any tool call (with its Wilson interval), success on the
     no-tool probe, and per task whether it stayed without a tool call (``quiet``: rows for
     ``paired_comparison``)."""
-    from k2lab.agentic.episodes.evaluate import wilson_interval
-
     episodes = probe["episodes"]
     calling = sum(e["tool_calls"] > 0 for e in episodes)
     return {
@@ -326,8 +316,6 @@ def _floats(summary: dict[str, Any] | None) -> dict[str, float]:
 
 def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or resume) every stage and write the reports; returns ``report.json``'s content."""
-    import torch
-
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     eval_seeds(config)
@@ -348,8 +336,6 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
 
 def write_reports(config: RecipeConfig, out: Path, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """report.json, report.md and agentic_mini.png from the stage records."""
-    from k2lab.agentic.episodes.evaluate import paired_comparison
-
     evaluations, episodes, quiet = {}, {}, {}
     for name, path in records["eval"]["reports"].items():
         report = json.loads(Path(path).read_text())
@@ -469,8 +455,6 @@ def _domain_cell(row: dict[str, Any] | None) -> str:
 
 def print_report(report: dict[str, Any], console: Any) -> None:
     """The table as rich output."""
-    from rich.table import Table
-
     table = Table(title="agentic-mini: held-out tool tasks")
     for column in HEADER:
         table.add_column(column)
@@ -483,10 +467,10 @@ def print_report(report: dict[str, Any], console: Any) -> None:
 
 def plot(evaluations: dict[str, dict[str, Any]], metrics: Path, png: Path) -> Path:
     """Success with CIs per stage, and the RL curves (reward, success, tool calls, tokens per task)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (0.3 s) only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only to draw
 
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
     figure, axes = plt.subplots(1, 5, figsize=(20, 3.8))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from k2lab.data.tokenizer import SPECIAL_TOKENS
 from k2lab.runtime.chat import encode_chat
 
 __all__ = ["CORE_RUBRICS", "PRESCRIPTIVE_RUBRICS", "Preference", "RubricCritic", "rubric_prompt"]
@@ -154,8 +155,6 @@ def _off_diagonal(count: int) -> list[tuple[int, int]]:
 
 def _clean(text: str) -> str:
     """Text with the chat format's reserved strings removed (answers are model output)."""
-    from k2lab.data.tokenizer import SPECIAL_TOKENS
-
     for token in SPECIAL_TOKENS:
         text = text.replace(token, "")
     return text

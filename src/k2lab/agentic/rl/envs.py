@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from k2lab.agentic.episodes.env import Environment, Episode, tool_call_parts
+from k2lab.agentic.factory.tasks import tool_env
 from k2lab.runtime.sandbox import SandboxLimits, run_python
 
 __all__ = [
@@ -544,8 +545,6 @@ def build_env(name: str) -> Environment:
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]()
     if name.partition(":")[0] in ("tools", "tool_tasks", "mini-tools"):
-        from k2lab.agentic.factory.tasks import tool_env
-
         return tool_env(name)
     choices = ", ".join([*ENVIRONMENTS, "tools[:DOMAIN]", "mini-tools[:DOMAIN]"])
     raise ValueError(f"unknown environment {name!r}; choose from {choices}")

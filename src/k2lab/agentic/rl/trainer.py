@@ -69,13 +69,17 @@ from k2lab.agentic.episodes.rollout import (
 )
 from k2lab.agentic.rl.critic import Preference, RubricCritic
 from k2lab.agentic.rl.envs import EnvMixture, build_env
+from k2lab.data import PackedBatches, load_corpus, load_tokenizer
+from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
+from k2lab.model_dir import load_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs
 from k2lab.train.persistence import derive_seed
+from k2lab.train.run_checkpoints import list_checkpoints
 
 __all__ = [
     "Group",
@@ -238,8 +242,6 @@ class RLTrainer(IterativeTrainer):
         config = self.config
         if config.ptx_data is None or config.ptx_weight == 0:
             return None
-        from k2lab.data import PackedBatches, load_corpus
-
         corpus = load_corpus(config.ptx_data)
         docs = corpus.train or corpus.val
         return PackedBatches(
@@ -495,10 +497,10 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path) -> Path | None:
     path = Path(metrics_path)
     if not path.is_file():
         return None
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (0.3 s) only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only to draw
 
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     figure, axes = plt.subplots(2, 2, figsize=(10, 7))
@@ -546,11 +548,6 @@ def run_rl(
     """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
     ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
     False refuses to run over them instead). ``env`` replaces the mixture of ``config.envs``."""
-    from k2lab.data import load_tokenizer
-    from k2lab.errors import K2LabError
-    from k2lab.model_dir import load_model, save_model
-    from k2lab.train.run_checkpoints import list_checkpoints
-
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
