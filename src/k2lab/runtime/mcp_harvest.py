@@ -394,7 +394,7 @@ async def _session_tools(
     server: ServerConfig, errlog: TextIO, stage: list[str], on_garbage: Callable[[Exception], Any]
 ) -> list[dict[str, Any]]:
     """Spawn the server, initialise a session and list its tools."""
-    from mcp import ClientSession, StdioServerParameters, stdio_client  # lazy: as _list_all_tools
+    from mcp import ClientSession, StdioServerParameters, stdio_client  # lazy: mcp (0.9 s), harvest only
 
     params = StdioServerParameters(
         command=server.command or "", args=server.args, env=server.env or None, cwd=server.cwd
