@@ -19,6 +19,7 @@ from k2lab import build_model, load_preset
 from k2lab.agentic.episodes.env import Episode
 from k2lab.agentic.episodes.rollout import LocalPolicy, run_episode
 from k2lab.cli import main
+from k2lab.swarm.orchestrator import ShardWorker, SwarmEnv, critical_steps, swarm_metrics, tokenizer_counter
 from k2lab.swarm.parl import (
     CompactOrchestrator,
     LMOrchestrator,
@@ -31,7 +32,6 @@ from k2lab.swarm.parl import (
     r_finish,
     r_parallel,
 )
-from k2lab.swarm.runtime import ShardWorker, SwarmEnv, critical_steps, swarm_metrics, tokenizer_counter
 from k2lab.swarm.tasks import make_task, split_seeds, verify_answer
 from tests.conftest import randomize, serving
 

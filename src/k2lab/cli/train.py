@@ -15,6 +15,13 @@ from k2lab.optim.stability import StabilityConfig, stability_run
 from k2lab.presets import load_preset
 from k2lab.train.config import SFT_DEFAULTS, TrainConfig, load_sft_config, load_train_config
 
+# the options `train` and `sft` share (help and defaults from TrainConfig's fields)
+RUN_OPTIONS = {
+    name: Opt(name) for name in ("out", "steps", "save_every", "batch_size", "seq_len", "precision")
+}
+RUN_OPTIONS["lr"] = Opt("optimizer.lr")
+ResumeOption = Annotated[bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")]
+
 
 @app.command()
 @runs_config(
@@ -22,16 +29,10 @@ from k2lab.train.config import SFT_DEFAULTS, TrainConfig, load_sft_config, load_
     load=load_train_config,
     options={
         "preset": Opt("preset", "-p", help="Model preset (`k2lab presets`)."),
-        "steps": Opt("steps", help="Optimizer steps."),
-        "out": Opt("out", help="Run directory."),
         "data": Opt("data"),
-        "optimizer": Opt("optimizer.name", help="Optimizer."),
-        "lr": Opt("optimizer.lr", help="Peak learning rate."),
-        "qk_clip_tau": Opt("optimizer.qk_clip_tau", help="QK-Clip threshold τ."),
-        "save_every": Opt("save_every", help="Checkpoint every K steps."),
-        "batch_size": Opt("batch_size", help="Sequences per micro-batch."),
-        "seq_len": Opt("seq_len", help="Tokens per sequence."),
-        "precision": Opt("precision"),
+        **RUN_OPTIONS,
+        "optimizer": Opt("optimizer.name"),
+        "qk_clip_tau": Opt("optimizer.qk_clip_tau"),
         "ns_precision": Opt(
             "optimizer.ns_precision", help="Newton–Schulz precision (env K2LAB_NS_PRECISION for auto)."
         ),
@@ -40,9 +41,7 @@ from k2lab.train.config import SFT_DEFAULTS, TrainConfig, load_sft_config, load_
 )
 def train(
     config: TrainConfig,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
-    ] = False,
+    resume: ResumeOption = False,
 ) -> None:
     """Pre-train a K2 model with MuonClip on packed text, with telemetry, checkpoints and exact resume."""
     from k2lab.train.trainer import run_training
@@ -58,23 +57,15 @@ def train(
     options={
         "checkpoint": Opt("sft.init_checkpoint", "--checkpoint", "-c"),
         "data": Opt("sft.data"),
-        "out": Opt("out", help="Run directory."),
-        "steps": Opt("steps", help="Optimizer steps."),
+        **RUN_OPTIONS,
         "epochs": Opt("sft.epochs", help="Passes over the SFT rows (used unless steps is set)."),
         "ptx_ratio": Opt("sft.ptx_ratio", help="Fraction of rows from the pre-training corpus."),
         "ptx_data": Opt("data", help="PTX corpus directory (unset: the embedded corpus)."),
-        "lr": Opt("optimizer.lr", help="Peak learning rate."),
-        "save_every": Opt("save_every", help="Checkpoint every K steps."),
-        "batch_size": Opt("batch_size", help="Rows per micro-batch."),
-        "seq_len": Opt("seq_len", help="Tokens per row."),
-        "precision": Opt("precision"),
     },
 )
 def sft(
     config: TrainConfig,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the newest good checkpoint.")
-    ] = False,
+    resume: ResumeOption = False,
 ) -> None:
     """Agentic SFT: fine-tune a checkpoint on chat trajectories (loss on assistant tokens), with optional
     pre-training rows mixed in; the same loop, checkpoints and exact resume as `k2lab train`."""
@@ -88,9 +79,9 @@ def sft(
     StabilityConfig,
     options={
         "preset": Opt("preset", "-p"),
-        "optimizer": Opt("optimizer.name", help="Optimizer."),
+        "optimizer": Opt("optimizer.name"),
         "lr": Opt("optimizer.lr", help="Learning rate (high on purpose)."),
-        "tau": Opt("optimizer.qk_clip_tau", "--qk-clip-tau", help="QK-Clip threshold τ."),
+        "tau": Opt("optimizer.qk_clip_tau", "--qk-clip-tau"),
         "steps": Opt("steps"),
     },
 )

@@ -32,8 +32,8 @@ class OptimizerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["muonclip", "muon", "adamw"] = "muonclip"
-    lr: float = Field(default=2e-3, gt=0)
+    name: Literal["muonclip", "muon", "adamw"] = Field(default="muonclip", description="Optimizer.")
+    lr: float = Field(default=2e-3, gt=0, description="Peak learning rate.")
     adamw_lr: float | None = Field(default=None, gt=0, description="AdamW-group lr; defaults to lr.")
     weight_decay: float = Field(default=0.1, ge=0)
     momentum: float = Field(default=0.95, ge=0, lt=1)
@@ -48,7 +48,7 @@ class OptimizerConfig(BaseModel):
         description="Newton–Schulz dtype: auto = bf16 where the hardware runs it natively (k2lab.hardware).",
     )
     per_head_muon: bool = False
-    qk_clip_tau: float = Field(default=100.0, gt=0)
+    qk_clip_tau: float = Field(default=100.0, gt=0, description="QK-Clip threshold τ.")
     qk_clip_alpha: float = Field(default=0.5, ge=0, le=1)
 
     @model_validator(mode="before")

@@ -55,7 +55,7 @@ from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episo
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import k15_loss
 from k2lab.posttrain.scoring import sequence_log_ratio, turn_logprobs
-from k2lab.swarm.runtime import SwarmEnv, swarm_metrics
+from k2lab.swarm.orchestrator import SwarmEnv, swarm_metrics
 from k2lab.swarm.tasks import parse_facts, split_seeds
 from k2lab.train.persistence import derive_seed
 

@@ -54,9 +54,9 @@ class TrainConfig(BaseModel):
     data_max_bytes: int | None = Field(default=None, gt=0)
     tokenizer: str | None = Field(default=None, description="A local tokenizer.json; None = train BPE.")
     vocab_size: int | None = Field(default=None, gt=0, description="BPE vocabulary; None = the preset's.")
-    steps: int = Field(default=300, gt=0)
-    batch_size: int = Field(default=8, gt=0)
-    seq_len: int = Field(default=256, gt=1)
+    steps: int = Field(default=300, gt=0, description="Optimizer steps.")
+    batch_size: int = Field(default=8, gt=0, description="Sequences (rows) per micro-batch.")
+    seq_len: int = Field(default=256, gt=1, description="Tokens per sequence (row).")
     document_masking: bool = Field(
         default=False, description="Confine attention (and KDA state) to each packed document."
     )
@@ -80,13 +80,13 @@ class TrainConfig(BaseModel):
     )
     eval_every: int = Field(default=50, gt=0)
     eval_batches: int = Field(default=8, gt=0)
-    save_every: int = Field(default=100, gt=0)
+    save_every: int = Field(default=100, gt=0, description="Checkpoint every K steps.")
     keep_last: int = Field(default=3, gt=0)
     log_every: int = Field(default=1, gt=0)
     seed: int = 0
     sample_prompt: str = "def "
     sample_tokens: int = Field(default=64, ge=0)
-    out: str = "runs/k2-mini"
+    out: str = Field(default="runs/k2-mini", description="Run directory.")
     vision: VisionDataConfig | None = Field(
         default=None,
         description="Joint vision-text training (``[vision]``: injection start, ratio, tasks); set by default "

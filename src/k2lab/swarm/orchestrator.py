@@ -1,5 +1,5 @@
-"""The swarm runtime: an orchestrator with ``create_subagent`` / ``assign_task``, sub-agents in isolated
-contexts running concurrently, and the episode's cost and latency accounting.
+"""The swarm orchestrator: ``create_subagent`` / ``assign_task``, sub-agents in isolated contexts running
+concurrently, and the episode's cost and latency accounting (the agent runtime itself is ``k2lab.runtime``).
 
 ``SwarmEnv`` is an ``Environment`` for the orchestrator (any ``Policy``: ``LocalPolicy``, ``EndpointPolicy``,
 or a scripted / compact one). Per orchestrator turn t it handles the message's tool calls:
