@@ -61,7 +61,10 @@ def test_params_accepts_every_listed_vlm_preset(name):
     assert vision["total"] == vision["language_model"] + vision["vision_tower"] + vision["projector"]
 
 
-@pytest.mark.parametrize("command", [["init", "--out", "unused"], ["stability"]])
+@pytest.mark.parametrize(
+    "command",
+    [["init", "--out", "unused"], ["stability"], ["ablate", "optimizer", "--quick"], ["ablate", "balancing"]],
+)
 def test_text_only_commands_refuse_a_vlm_preset_with_the_reason(command):
     result = _k2lab(*command, "--preset", "k25-nano")
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -86,6 +86,7 @@ class BalancingConfig(AblationSettings):
     use two cores fully without the OpenMP barrier stalls a 2-thread run suffers on a busy machine.
     """
 
+    TEXT_ONLY = True
     BASE = DEFAULT_RECIPE
     EVAL_POINTS = 4  # validation every steps // 4 by default: the table needs the final loss only
     WHAT = "balancing ablation setting"

@@ -34,6 +34,7 @@ from k2lab.ablations.report import Report
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
+from k2lab.presets import get_preset
 from k2lab.recipes import read_recipe, set_dotted
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
@@ -76,6 +77,7 @@ class AblationSettings(BaseModel):
     BASE: ClassVar[dict[str, Any]] = {}
     EVAL_POINTS: ClassVar[int] = 10
     WHAT: ClassVar[str] = "ablation setting"
+    TEXT_ONLY: ClassVar[bool] = False  # the study trains text models: a vision-language preset is refused
 
     base: TrainConfig
     out: str
@@ -97,6 +99,16 @@ class AblationSettings(BaseModel):
         if isinstance(data, dict) and not isinstance(data.get("base"), TrainConfig):
             data = {**data, "base": study_base(cls.BASE, data.get("base") or {}, cls.EVAL_POINTS)}
         return data
+
+    @model_validator(mode="after")
+    def _text_preset(self) -> AblationSettings:
+        preset = get_preset(self.base.preset)
+        if self.TEXT_ONLY and preset.is_vision_language:
+            raise ValueError(
+                f"this study trains text models; {preset.name!r} is a vision-language preset "
+                f"(use its language model, --preset {preset.language_model})"
+            )
+        return self
 
 
 def study_recipe(recipe: str | os.PathLike[str] | None) -> dict[str, Any]:

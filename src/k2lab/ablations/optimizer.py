@@ -132,6 +132,7 @@ class AblationConfig(AblationSettings):
     varies.
     """
 
+    TEXT_ONLY = True
     BASE = FULL_RECIPE
     WHAT = "ablation setting"
 

@@ -106,6 +106,7 @@ class RephraseAblationConfig(AblationSettings):
     """The ablation: the raw subset, the rephrasing source and settings, the base recipe (everything but
     the data, which each arm brings)."""
 
+    TEXT_ONLY = True
     BASE = DEFAULT_RECIPE
     EVAL_POINTS = 5
     WHAT = "rephrasing ablation setting"
