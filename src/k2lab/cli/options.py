@@ -127,12 +127,18 @@ def default_at(config: type[BaseModel], path: str) -> Any:
     return value
 
 
+def _without_none(annotation: Any) -> Any:
+    """``X`` for ``X | None``, else the annotation itself."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
 def _list_item(annotation: Any) -> type | None:
     """``X`` for a field of type ``list[X]`` or ``tuple[X, ...]`` (or either ``| None``) with X int, float or
     str, else None."""
-    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        annotation = args[0]
+    annotation = _without_none(annotation)
     item = typing.get_args(annotation)
     if typing.get_origin(annotation) is tuple and len(item) == 2 and item[1] is Ellipsis:
         item = item[:1]  # tuple[X, ...]
@@ -158,9 +164,7 @@ def _option_type(annotation: Any) -> tuple[Any, str]:
     ``str``) and a note of its choices."""
     if _list_item(annotation) is not None:
         return str, " (comma-separated)"
-    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        annotation = args[0]
+    annotation = _without_none(annotation)
     if typing.get_origin(annotation) is Literal:
         return str, " (" + ", ".join(str(choice) for choice in typing.get_args(annotation)) + ")"
     if annotation in (int, float, str, bool, Path):
