@@ -110,6 +110,14 @@ class ModelConfig(BaseModel):
     # Block AttnRes (K3): depth-wise attention over block summaries; block size in decoder layers
     attnres_block_size: int | None = Field(default=None, gt=0, description="None: plain residuals.")
 
+    # Multi-token prediction (DeepSeek-V3 §2.2): K modules after the main layers, module k predicts t_{i+k+1}
+    num_nextn_predict_layers: int = Field(
+        default=0,
+        ge=0,
+        description="DeepSeek-V3 MTP modules (HF layers num_hidden_layers …); 0: none. Module k predicts "
+        "token i+k+1 from the depth k-1 hidden state and Emb(t_{i+k}); they share the embedding and head.",
+    )
+
     @model_validator(mode="after")
     def _check_consistency(self) -> ModelConfig:
         def fail(field: str, reason: str) -> None:

@@ -9,6 +9,9 @@ the MoE otherwise.
 With Block AttnRes (K3, ``attnres_block_size``) the residual stream is replaced by depth-wise attention:
 before each attention, each MLP and the final norm, ``AttnRes`` mixes the embedding, the completed block
 sums and the current partial block sum (``k2lab.nn.attnres``); sub-layer outputs accumulate into the partial sum.
+
+With ``num_nextn_predict_layers = K > 0`` the model also holds K DeepSeek-V3 multi-token-prediction modules
+(``self.mtp``, ``k2lab.models.mtp``) sharing its embedding and head; the plain forward never runs them.
 """
 
 from __future__ import annotations
@@ -21,72 +24,31 @@ from torch import nn
 from k2lab.config import ModelConfig, YarnScaling
 from k2lab.infer.cache import LatentCache
 from k2lab.models.init import init_weights
-from k2lab.nn.activations import mlp_activation
+from k2lab.models.layer import DecoderLayer, LayerInputs
+from k2lab.models.mtp import MultiTokenPrediction, shifted_embeds
 from k2lab.nn.attnres import AttnRes, BlockAttnResState
-from k2lab.nn.kda import KimiDeltaAttention, RecurrentState
-from k2lab.nn.mla import AttentionMask, LatentKV, MultiHeadLatentAttention
-from k2lab.nn.mlp import GatedMLP
+from k2lab.nn.mla import AttentionMask
 from k2lab.nn.moe import MoE
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import RotaryEmbedding
 
+__all__ = [
+    "CausalLM",
+    "CausalLMOutput",
+    "DecoderLayer",
+    "LayerInputs",
+    "attention_mask_for",
+    "build_model",
+    "document_mask",
+    "document_positions",
+    "document_starts",
+]
+
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V]
-
-
-@dataclass
-class LayerInputs:
-    """What every layer of one forward shares: rotary tables (None without RoPE), the MLA mask and which
-    tokens are real (``valid`` [B, T] bool, None when all are)."""
-
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    mask: AttentionMask
-    valid: torch.Tensor | None
-    document_starts: torch.Tensor | None = None  # [B, T] bool: a packed document begins here
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.kind = config.layer_types[layer_idx]
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn: nn.Module = (
-            MultiHeadLatentAttention(config) if self.kind == "mla" else KimiDeltaAttention(config)
-        )
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(config)
-            if config.is_moe_layer(layer_idx)
-            else GatedMLP(config.hidden_size, config.intermediate_size, mlp_activation(config))
-        )
-        if config.attnres_block_size is not None:
-            self.attn_res = AttnRes(config.hidden_size, config.rms_norm_eps)
-            self.mlp_res = AttnRes(config.hidden_size, config.rms_norm_eps)
-
-    def mix(
-        self, x: torch.Tensor, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
-    ) -> torch.Tensor:
-        """Token mixing of normed x [B, T, D] -> [B, T, D] by this layer's MLA or KDA."""
-        if self.kind == "kda":
-            return self.attn(x, inputs.valid, cache, inputs.document_starts)
-        return self.attn(x, inputs.cos, inputs.sin, inputs.mask, cache)
-
-    def forward(
-        self, h: torch.Tensor, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
-    ) -> torch.Tensor:
-        """h [B, T, D] -> [B, T, D]."""
-        h = h + self.mix(self.attn_norm(h), inputs, cache)
-        return h + self.mlp(self.mlp_norm(h))
-
-    def forward_attnres(
-        self, state: BlockAttnResState, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
-    ) -> None:
-        """Block AttnRes form: read the depth sources before each sub-layer, add its output to the partial sum."""
-        state.add(self.mix(self.attn_norm(self.attn_res.read(state)), inputs, cache))
-        state.add(self.mlp(self.mlp_norm(self.mlp_res.read(state))))
+    logits: torch.Tensor  # [B, T, V] ([N, V] under logits_mask)
+    hidden: torch.Tensor | None = None  # [B, T, D] final-normed hidden (the lm_head's input) if asked for
 
 
 def document_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -153,6 +115,9 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = RotaryEmbedding(config) if config.uses_rope else None
+        self.mtp = nn.ModuleList(
+            MultiTokenPrediction(config, depth) for depth in range(1, config.num_nextn_predict_layers + 1)
+        )
 
     def forward(
         self,
@@ -163,12 +128,39 @@ class CausalLM(nn.Module):
         segment_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         logits_mask: torch.Tensor | None = None,
+        output_hidden: bool = False,
     ) -> CausalLMOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = h.shape[:2]
-        device = h.device
+        inputs = self.layer_inputs(B, T, h.device, attention_mask, position_ids, cache, segment_ids)
+        h = (
+            self._layers_attnres(h, inputs, cache)
+            if hasattr(self, "final_res")
+            else self._layers(h, inputs, cache)
+        )
+        if cache is not None:
+            cache.commit(inputs.valid)
+        if logits_mask is not None:
+            h = h[logits_mask.to(device=h.device, dtype=torch.bool)]
+        h = self.norm(h)
+        return CausalLMOutput(logits=self.lm_head(h), hidden=h if output_hidden else None)
+
+    def layer_inputs(
+        self,
+        B: int,
+        T: int,
+        device: torch.device,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: LatentCache | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> LayerInputs:
+        """The ``LayerInputs`` of T new tokens per row, as ``forward`` builds them (same arguments): positions
+        (counting real tokens, continuing a cache, restarting per packed document), rotary tables, the MLA
+        mask. With ``cache`` the tokens are registered (``cache.begin``; ``valid`` is then never None) and the
+        caller commits them once every layer has appended. MTP modules run on these same inputs."""
         if segment_ids is not None and (cache is not None or attention_mask is not None):
             raise ValueError(
                 "segment_ids describe packed training windows: use them without cache or padding"
@@ -190,17 +182,26 @@ class CausalLM(nn.Module):
             starts = document_starts(segment_ids)
             positions, mask = document_positions(starts), document_mask(segment_ids)
         cos, sin = self.rotary(positions) if self.rotary is not None else (None, None)
-        inputs = LayerInputs(cos, sin, mask, valid, starts)
-        h = (
-            self._layers_attnres(h, inputs, cache)
-            if hasattr(self, "final_res")
-            else self._layers(h, inputs, cache)
-        )
-        if cache is not None:
-            cache.commit(valid)
-        if logits_mask is not None:
-            h = h[logits_mask.to(device=device, dtype=torch.bool)]
-        return CausalLMOutput(logits=self.lm_head(self.norm(h)))
+        return LayerInputs(cos, sin, mask, valid, starts)
+
+    def mtp_logits(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Training chain of the MTP modules: logits [B, T, V] per depth k = 1 … K.
+
+        input_ids [B, T] = t_0 … t_{T-1}; hidden [B, T, D] = h^0, the main forward's ``hidden`` on the same
+        ids (and ``segment_ids``). Depth k at position i reads h^{k-1}_i and Emb(t_{i+k}) and predicts
+        t_{i+k+1}; its rows i >= T - k have no input token (a zero embedding) and no target, so with the
+        packed ``labels = window[1:]`` the loss pairs ``logits[:, : T - k]`` with ``labels[:, k:]``.
+        """
+        B, T = input_ids.shape
+        embeds = self.embed(input_ids)
+        inputs = self.layer_inputs(B, T, hidden.device, segment_ids=segment_ids)
+        logits = []
+        for module in self.mtp:
+            hidden = module(hidden, shifted_embeds(embeds, module.depth), inputs)
+            logits.append(self.lm_head(module.final_norm(hidden)))
+        return logits
 
     def _layers(self, h: torch.Tensor, inputs: LayerInputs, cache: LatentCache | None) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -222,12 +223,17 @@ class CausalLM(nn.Module):
         if self.rotary is not None:
             self.rotary.config = self.config
             self.rotary.reset_buffers()
-        for layer in self.layers:
+        for layer in self.blocks():
             if layer.kind == "mla":
                 layer.attn.softmax_scale = self.config.softmax_scale
 
+    def blocks(self) -> list[DecoderLayer]:
+        """Every decoder block: the main layers, then the MTP modules' blocks (HF layer order)."""
+        return [*self.layers, *(module.block for module in self.mtp)]
+
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        """The MoE of every block, MTP blocks last (their routers balance like the main ones)."""
+        return [layer.mlp for layer in self.blocks() if isinstance(layer.mlp, MoE)]
 
 
 def _positions(valid: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
