@@ -85,7 +85,8 @@ class QKClip:
         self.alpha = alpha
         self.layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
         # Decoder layer index of each MLA (hybrids interleave KDA layers, which have no logits to clip).
-        decoder_layers = getattr(model, "layers", None)
+        blocks = getattr(model, "blocks", None)  # main layers, then MTP blocks (k2lab.models.mtp)
+        decoder_layers = blocks() if blocks is not None else getattr(model, "layers", None)
         if decoder_layers is not None:
             self.layer_indices = [i for i, layer in enumerate(decoder_layers) if layer.attn in self.layers]
         else:

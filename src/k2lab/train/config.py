@@ -75,6 +75,13 @@ class TrainConfig(BaseModel):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    mtp_loss_weight: float = Field(
+        default=0.3,
+        ge=0,
+        description="λ of the multi-token-prediction loss (models with num_nextn_predict_layers > 0): "
+        "loss + λ · mean over depths of their CE. 0.3 is DeepSeek-V3's weight for its first 10T tokens "
+        "(0.1 after; report §4.2).",
+    )
     curriculum: list[CurriculumStage] = Field(
         default_factory=list, description="Context-length stages; empty = one stage of seq_len."
     )

@@ -6,7 +6,8 @@ rows, or SFT conversations) and runs ``train(data)``, which reads only the ``k2l
 
 One optimizer step:
 
-    for each of grad_accum micro-batches: loss = CE(model(x), y)/grad_accum (+ balance loss); backward
+    for each of grad_accum micro-batches: loss = CE(model(x), y)/grad_accum (+ balance loss)
+                                          (+ λ · MTP loss with MTP modules, k2lab.train.mtp_loss); backward
     clip the global gradient norm; lr ← peak · schedule(step)
     MuonClip.step()  -> Muon/AdamW update, then per-head QK-Clip on the step's max logits
     router bias ← DeepSeek-V3 sign rule on the step's expert loads
@@ -46,6 +47,7 @@ from k2lab.train.config import TrainConfig
 from k2lab.train.dashboard import plot_dashboard
 from k2lab.train.data import TrainingData, language_model
 from k2lab.train.metrics import MetricsLogger
+from k2lab.train.mtp_loss import MTPLoss, mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
 from k2lab.train.run_checkpoints import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
 from k2lab.train.schedule import lr_multiplier
@@ -67,6 +69,8 @@ class StepResult:
     aux_loss: float
     grad_norm: float
     tokens: int
+    mtp_loss: float | None = None  # mean over depths, without λ (only with MTP modules)
+    mtp_top1: float | None = None
 
 
 class Trainer:
@@ -87,6 +91,9 @@ class Trainer:
         self.compiled, self.compile_reason = compile_decision(config.compile, self.device)
         self.train_forward = compiled(model) if self.compiled else model
         self.lm: CausalLM = language_model(model)
+        self.mtp = len(self.lm.mtp) > 0
+        if self.mtp and self.lm is not model:
+            raise K2LabError("multi-token prediction trains a text model; this model wraps its decoder")
         for moe in self.lm.moe_layers():
             moe.balance_alpha = config.balance.sequence_loss_alpha
             moe.record_scores = config.balance.bias_rule == "quantile"
@@ -98,37 +105,50 @@ class Trainer:
         dtype = self.precision["autocast"].dtype
         return torch.autocast(self.device, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-    def loss_of(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy of ``batch`` and the summed MoE balance loss (the compiled forward
-        in training when ``compile`` is on; validation stays eager)."""
+    def loss_of(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, MTPLoss | None]:
+        """Mean next-token cross-entropy of ``batch``, the summed MoE balance loss and, for a model with MTP
+        modules in training, their loss (the compiled forward in training when ``compile`` is on;
+        validation stays eager and runs the main model only)."""
         labels = batch.labels
         forward = self.train_forward if self.model.training else self.model
+        run_mtp = self.mtp and self.model.training
+        extra = {"output_hidden": True} if run_mtp else {}
         with self.autocast():
-            logits = forward(batch.input_ids, segment_ids=batch.segment_ids, **(batch.media or {})).logits
+            out = forward(batch.input_ids, segment_ids=batch.segment_ids, **(batch.media or {}), **extra)
+            depths = self.lm.mtp_logits(batch.input_ids, out.hidden, batch.segment_ids) if run_mtp else None
+        logits = out.logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         aux = sum((moe.aux_loss for moe in self.lm.moe_layers() if moe.aux_loss is not None), torch.zeros(()))
-        return loss, aux
+        return loss, aux, None if depths is None else mtp_loss(depths, labels)
 
     def train_step(self) -> tuple[StepResult, list[torch.Tensor]]:
         config = self.config
         self.model.train()
         loads = [torch.zeros(moe.experts.n_experts) for moe in self.lm.moe_layers()]
         total_loss, total_aux, tokens = 0.0, 0.0, 0
+        total_mtp = [0.0, 0.0]  # MTP loss, depth-1 top-1
         for _ in range(config.grad_accum):
             batch = next(self.batches)
             labels = batch.labels
-            loss, aux = self.loss_of(batch)
-            ((loss + aux) / config.grad_accum).backward()
+            loss, aux, mtp = self.loss_of(batch)
+            objective = loss + aux if mtp is None else loss + aux + config.mtp_loss_weight * mtp.loss
+            (objective / config.grad_accum).backward()
             total_loss += loss.item() / config.grad_accum
             total_aux += float(aux) / config.grad_accum
+            if mtp is not None:
+                total_mtp[0] += mtp.loss.item() / config.grad_accum
+                total_mtp[1] += mtp.top1.item() / config.grad_accum
             tokens += labels.numel()
             for load, moe in zip(loads, self.lm.moe_layers(), strict=True):
                 load += moe.last_expert_counts.float().cpu()
         grad_norm = self._clip_gradients()
         for group in self.muonclip.param_groups:
             group["lr"] = group["initial_lr"] * lr_multiplier(self.step, config.steps, config.schedule)
-        loss, aux = distributed.all_reduce_mean([total_loss, total_aux])  # identity in one process
-        return StepResult(loss, aux, grad_norm, tokens * distributed.world_size()), all_reduce_loads(loads)
+        loss, aux, *mtp = distributed.all_reduce_mean([total_loss, total_aux, *total_mtp])  # identity in one
+        result = StepResult(loss, aux, grad_norm, tokens * distributed.world_size())
+        if self.mtp:
+            result.mtp_loss, result.mtp_top1 = mtp
+        return result, all_reduce_loads(loads)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -151,7 +171,7 @@ class Trainer:
     def validation_loss(self) -> float:
         self.model.eval()
         self.muonclip.qk_clip.record(False)
-        losses = [self.loss_of(batch)[0].item() for batch in self.val_batches]
+        losses = [self.loss_of(batch)[0].item() for batch in self.val_batches]  # main model only
         self.muonclip.qk_clip.record(True)
         return distributed.all_reduce_mean(sum(losses) / max(len(losses), 1))
 
@@ -167,6 +187,8 @@ class Trainer:
         }
         if self.config.balance.sequence_loss_alpha > 0:
             values["balance_loss"] = result.aux_loss
+        if result.mtp_loss is not None:
+            values["mtp_loss"], values["mtp_top1"] = result.mtp_loss, result.mtp_top1
         first = self.lm.config.first_k_dense_replace
         for index, load in enumerate(loads):
             values[f"expert_load/layer{index + first}"] = load.tolist()

@@ -1,0 +1,59 @@
+"""The multi-token-prediction training objective (DeepSeek-V3 report §2.2, eq. 24–25):
+
+    L_MTP^k = CE(P^k_{i+k+1}, t_{i+k+1}) over the positions that have a target
+    L_MTP   = λ / K · Σ_k L_MTP^k,          added to the main next-token loss
+
+With packed windows ``labels = window[1:]`` (labels[:, i] = t_{i+1}), depth k's logits at row i pair with
+``labels[:, i + k]``: ``logits_k[:, : T - k]`` against ``labels[:, k:]``. Targets equal to the ignore index
+(-100, SFT prompts, vision rows) are skipped exactly as the main loss skips them; like the main loss, a
+packed window's predictions run across document ends (the EOS row predicts the next document's start).
+
+``mtp_top1`` is the share of those positions where depth 1's argmax is the next-next token t_{i+2}: the
+acceptance a one-token speculative draft would see under greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # F.cross_entropy's default, used by the main loss
+
+
+@dataclass
+class MTPLoss:
+    """``loss``: mean over depths of the depth CE (a scalar with gradient); ``top1``: depth-1 agreement
+    (a detached scalar); ``targets``: how many depth-1 targets were scored."""
+
+    loss: torch.Tensor
+    top1: torch.Tensor
+    targets: int
+
+
+def depth_pairs(logits: torch.Tensor, labels: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth ``depth`` logits [B, T, V] and labels [B, T] -> aligned [N, V] logits and [N] targets,
+    N = B · (T − depth)."""
+    T = labels.shape[1]
+    return logits[:, : T - depth].reshape(-1, logits.shape[-1]), labels[:, depth:].reshape(-1)
+
+
+def mtp_loss(depth_logits: list[torch.Tensor], labels: torch.Tensor) -> MTPLoss:
+    """depth_logits: K tensors [B, T, V] (``CausalLM.mtp_logits``); labels [B, T] (the main loss's).
+
+    Needs T > K so that every depth has a target."""
+    if labels.shape[1] <= len(depth_logits):
+        raise ValueError(
+            f"MTP depth {len(depth_logits)} needs windows longer than it, got T={labels.shape[1]}"
+        )
+    losses = []
+    for depth, logits in enumerate(depth_logits, start=1):
+        flat_logits, targets = depth_pairs(logits, labels, depth)
+        losses.append(F.cross_entropy(flat_logits.float(), targets, ignore_index=IGNORE_INDEX))
+    with torch.no_grad():
+        flat_logits, targets = depth_pairs(depth_logits[0], labels, 1)
+        scored = targets != IGNORE_INDEX
+        hits = (flat_logits.argmax(-1) == targets) & scored
+        top1 = hits.sum() / scored.sum().clamp(min=1)
+    return MTPLoss(torch.stack(losses).mean(), top1, int(scored.sum()))
