@@ -1,8 +1,10 @@
 import pytest
 import torch
 
+from k2lab import build_model, load_preset
 from k2lab.infer import GenerationConfig, generate
-from k2lab.infer.generate import sample_next
+from k2lab.infer.generate import GenerationCache, sample_next
+from tests.conftest import KIMI_LINEAR_STYLE, randomize
 
 
 def greedy_without_cache(model, prompt, steps):
@@ -59,3 +61,35 @@ def test_tiny_top_p_is_greedy(nano):
 def test_empty_prompt_rejected(nano):
     with pytest.raises(ValueError, match="at least one token"):
         generate(nano, [[]])
+
+
+@pytest.fixture(scope="module", params=["k2-nano", "k3-nano"])
+def both(request):
+    overrides = KIMI_LINEAR_STYLE if request.param == "k3-nano" else {}
+    return randomize(build_model(load_preset(request.param, **overrides)), seed=2).eval()
+
+
+def test_continued_cache_decodes_as_a_fresh_prefill(both):
+    """Turn 2 extends turn 1's cache (only the new tokens prefill) and samples what a fresh call samples;
+    row 0 stops at EOS early, so the cache must drop what was fed after it."""
+    prompts = [[5, 17, 33, 2, 90], [7, 8, 9]]
+    probe = generate(both, prompts, GenerationConfig(max_new_tokens=5))
+    config = GenerationConfig(max_new_tokens=5, eos_token_id=probe[0][1])
+    cache = GenerationCache()
+    first = generate(both, prompts, config, cache=cache)
+    assert len(first[0]) == 2 and cache.ids[0] == prompts[0] + first[0][:1]
+    turn2 = [p + out + [40 + i, 41] for i, (p, out) in enumerate(zip(prompts, first, strict=True))]
+    continued = generate(both, turn2, config, cache=cache)
+    assert continued == generate(both, turn2, config)
+    assert cache.ids == [p + out[:-1] for p, out in zip(turn2, continued, strict=True)]
+
+
+def test_continuation_must_extend_the_cached_tokens(nano):
+    cache = GenerationCache()
+    out = generate(nano, [[5, 6, 7]], GenerationConfig(max_new_tokens=2), cache=cache)
+    with pytest.raises(ValueError, match="differs at token 1"):
+        generate(nano, [[5, 9, 7, *out, 3]], cache=cache)
+    with pytest.raises(ValueError, match="is not longer"):
+        generate(nano, [[5, 6, 7]], cache=cache)
+    with pytest.raises(ValueError, match="2 prompts continue a cache of 1"):
+        generate(nano, [[5, 6, 7, *out], [1]], cache=cache)

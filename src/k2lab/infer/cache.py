@@ -9,6 +9,10 @@ per token), which is exactly the key of absorbed decode; ``latent`` and ``k_rope
 
 KDA layers (Kimi Linear, K3) keep a fixed-size state per sequence, whatever the context length: the
 recurrent S [H, K, K] in fp32 and the short-convolution history [3·H·K, kernel − 1].
+
+A sequence's contents can be taken out (``row``: its tokens' rows in order, masked slots dropped, and its
+KDA states, a ``RowState``) and put back as a cache of its own (``from_row``), which ``concat`` merges
+with others: the prefix cache (``k2lab.infer.prefix_cache``) and continued generation build on this.
 """
 
 from __future__ import annotations
@@ -49,6 +53,29 @@ class KDAState:
 
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
+
+
+@dataclass
+class RowState:
+    """One sequence's cached contents: ``rows`` [L_mla, n, C + r] of its n tokens in order (positions
+    0 … n − 1) and ``kda`` {layer: KDAState with batch 1} (the state after token n − 1; empty for MLA-only
+    models)."""
+
+    rows: torch.Tensor
+    kda: dict[int, KDAState]
+
+    @property
+    def length(self) -> int:
+        return self.rows.shape[1]
+
+    def prefix(self, n: int) -> RowState:
+        """The first n tokens' rows (KDA states only describe the whole row, so only without KDA layers)."""
+        if n != self.length and self.kda:
+            raise ValueError("a KDA state holds its whole row: it cannot be cut to a shorter prefix")
+        return RowState(self.rows[:, :n], self.kda)
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes + sum(state.nbytes() for state in self.kda.values())
 
 
 class LatentCache:
@@ -144,6 +171,44 @@ class LatentCache:
             state.conv = state.conv.index_select(0, index)
             state.recurrent = state.recurrent.index_select(0, index)
         return self
+
+    def row(self, index: int) -> RowState:
+        """A copy of sequence ``index``'s contents: its valid rows in order and its KDA states."""
+        valid = self.key_valid[index, : self.length]
+        rows = self.rows[:, index, : self.length][:, valid]
+        return RowState(rows, self.kda_row(index))
+
+    def kda_row(self, index: int) -> dict[int, KDAState]:
+        """A copy of sequence ``index``'s KDA states (batch 1)."""
+        return {
+            layer: KDAState(s.conv[index : index + 1].clone(), s.recurrent[index : index + 1].clone())
+            for layer, s in self.kda_states.items()
+        }
+
+    def set_kda_row(self, index: int, states: dict[int, KDAState]) -> None:
+        """Overwrite sequence ``index``'s KDA states with ``states`` (from ``kda_row``)."""
+        for layer, state in states.items():
+            self.kda_states[layer].conv[index] = state.conv[0]
+            self.kda_states[layer].recurrent[index] = state.recurrent[0]
+
+    @classmethod
+    def from_row(
+        cls,
+        config: ModelConfig,
+        state: RowState | None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> LatentCache:
+        """A one-sequence cache holding ``state`` (empty for None), full (``concat`` it to make room)."""
+        length = 0 if state is None else state.length
+        cache = cls(config, 1, length, dtype=dtype, device=device)
+        if state is not None:
+            cache.rows[:, 0] = state.rows
+            cache.key_valid[:] = True
+            cache.length = length
+            cache.next_position[:] = length
+            cache.set_kda_row(0, state.kda)
+        return cache
 
     @classmethod
     def concat(cls, caches: list[LatentCache], max_length: int) -> LatentCache:

@@ -2,17 +2,26 @@
 
 Prompts of different lengths are left-padded into one batch; the prompt is prefilled in one forward, then
 each step feeds one token per sequence and attends in latent space (absorbed MLA decode).
+
+Prefix reuse (``prefill``): a row may start from cached contents instead of an empty cache — a
+``GenerationCache`` left by an earlier call (a multi-turn episode extends its own cache) or the longest
+match in a ``PrefixCache`` (blocks shared across requests) — and only its uncached suffix runs. Rows
+with different cached lengths combine like ``LatentCache.concat`` does (masked slots, positions carry on).
+A KDA layer cannot skip padding after real tokens (a zero input still decays and shifts its state), so on
+hybrid models rows whose suffix follows cached tokens prefill in groups of equal suffix length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from k2lab.infer.cache import LatentCache
+from k2lab.infer.cache import KDAState, LatentCache, RowState
+from k2lab.infer.prefix_cache import PrefixCache
 
 
 class GenerationConfig(BaseModel):
@@ -35,6 +44,34 @@ class Constraint(Protocol):
 
     def advance(self, token: int) -> None:
         """Record the token that was sampled."""
+
+
+@dataclass
+class GenerationCache:
+    """What ``generate(..., cache=...)`` leaves for the next call: per row the ids its cache holds
+    (the prompt and every generated token but the last, which was never fed) and their ``RowState``.
+
+    Pass the same object again with prompts that extend those ids (e.g. the conversation so far and the
+    next user turn): only the new tokens are prefilled. An empty one (the default) starts fresh."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    rows: list[RowState] = field(default_factory=list)
+
+    def starts(self, prompts: Sequence[Sequence[int]]) -> list[RowState | None]:
+        """The cached contents each prompt continues from (checks that it extends them)."""
+        if not self.ids:
+            return [None] * len(prompts)
+        if len(prompts) != len(self.ids):
+            raise ValueError(f"{len(prompts)} prompts continue a cache of {len(self.ids)} sequences")
+        for row, (prompt, held) in enumerate(zip(prompts, self.ids, strict=True)):
+            if len(prompt) <= len(held) or list(prompt[: len(held)]) != held:
+                same = next((i for i, (a, b) in enumerate(zip(prompt, held, strict=False)) if a != b), None)
+                where = "is not longer" if same is None else f"differs at token {same}"
+                raise ValueError(
+                    f"prompt {row} does not extend its cached tokens: {len(prompt)} tokens against "
+                    f"{len(held)} cached, {where} (the new prompt must start with the cached ids)"
+                )
+        return list(self.rows)
 
 
 def sample_next(
@@ -60,12 +97,18 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.T
     """Token ids [B, T] and validity mask [B, T] with each prompt right-aligned."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        valid[row, width - len(prompt) :] = True
+    return _pad(prompts, pad_id)
+
+
+def _pad(segments: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``left_pad`` that allows empty segments (rows with nothing to add in this forward)."""
+    width = max(map(len, segments))
+    ids = torch.full((len(segments), width), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(segments), width, dtype=torch.bool)
+    for row, segment in enumerate(segments):
+        if segment:
+            ids[row, width - len(segment) :] = torch.tensor(list(segment), dtype=torch.long)
+            valid[row, width - len(segment) :] = True
     return ids, valid
 
 
@@ -77,6 +120,8 @@ def generate(
     media: dict[str, torch.Tensor] | None = None,
     constraints: Sequence[Constraint | None] | None = None,
     row_seeds: Sequence[int] | None = None,
+    cache: GenerationCache | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[list[int]]:
     """Continue each prompt; returns the new tokens per prompt (up to and including EOS).
 
@@ -90,31 +135,30 @@ def generate(
     ``model`` is a ``CausalLM`` or a ``VisionLanguageModel``; ``media`` (``pixel_values``,
     ``image_grid_thw`` ...) goes to the prefill, whose placeholders it fills in reading order.
 
+    ``cache`` (a ``GenerationCache``): continue from what an earlier call with it left (each prompt must
+    extend the ids it holds; only the new tokens are prefilled), and leave this call's state in it.
+    ``prefix_cache``: prefill only what its blocks do not already hold, and store the new blocks
+    (``prefill``). Outputs equal those without reuse up to the rounding of a differently split prefill.
+
     Tokens stay on the model's device until the end (one transfer, no per-step sync) unless an
     ``eos_token_id`` needs checking after each step.
     """
     config = config or GenerationConfig()
     param = next(model.parameters())
-    decoder_config = getattr(model, "language_model", model).config
-    ids, valid = left_pad(prompts, decoder_config.pad_token_id or 0)
-    ids, valid = ids.to(param.device), valid.to(param.device)
-    cache = LatentCache(
-        decoder_config,
-        len(prompts),
-        ids.shape[1] + config.max_new_tokens,
-        dtype=param.dtype,
-        device=param.device,
-    )
     if row_seeds is not None and len(row_seeds) != len(prompts):
         raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")
+    if media and (cache is not None or prefix_cache is not None):
+        raise ValueError("prefix reuse is for text prompts: media placeholders are not named by their ids")
     generator: torch.Generator | list[torch.Generator] = (
         torch.Generator(device=param.device).manual_seed(config.seed)
         if row_seeds is None
         else [torch.Generator(device=param.device).manual_seed(int(s)) for s in row_seeds]
     )
-
+    starts = None if cache is None else cache.starts(prompts)
     media = {k: v.to(param.device) for k, v in (media or {}).items()}
-    logits = model(ids, attention_mask=valid, cache=cache, **media).logits[:, -1]
+    latents, logits = prefill(model, prompts, config.max_new_tokens, starts, prefix_cache, media)
+    keep_states = cache is not None and bool(latents.kda_states)
+    ended: dict[int, dict[int, KDAState]] = {}  # row -> its KDA states when it sampled EOS
     tokens: list[torch.Tensor] = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)
     for step in range(config.max_new_tokens):
@@ -130,12 +174,151 @@ def generate(
                 if constraint is not None and not bool(finished[row]):
                     constraint.advance(int(token[row]))
         if config.eos_token_id is not None:
-            finished |= token == config.eos_token_id
+            newly = (token == config.eos_token_id) & ~finished
+            if keep_states:
+                ended.update({row: latents.kda_row(row) for row in newly.nonzero()[:, 0].tolist()})
+            finished |= newly
             if bool(finished.all()):
                 break
         if step < config.max_new_tokens - 1:
-            logits = model(token[:, None], cache=cache).logits[:, -1]
-    return [_until_eos(row, config.eos_token_id) for row in torch.stack(tokens, 1).tolist()]
+            logits = model(token[:, None], cache=latents).logits[:, -1]
+    outputs = [_until_eos(row, config.eos_token_id) for row in torch.stack(tokens, 1).tolist()]
+    if cache is not None or prefix_cache is not None:
+        _keep(latents, prompts, outputs, ended, cache, prefix_cache)
+    return outputs
+
+
+def _keep(
+    latents: LatentCache,
+    prompts: Sequence[Sequence[int]],
+    outputs: list[list[int]],
+    ended: dict[int, dict[int, KDAState]],
+    cache: GenerationCache | None,
+    prefix_cache: PrefixCache | None,
+) -> None:
+    """Per row, the prompt and all generated tokens but the last (what was fed before it was sampled):
+    into ``cache`` for a continuation, and (MLA-only models) their full blocks into ``prefix_cache``."""
+    held = [list(p) + out[:-1] for p, out in zip(prompts, outputs, strict=True)]
+    rows = []
+    for row, ids in enumerate(held):
+        state = latents.row(row)
+        rows.append(RowState(state.rows[:, : len(ids)], ended.get(row, state.kda)))
+    if cache is not None:
+        cache.ids, cache.rows = held, rows
+    if prefix_cache is not None and not latents.kda_states:
+        for ids, state in zip(held, rows, strict=True):
+            prefix_cache.insert(ids, state)
+
+
+def prefill(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    room: int,
+    starts: Sequence[RowState | None] | None = None,
+    prefix_cache: PrefixCache | None = None,
+    media: dict[str, torch.Tensor] | None = None,
+) -> tuple[LatentCache, torch.Tensor]:
+    """Run the prompts into a new cache with ``room`` free slots after them; returns it and the last
+    position's logits [B, V].
+
+    Row b starts from ``starts[b]`` (its first n tokens' contents, e.g. a continuation) or else the longest
+    match in ``prefix_cache``, and only ``prompts[b][n:]`` runs; the blocks it computes go into
+    ``prefix_cache`` (on hybrid models, the state at its last full block before the final token is
+    captured by splitting the suffix there). Without either, one left-padded forward as always.
+    """
+    param = next(model.parameters())
+    decoder = getattr(model, "language_model", model)
+    config = decoder.config
+    if starts is None and prefix_cache is None:
+        ids, valid = left_pad(prompts, config.pad_token_id or 0)
+        ids, valid = ids.to(param.device), valid.to(param.device)
+        cache = LatentCache(config, len(prompts), ids.shape[1] + room, dtype=param.dtype, device=param.device)
+        return cache, model(ids, attention_mask=valid, cache=cache, **(media or {})).logits[:, -1]
+    left_pad(prompts)  # every prompt has a token
+    starts = list(starts or [None] * len(prompts))
+    if prefix_cache is not None:
+        prefix_cache.check(model)
+        starts = [s if s is not None else prefix_cache.match(p) for s, p in zip(starts, prompts, strict=True)]
+    hybrid = "kda" in config.layer_types
+    offsets = [0 if s is None else s.length for s in starts]
+    splits = [_split(len(p), o, prefix_cache, hybrid) for p, o in zip(prompts, offsets, strict=True)]
+    groups = _groups([len(p) for p in prompts], offsets, splits, hybrid)
+    parts = [
+        _prefill_group(
+            decoder,
+            [prompts[b] for b in g],
+            [starts[b] for b in g],
+            [splits[b] for b in g],
+            prefix_cache,
+            room if len(groups) == 1 else 0,
+        )  # fmt: skip
+        for g in groups
+    ]
+    if len(groups) == 1:
+        cache, logits = parts[0]
+    else:
+        order = [b for g in groups for b in g]
+        inverse = sorted(range(len(order)), key=order.__getitem__)  # new row b = merged row inverse[b]
+        cache = LatentCache.concat([c for c, _ in parts], max(c.length for c, _ in parts) + room)
+        cache.select(inverse)
+        logits = torch.cat([lg for _, lg in parts])[inverse]
+    if prefix_cache is not None and not hybrid:
+        for row, prompt in enumerate(prompts):
+            prefix_cache.insert(prompt, cache.row(row))
+    return cache, logits
+
+
+def _split(length: int, offset: int, prefix_cache: PrefixCache | None, hybrid: bool) -> int | None:
+    """Where a hybrid model's prefill pauses to capture KDA states for the prefix cache: the last block
+    boundary before the final token, when it lies past the cached ``offset``."""
+    if prefix_cache is None or not hybrid:
+        return None
+    split = (length - 1) // prefix_cache.block_size * prefix_cache.block_size
+    return split if split > offset else None
+
+
+def _groups(
+    lengths: list[int], offsets: list[int], splits: list[int | None], hybrid: bool
+) -> list[list[int]]:
+    """Rows that can prefill together: all of them without KDA layers; on hybrid models, rows whose
+    segments after non-empty state (cached tokens, or the first segment) have equal lengths."""
+    if not hybrid:
+        return [list(range(len(lengths)))]
+    groups: dict[tuple[int | None, int | None], list[int]] = {}
+    for row, (length, offset, split) in enumerate(zip(lengths, offsets, splits, strict=True)):
+        first = (split or offset) - offset
+        second = length - max(offset, split or 0)
+        key = (first if offset else None, second if offset or first else None)
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def _prefill_group(
+    decoder: torch.nn.Module,
+    prompts: list[Sequence[int]],
+    starts: list[RowState | None],
+    splits: list[int | None],
+    prefix_cache: PrefixCache | None,
+    room: int,
+) -> tuple[LatentCache, torch.Tensor]:
+    """One batch of rows from their starts: the segment up to each split (its state stored), then the rest."""
+    param = next(decoder.parameters())
+    offsets = [0 if s is None else s.length for s in starts]
+    firsts = [p[o : s or o] for p, o, s in zip(prompts, offsets, splits, strict=True)]
+    seconds = [p[max(o, s or 0) :] for p, o, s in zip(prompts, offsets, splits, strict=True)]
+    width = max(map(len, firsts)) + max(map(len, seconds))
+    singles = [LatentCache.from_row(decoder.config, s, param.dtype, param.device) for s in starts]
+    cache = LatentCache.concat(singles, max(offsets) + width + room)
+    if any(firsts):
+        ids, valid = (t.to(param.device) for t in _pad(firsts, decoder.config.pad_token_id or 0))
+        decoder(ids, attention_mask=valid, cache=cache, logits_mask=torch.zeros_like(valid))
+        for row, (prompt, split) in enumerate(zip(prompts, splits, strict=True)):
+            if split is not None and prefix_cache is not None:
+                prefix_cache.insert(prompt[:split], cache.row(row))
+    ids, valid = (t.to(param.device) for t in _pad(seconds, decoder.config.pad_token_id or 0))
+    last = torch.zeros_like(valid)
+    last[:, -1] = True
+    return cache, decoder(ids, attention_mask=valid, cache=cache, logits_mask=last).logits
 
 
 def _until_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
