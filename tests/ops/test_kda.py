@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from k2lab.ops import kda as kda_ops
-from k2lab.ops.kda import chunk_kda, kda, recurrent_kda
+from k2lab.ops.kda import chunk_kda, kda, recurrent_kda, recurrent_kda_states
 from tests.fla_naive import load_naive
 
 PARITY = 1e-5
@@ -168,6 +168,23 @@ def test_token_by_token_decode_after_chunked_prefill():
         o_t, state = kda(**step, initial_state=state, output_final_state=True)
         assert max_diff(o_t, o_full[:, t : t + 1]) <= PARITY
     assert max_diff(state, s_full) <= PARITY
+
+
+def test_per_token_states_are_the_states_of_each_prefix():
+    """recurrent_kda_states: the outputs of recurrent_kda and, at t, the final state of the first t+1 tokens
+    (what speculative decoding continues from after accepting t+1 tokens of a verify window)."""
+    x = make_inputs(5, seed=11)
+    o, states = recurrent_kda_states(**x)
+    o_ref, _ = recurrent_kda(**x)
+    assert states.shape == (2, 5, 4, 32, 48) and states.dtype == torch.float32
+    assert torch.equal(o, o_ref)
+    for t in range(5):
+        _, s_t = recurrent_kda(
+            **{n: v[:, : t + 1] if n != "initial_state" else v for n, v in x.items()}, output_final_state=True
+        )
+        assert torch.equal(states[:, t], s_t)
+    _, empty = recurrent_kda_states(**{n: v[:, :0] if n != "initial_state" else v for n, v in x.items()})
+    assert empty.shape == (2, 0, 4, 32, 48)
 
 
 # ---------------------------------------------------------------------------------------------- numerics

@@ -11,6 +11,8 @@ Per token x [D], head h (H heads of width K):
 
 Decoding keeps per sequence only the recurrent state S [H, K, K] (fp32) and the last ``kernel − 1``
 projected inputs of the convolution [3·H·K, kernel − 1]: memory is constant in the context length.
+A cache view with ``record_steps`` (``StepRecorder``) gets the states after every token of the window
+instead (speculative decoding's verify step, which then keeps those after the last accepted token).
 Padding tokens (``valid`` False) are zeroed before the projections; with left padding the state is still
 zero when the first real token arrives, so padded and unpadded prompts give the same outputs.
 """
@@ -26,7 +28,7 @@ from torch import nn
 from k2lab.config import ModelConfig
 from k2lab.nn.kda_gate import ForgetGate
 from k2lab.nn.norm import GatedRMSNorm
-from k2lab.ops.kda import kda
+from k2lab.ops.kda import kda, recurrent_kda_states
 
 
 class RecurrentState(Protocol):
@@ -36,6 +38,18 @@ class RecurrentState(Protocol):
     recurrent: torch.Tensor  # [B, H, K, K] fp32
 
     def update(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None: ...
+
+
+class StepRecorder(RecurrentState, Protocol):
+    """A cache view that asks for the state after every token of the window (``record_steps`` True):
+    speculative decoding verifies a few drafted tokens at once and continues from the state after the last
+    accepted one. The layer then runs the recurrence token by token (``ops.kda.recurrent_kda_states``)."""
+
+    record_steps: bool
+
+    def update_steps(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """conv [B, T, 3·H·K, kernel − 1] and recurrent [B, T, H, K, K] fp32: the states after each token."""
+        ...
 
 
 # Log-decay that empties the state at a packed document's first token: the old state keeps a weight of at
@@ -65,6 +79,13 @@ def causal_short_conv(
     padded = torch.cat((history, x_bct), dim=-1)  # [B, C, W−1+T]
     y = F.conv1d(padded, weight.to(x.dtype), groups=C)
     return y.transpose(1, 2), padded[:, :, -(width - 1) :]
+
+
+def conv_history_steps(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The short-convolution state after every token: x [B, T, C] (inputs), state [B, C, W−1] (before the
+    window) -> [B, T, C, W−1], entry t = the last W−1 inputs up to and including token t."""
+    padded = torch.cat((state.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, W−1+T]
+    return padded.unfold(-1, state.shape[-1], 1)[:, :, 1:].transpose(1, 2)
 
 
 def _document_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -126,9 +147,9 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.n_heads, self.head_dim
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        mixed = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        projected = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         mixed, conv_state = causal_short_conv(
-            mixed, self.conv1d.weight, None if state is None else state.conv, document_starts
+            projected, self.conv1d.weight, None if state is None else state.conv, document_starts
         )
         q, k, v = F.silu(mixed).view(B, T, 3, H, K).unbind(2)
         q, k = l2_normalize(q), l2_normalize(k)
@@ -136,10 +157,14 @@ class KimiDeltaAttention(nn.Module):
         if document_starts is not None:
             g = g.masked_fill(document_starts[:, :, None, None], RESET_LOG_DECAY)
         beta = torch.sigmoid(self.b_proj(x).float())
-        initial = None if state is None else state.recurrent
-        # recurrent for one decode token, chunked otherwise; fla's kernels on CUDA when they import
-        out, final = kda(q, k, v, g, beta, initial_state=initial, output_final_state=state is not None)
-        if state is not None:
-            state.update(conv_state, final)
+        if getattr(state, "record_steps", False):  # a speculative verify window: every token's state
+            out, steps = recurrent_kda_states(q, k, v, g, beta, initial_state=state.recurrent)
+            state.update_steps(conv_history_steps(projected, state.conv), steps)
+        else:
+            initial = None if state is None else state.recurrent
+            # recurrent for one decode token, chunked otherwise; fla's kernels on CUDA when they import
+            out, final = kda(q, k, v, g, beta, initial_state=initial, output_final_state=state is not None)
+            if state is not None:
+                state.update(conv_state, final)
         gate = self.output_gate(x).view(B, T, H, K)
         return self.o_proj(self.o_norm(out, gate).reshape(B, T, H * K))

@@ -15,7 +15,8 @@ output is cast to ``v``'s dtype and the final state is fp32.
 
 Three entry points:
 
-* :func:`recurrent_kda` — the recurrence token by token (decode, and the reference).
+* :func:`recurrent_kda` — the recurrence token by token (decode, and the reference);
+  :func:`recurrent_kda_states` also returns the state after every token (speculative verify windows).
 * :func:`chunk_kda` — the chunk-parallel WY / UT-transform form: within a chunk every token's
   contribution is solved at once with a unit-lower-triangular system; the state crosses chunk
   boundaries with one [K, K] @ [K, V] product per chunk. Any ``T`` (padded internally).
@@ -119,6 +120,45 @@ def recurrent_kda(
     Returns:
         ``(o, final_state)``: o [B, T, HV, V] in ``v``'s dtype; final_state [B, HV, K, V] fp32 or ``None``.
     """
+    o, states = _recurrence(q, k, v, g, beta, scale, initial_state, keep_states=False)
+    return o, (states[-1] if output_final_state else None)
+
+
+def recurrent_kda_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`recurrent_kda` that also returns the state after every token (for a short window).
+
+    Speculative decoding verifies T drafted tokens in one forward and then keeps only the first n of them
+    per sequence: the state to continue from is ``S_n``, which the chunked form never materialises.
+
+    Returns ``(o [B, T, HV, V], states [B, T, HV, K, V] fp32)`` with ``states[:, t]`` = S after token t.
+    """
+    o, states = _recurrence(q, k, v, g, beta, scale, initial_state, keep_states=True)
+    if not states:
+        B, _, _, K = q.shape
+        return o, v.new_zeros(B, 0, v.shape[2], K, v.shape[3], dtype=torch.float32)
+    return o, torch.stack(states, dim=1)
+
+
+def _recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    keep_states: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The token loop of :func:`recurrent_kda`: o [B, T, HV, V] and the states after each token (only the
+    last one, or the initial state when T = 0, unless ``keep_states``)."""
     B, T, H, K, HV, V = _check_shapes(q, k, v, g, beta, initial_state)
     dtype = v.dtype
     q, k, v, g, beta = _to_value_heads(q, k, v, g, beta, K**-0.5 if scale is None else scale)
@@ -132,13 +172,15 @@ def recurrent_kda(
     )
     # unbind rather than index by t: backward then has one node per input, not T full-size zero gradients
     steps = (x.unbind(1) for x in per_token)
-    outputs = []
+    outputs, states = [], []
     for q_t, k_t, v_t, decay_t, write_t in zip(*steps, strict=True):
         state = state * decay_t  # S ← Diag(exp g_t) S
         state = state + write_t * (v_t - k_t @ state)  # S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ
         outputs.append(q_t @ state)  # o_t = Sᵀ q_t (q already scaled)
+        if keep_states:
+            states.append(state)
     o = torch.cat(outputs, dim=2).transpose(1, 2).contiguous() if outputs else v.new_zeros(B, 0, HV, V)
-    return o.to(dtype), (state if output_final_state else None)
+    return o.to(dtype), (states if keep_states else [state])
 
 
 # ---------------------------------------------------------------------------------------------- chunked

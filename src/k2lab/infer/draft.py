@@ -1,0 +1,275 @@
+"""Drafts for speculative decoding: the ``Draft`` protocol, a small causal LM as draft, and the EAGLE-style
+draft that runs an MTP block on the target's own hidden states (feature-level autoregression).
+
+Notation: the target's cache holds x_1 … x_m and the *pending* token x_{m+1} (sampled, not yet fed).
+A step proposes d_1 … d_k, the target verifies [x_{m+1}, d_1 … d_k] in one forward, accepts d_1 … d_a and
+adds its own token t' (``k2lab.infer.speculative``); every draft is then told ``accept(a, t', hidden)``.
+
+``ModelDraft`` (any ``CausalLM`` with the target's vocabulary) keeps its own latent cache holding everything
+but the last two tokens [u, t] (u the last token in the target's cache, t pending). ``propose`` feeds
+[u, t], then d_1 … d_{k−1}: k + 1 tokens in k forwards; ``accept`` keeps the first a + 1 of them, so the
+invariant holds again with u' = d_a (t when a = 0) and t' pending: the same rollback as the target's.
+
+``EagleDraft`` (EAGLE-1, Li et al. 2024, on DeepSeek-V3's MTP module): entry i of its one-layer cache is
+
+    f'_i = MTP(f_i, Emb(x_{i+1})),   P(x_{i+2}) = softmax(lm_head(f'_i)),   f'_i = final_norm(h^1_i)
+
+with f_i the target's final-normed hidden state h_i for context tokens and the draft's own output f'_{i−1}
+inside a proposal (``propose``: k − 1 forwards of one entry). ``accept`` drops the k − 1 drafted entries and
+feeds the a + 1 verified ones (h of x_{m+1}, d_1 … d_a from the verify forward, paired with the next token),
+whose last output gives d_1 of the next step: k forwards of the draft block per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from k2lab.config import ModelConfig
+from k2lab.errors import CheckpointError
+from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.infer.cache import LatentCache
+from k2lab.infer.rollback import CacheWindow, ensure_room
+from k2lab.models.decoder import CausalLM
+from k2lab.models.mtp import MultiTokenPrediction
+
+DRAFT_DIR = "draft"  # <model dir>/draft/: the EAGLE draft trained for that model (``k2lab draft train``)
+DRAFT_FORMAT = "k2lab-draft"
+DRAFT_MANIFEST = "k2lab-draft.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+# what a draft must share with its target (the block's shapes, the shared embedding and head)
+_MATCHING = ("vocab_size", "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "num_attention_heads")
+
+Pick = Callable[[torch.Tensor], torch.Tensor]  # draft logits [B, V] -> chosen tokens [B]
+
+
+class Draft(Protocol):
+    """What speculative decoding asks of a draft (all tensors on the target's device)."""
+
+    uses_hidden: bool  # True: prefill and accept need the target's final-normed hidden states
+
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        pending: torch.Tensor,
+        hidden: torch.Tensor | None,
+        capacity: int,
+    ) -> None:
+        """The target prefilled left-padded ids [B, T] (valid [B, T]; hidden [B, T, D]) and sampled pending
+        [B]; ``capacity`` bounds the live tokens of any row (prompt + new tokens + a window)."""
+
+    def propose(self, num_tokens: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft k tokens autoregressively, choosing each with ``pick``: (tokens [B, k], logits [B, k, V])."""
+
+    def accept(self, accepted: torch.Tensor, pending: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Row b kept its first accepted[b] drafted tokens and the target added pending[b]; hidden [B, k+1, D]
+        is the verify forward's (positions x_{m+1}, d_1 … d_k)."""
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` (in that order)."""
+
+
+def _model_dtype(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    param = next(model.parameters())
+    return param.dtype, param.device
+
+
+class ModelDraft:
+    """An independent (small) causal LM as the draft; see the module docstring for its cache invariant."""
+
+    uses_hidden = False
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        self.cache: LatentCache | None = None
+
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        pending: torch.Tensor,
+        hidden: torch.Tensor | None,
+        capacity: int,
+    ) -> None:
+        dtype, device = _model_dtype(self.model)
+        self.cache = LatentCache(self.model.config, ids.shape[0], capacity, dtype=dtype, device=device)
+        if ids.shape[1] > 1:  # a left-padded batch: the last column is real in every row
+            self.model(ids[:, :-1], attention_mask=valid[:, :-1], cache=self.cache)
+        self.last, self.pending = ids[:, -1], pending
+
+    def propose(self, num_tokens: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor]:
+        ensure_room(self.cache, num_tokens + 1)
+        self.window = CacheWindow(self.cache)
+        feed = torch.stack([self.last, self.pending], dim=1)
+        tokens, logits = [], []
+        for _ in range(num_tokens):
+            step = self.model(feed, cache=self.cache).logits[:, -1]
+            tokens.append(pick(step))
+            logits.append(step)
+            feed = tokens[-1][:, None]
+        self.drafted = torch.stack(tokens, dim=1)
+        return self.drafted, torch.stack(logits, dim=1)
+
+    def accept(self, accepted: torch.Tensor, pending: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.window.close(accepted + 1)
+        chain = torch.cat([self.pending[:, None], self.drafted], dim=1)
+        self.last = chain.gather(1, accepted[:, None]).squeeze(1)
+        self.pending = pending
+
+    def select(self, index: torch.Tensor) -> None:
+        self.cache.select(index)
+        self.last, self.pending = self.last[index], self.pending[index]
+
+
+def single_layer_config(model: CausalLM):
+    """The target's config reduced to one MLA layer: the shape of an MTP block's latent cache."""
+    return model.config.replace(
+        num_hidden_layers=1,
+        mla_layers=None,
+        first_k_dense_replace=1,
+        moe_latent_size=None,
+        attnres_block_size=None,
+        num_nextn_predict_layers=0,
+    )
+
+
+class EagleDraft:
+    """EAGLE-style draft: ``module`` (a ``MultiTokenPrediction``) on ``target``'s features, sharing its
+    embedding and lm_head (see the module docstring)."""
+
+    uses_hidden = True
+
+    def __init__(self, target: CausalLM, module: MultiTokenPrediction) -> None:
+        self.target, self.module = target, module
+        self.cache: LatentCache | None = None
+
+    def _run(
+        self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries (features [B, T, D], tokens [B, T]) appended to the cache -> (f' [B, T, D], logits)."""
+        B, T = tokens.shape
+        inputs = self.target.layer_inputs(B, T, features.device, attention_mask=valid, cache=self.cache)
+        h = self.module(features, self.target.embed(tokens), inputs, self.cache.layer(0))
+        self.cache.commit(inputs.valid)
+        out = self.module.final_norm(h)
+        return out, self.target.lm_head(out)
+
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        pending: torch.Tensor,
+        hidden: torch.Tensor | None,
+        capacity: int,
+    ) -> None:
+        dtype, device = _model_dtype(self.module)
+        config = single_layer_config(self.target)
+        self.cache = LatentCache(config, ids.shape[0], capacity, dtype=dtype, device=device)
+        tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # entry i pairs h_i with x_{i+1}
+        features, logits = self._run(hidden, tokens, valid)
+        self.feature, self.next_logits = features[:, -1], logits[:, -1]
+
+    def propose(self, num_tokens: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor]:
+        ensure_room(self.cache, num_tokens)
+        self.window = CacheWindow(self.cache)
+        tokens, logits = [pick(self.next_logits)], [self.next_logits]
+        feature = self.feature
+        for _ in range(num_tokens - 1):
+            out, step = self._run(feature[:, None], tokens[-1][:, None], None)
+            feature, step = out[:, -1], step[:, -1]
+            tokens.append(pick(step))
+            logits.append(step)
+        self.drafted = torch.stack(tokens, dim=1)
+        return self.drafted, torch.stack(logits, dim=1)
+
+    def accept(self, accepted: torch.Tensor, pending: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self.window.close(torch.zeros_like(accepted))  # entries on drafted features go
+        B, width = hidden.shape[0], self.drafted.shape[1] + 1
+        ensure_room(self.cache, width)
+        tokens = torch.cat([self.drafted, pending[:, None]], dim=1)
+        tokens = tokens.scatter(1, accepted[:, None], pending[:, None])  # entry a pairs h with t'
+        valid = torch.arange(width, device=hidden.device)[None, :] <= accepted[:, None]
+        features, logits = self._run(hidden[:, :width], tokens, valid)
+        rows = torch.arange(B, device=hidden.device)
+        self.feature, self.next_logits = features[rows, accepted], logits[rows, accepted]
+
+    def select(self, index: torch.Tensor) -> None:
+        self.cache.select(index)
+        self.feature, self.next_logits = self.feature[index], self.next_logits[index]
+
+
+def save_draft(
+    module: MultiTokenPrediction,
+    config: ModelConfig,
+    directory: str | os.PathLike[str],
+    info: dict[str, Any] | None = None,
+) -> Path:
+    """Write an EAGLE draft (``module``'s weights; embedding and head stay the target's) to ``directory``
+    atomically: ``k2lab-draft.json`` {format, version, kind: "eagle", config: the target's ModelConfig,
+    info} and ``draft.safetensors``. ``save_model`` over the model directory replaces ``draft/`` too."""
+    target = Path(directory)
+    staging = staging_directory(target)
+    try:
+        manifest = {
+            "format": DRAFT_FORMAT,
+            "version": 1,
+            "kind": "eagle",
+            "config": config.model_dump(mode="json"),
+            "info": info or {},
+        }
+        (staging / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        state = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
+        save_file(state, str(staging / DRAFT_WEIGHTS), metadata={"format": DRAFT_FORMAT})
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraft:
+    """The EAGLE draft saved in ``directory`` for ``target`` (``CheckpointError`` if it does not fit)."""
+    path = Path(directory)
+    manifest = read_json_object(path / DRAFT_MANIFEST)
+    if manifest.get("format") != DRAFT_FORMAT:
+        raise CheckpointError(
+            f"{path / DRAFT_MANIFEST}: format is {manifest.get('format')!r}, expected {DRAFT_FORMAT!r}"
+        )
+    saved = manifest.get("config") or {}
+    wrong = [
+        f"{key} {saved.get(key)} != {getattr(target.config, key)}"
+        for key in _MATCHING
+        if saved.get(key) != getattr(target.config, key)
+    ]
+    if wrong:
+        raise CheckpointError(f"the draft in {path} was trained for another model: {', '.join(wrong)}")
+    try:
+        state = load_file(str(path / DRAFT_WEIGHTS))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path / DRAFT_WEIGHTS} cannot be read ({error})") from error
+    param = next(target.parameters())
+    module = MultiTokenPrediction(ModelConfig.model_validate(saved), 1).to(param.device)
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as error:
+        raise CheckpointError(f"{path / DRAFT_WEIGHTS} does not match its config ({error})") from error
+    return EagleDraft(target, module.to(param.dtype).eval())
+
+
+def find_draft(model_dir: str | os.PathLike[str], target: CausalLM) -> EagleDraft | None:
+    """The draft beside a model: ``<model_dir>/draft/`` if saved, else the model's own first MTP module
+    (DeepSeek-V3-format checkpoints carry one), else None."""
+    if (Path(model_dir) / DRAFT_DIR / DRAFT_MANIFEST).is_file():
+        return load_draft(Path(model_dir) / DRAFT_DIR, target)
+    if len(target.mtp):
+        return EagleDraft(target, target.mtp[0])
+    return None

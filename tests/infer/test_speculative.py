@@ -1,0 +1,238 @@
+"""Speculative decoding: greedy output identical to plain ``generate`` (MLA and hybrid KDA targets, a small
+causal LM or the EAGLE/MTP draft), the sampled distribution equal to the target's (chi-square against the
+exact distribution by enumeration), batching, EOS, max_new_tokens, cache rollback and compaction."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.infer import GenerationConfig, LatentCache, generate
+from k2lab.infer.draft import EagleDraft, ModelDraft
+from k2lab.infer.rollback import CacheWindow, compact
+from k2lab.infer.speculative import processed_probs, speculative_generate
+from tests.conftest import KIMI_LINEAR_STYLE, randomize
+
+PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [99]]
+
+
+def k2(**overrides):
+    return randomize(build_model(load_preset("k2-nano", **overrides)))
+
+
+def k3(**overrides):
+    return randomize(build_model(load_preset("k3-nano", **overrides)))
+
+
+TARGETS = {
+    "k2": lambda: k2(num_nextn_predict_layers=1),
+    "k3": lambda: k3(num_nextn_predict_layers=1),
+    "kimi-linear": lambda: k3(num_nextn_predict_layers=1, **KIMI_LINEAR_STYLE),
+}
+
+
+@pytest.fixture(params=list(TARGETS))
+def target(request):
+    return TARGETS[request.param]()
+
+
+def drafts(target):
+    """A weak independent draft, the target itself (everything accepted) and the EAGLE draft."""
+    small = randomize(build_model(load_preset("k2-nano", num_hidden_layers=1)), seed=1)
+    return {
+        "small": ModelDraft(small),
+        "self": ModelDraft(target),
+        "eagle": EagleDraft(target, target.mtp[0]),
+    }
+
+
+def test_greedy_equals_plain_decoding(target, k=3):
+    config = GenerationConfig(max_new_tokens=11)
+    plain = generate(target, PROMPTS, config)
+    for name, draft in drafts(target).items():
+        out, stats = speculative_generate(target, draft, PROMPTS, config, num_draft_tokens=k)
+        assert out == plain, name
+        assert all(len(row) == 11 for row in out)
+        if name == "self":  # every drafted token is accepted
+            assert stats.accepted == stats.proposed and stats.tokens_per_step > 1 + 0.6 * k
+
+
+def perturbed(model, std=0.03, seed=7):
+    """A copy of ``model`` with noise on every weight: a draft that agrees with it only some of the time."""
+    twin = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in twin.parameters():
+            param.add_(std * torch.randn(param.shape, generator=generator))
+    return twin
+
+
+@pytest.mark.parametrize("name", ["k2", "k3"])
+def test_rows_accept_different_counts(name):
+    """A near-copy draft: rows accept different numbers of tokens per step, the output is still plain."""
+    target = TARGETS[name]()
+    config = GenerationConfig(max_new_tokens=10)
+    draft = ModelDraft(perturbed(target))
+    out, stats = speculative_generate(target, draft, PROMPTS * 2, config, num_draft_tokens=4)
+    assert out == generate(target, PROMPTS * 2, config)
+    assert 0 < stats.accepted < stats.proposed
+
+
+def test_eos_inside_an_accepted_window():
+    """Everything is accepted (self-draft), and row 1 meets EOS in the middle of a window."""
+    target = k2()
+    plain = generate(target, PROMPTS, GenerationConfig(max_new_tokens=9))
+    eos = plain[1][3]
+    stopped = GenerationConfig(max_new_tokens=9, eos_token_id=eos)
+    out, _ = speculative_generate(target, ModelDraft(target), PROMPTS, stopped, num_draft_tokens=4)
+    assert out == generate(target, PROMPTS, stopped)
+    assert out[1] == plain[1][: plain[1].index(eos) + 1]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 6])
+def test_max_new_tokens_exact(budget):
+    target = k2()
+    config = GenerationConfig(max_new_tokens=budget, temperature=1.0)
+    out, _ = speculative_generate(target, ModelDraft(target), PROMPTS, config, num_draft_tokens=4)
+    assert [len(row) for row in out] == [budget] * len(PROMPTS)
+
+
+def test_constraint_falls_back_to_plain_decoding():
+    class Ban:
+        def mask(self, logits):
+            logits[5] = float("-inf")
+
+        def advance(self, token):
+            pass
+
+    target = k2()
+    config = GenerationConfig(max_new_tokens=6)
+    constraints = [Ban(), None, None]
+    out, stats = speculative_generate(target, ModelDraft(target), PROMPTS, config, constraints=constraints)
+    assert out == generate(target, PROMPTS, config, constraints=constraints) and stats.steps == 0
+
+
+def test_rollback_keeps_the_first_tokens_of_a_window(target):
+    """After a window of 4 tokens closed at keep = (1, 3), the next logits equal those of a cache that only
+    ever saw the kept tokens (MLA holes + KDA per-token states), then again after compaction."""
+    ids = torch.randint(3, 128, (2, 6))
+    extra = torch.randint(3, 128, (2, 4))
+    nxt = torch.randint(3, 128, (2, 1))
+    keep = torch.tensor([1, 3])
+    cache = LatentCache(target.config, 2, 32)
+    target(ids, cache=cache)
+    window = CacheWindow(cache)
+    target(extra[:, :2], cache=cache)
+    target(extra[:, 2:], cache=cache)
+    window.close(keep)
+    got = target(nxt, cache=cache).logits[:, -1]
+    for row in range(2):
+        alone = torch.cat([ids[row], extra[row, : keep[row]], nxt[row]])[None]
+        assert torch.allclose(got[row], target(alone).logits[0, -1], atol=1e-4, rtol=1e-4)
+    compact(cache)
+    assert cache.length == 6 + 3 + 1 and not cache.key_valid[0, :1].any()
+    again = target(nxt, cache=cache).logits[:, -1]
+    for row in range(2):
+        alone = torch.cat([ids[row], extra[row, : keep[row]], nxt[row], nxt[row]])[None]
+        assert torch.allclose(again[row], target(alone).logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_long_generation_compacts_the_cache():
+    """A draft that is always wrong leaves k holes per token: the storage (prompt + budget + 2(k+1)) runs
+    out and is compacted several times; the output still equals plain decoding."""
+    target = k2()
+    draft = ModelDraft(randomize(build_model(load_preset("k2-nano", num_hidden_layers=1)), seed=3))
+    config = GenerationConfig(max_new_tokens=30)
+    out, stats = speculative_generate(target, draft, PROMPTS[:2], config, num_draft_tokens=6)
+    assert out == generate(target, PROMPTS[:2], config)
+    assert stats.steps > 15
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+
+def exact_joint(model, prompt, length, temperature, top_p):
+    """P(x_1 … x_length | prompt) for every sequence, by enumeration with full forwards: {tuple: p}."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for seq, mass in joint.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(seq)])).logits[0, -1]
+            probs = processed_probs(logits, temperature, top_p).double()
+            for token in range(probs.shape[0]):
+                if probs[token] > 0:
+                    grown[seq + (token,)] = mass * float(probs[token])
+        joint = grown
+    return joint
+
+
+def chi_square_bound(dof: int, z: float = 4.75) -> float:
+    """Upper 1e-6 quantile of χ²_dof by the Wilson–Hilferty approximation (z = 4.75)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi_square(samples, joint):
+    """Pearson's statistic over cells with expected count ≥ 5 (the rest pooled into one cell) and its dof."""
+    n = len(samples)
+    counts = {}
+    for seq in samples:
+        counts[seq] = counts.get(seq, 0) + 1
+    assert set(counts) <= set(joint), "a sequence outside the target's support was sampled"
+    big = [seq for seq, p in joint.items() if n * p >= 5]
+    rest_expected = n * (1 - sum(joint[s] for s in big))
+    stat = sum((counts.get(s, 0) - n * joint[s]) ** 2 / (n * joint[s]) for s in big)
+    cells = len(big)
+    if rest_expected >= 5:
+        rest = n - sum(counts.get(s, 0) for s in big)
+        stat += (rest - rest_expected) ** 2 / rest_expected
+        cells += 1
+    return stat, cells - 1
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
+def test_sampling_preserves_the_target_distribution(temperature, top_p):
+    """The first 3 tokens (one plain draw, then one speculative step with k = 2: both draft positions and
+    the bonus/residual draw) of 5,000 rows over two seeds, against the exact joint over a vocabulary of 8.
+    Under the null the statistic is χ²_dof; the bound is its 1e-6 quantile, so a correct sampler fails
+    once in a million runs while a biased one (e.g. no residual renormalisation) fails at this n."""
+    target = k2(vocab_size=8)
+    small = randomize(build_model(load_preset("k2-nano", vocab_size=8, num_hidden_layers=1)), seed=5)
+    prompt = [3, 5, 1, 6]
+    joint = exact_joint(target, prompt, 3, temperature, top_p)
+    samples = []
+    for seed in (0, 1):
+        config = GenerationConfig(max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed)
+        out, stats = speculative_generate(
+            target, ModelDraft(small), [prompt] * 2500, config, num_draft_tokens=2
+        )
+        assert 0 < stats.accepted < stats.proposed  # both accepting and rejecting paths are exercised
+        samples += [tuple(row) for row in out]
+    stat, dof = chi_square(samples, joint)
+    assert dof > 10
+    assert stat < chi_square_bound(dof), (stat, dof)
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """The test above has power: samples from the draft alone (no rejection) fail the same bound."""
+    target = k2(vocab_size=8)
+    small = randomize(build_model(load_preset("k2-nano", vocab_size=8, num_hidden_layers=1)), seed=5)
+    prompt = [3, 5, 1, 6]
+    joint = exact_joint(target, prompt, 3, 1.0, 1.0)
+    wrong = exact_joint(small, prompt, 3, 1.0, 1.0)
+    sequences = list(wrong)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(torch.tensor([wrong[s] for s in sequences]), 5000, True, generator=generator)
+    stat, dof = chi_square([sequences[i] for i in draws.tolist()], joint)
+    assert stat > chi_square_bound(dof)
+
+
+def test_processed_probs_matches_nucleus_sampling():
+    logits = torch.tensor([4.0, 3.0, 0.0, -1.0])
+    probs = processed_probs(logits, 1.0, 0.8)
+    full = logits.softmax(-1)
+    assert torch.allclose(probs, torch.cat([full[:2] / full[:2].sum(), torch.zeros(2)]))

@@ -1,0 +1,52 @@
+"""The KDA layer's speculative window: with a ``StepRecorder`` view it reports the state after every token,
+equal to the states one-token decode steps reach."""
+
+from __future__ import annotations
+
+import torch
+
+from k2lab import load_preset
+from k2lab.infer.cache import KDAState
+from k2lab.nn.kda import KimiDeltaAttention, conv_history_steps
+
+
+class Recorder(KDAState):
+    record_steps = True
+
+    def update_steps(self, conv, recurrent):
+        self.steps = (conv, recurrent)
+
+
+def test_window_states_equal_step_by_step_decode():
+    torch.manual_seed(0)
+    config = load_preset("k3-nano")
+    layer = KimiDeltaAttention(config).eval()
+    B, T, H, K = 2, 4, config.linear_num_heads, config.linear_head_dim
+    C, W = 3 * H * K, config.linear_conv_kernel_dim
+    x = torch.randn(B, 3 + T, config.hidden_size)
+
+    def fresh():
+        return KDAState(torch.zeros(B, C, W - 1), torch.zeros(B, H, K, K))
+
+    stepwise = fresh()
+    layer(x[:, :3], state=stepwise)
+    window = Recorder(stepwise.conv.clone(), stepwise.recurrent.clone())
+    outputs, convs, states = [], [], []
+    for t in range(3, 3 + T):
+        outputs.append(layer(x[:, t : t + 1], state=stepwise))
+        convs.append(stepwise.conv.clone())
+        states.append(stepwise.recurrent.clone())
+    together = layer(x[:, 3:], state=window)
+    conv_steps, recurrent_steps = window.steps
+    assert torch.allclose(together, torch.cat(outputs, 1), atol=1e-5)
+    assert torch.allclose(conv_steps, torch.stack(convs, 1), atol=1e-6)
+    assert torch.allclose(recurrent_steps, torch.stack(states, 1), atol=1e-5)
+
+
+def test_conv_history_steps():
+    x = torch.arange(2 * 3 * 1.0).view(1, 3, 2)  # [B, T, C]: token t has values (2t, 2t+1)
+    state = torch.tensor([[[-3.0, -2.0, -1.0], [-6.0, -5.0, -4.0]]])  # [B, C, W−1]
+    steps = conv_history_steps(x, state)
+    assert steps.shape == (1, 3, 2, 3)
+    assert steps[0, 0].tolist() == [[-2.0, -1.0, 0.0], [-5.0, -4.0, 1.0]]
+    assert steps[0, 2].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
