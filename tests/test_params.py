@@ -68,3 +68,20 @@ def test_kimi_linear_exact():
     kda = kda_layer_params(D, 32, 128, 4, full_rank_gate=False)
     mla = D * 32 * 192 + D * 576 + 512 + 512 * 32 * 256 + 32 * 128 * D
     assert report.components["attention"] == 20 * kda + 7 * mla
+
+
+def test_deepseek_v3_with_its_mtp_layer():
+    """DeepSeek-V3's config.json has num_nextn_predict_layers = 1; the preset, like the report's 671B,
+    leaves it out. With it: one more MLA + MoE layer, eh_proj [D, 2D] and three norms, hand-counted; with
+    the checkpoint's copies of embedding and head, 684.5B (the model card: "685B, 671B main + 14B MTP")."""
+    base = count_parameters(load_preset("deepseek-v3"))
+    assert base.components["mtp"] == 0
+    report = count_parameters(load_preset("deepseek-v3", num_nextn_predict_layers=1))
+    D, E, F, V = 7168, 256, 2048, 129280
+    attention = (D * 1536 + 1536 + 1536 * 128 * 192) + (D * 576 + 512 + 512 * 128 * 256) + 128 * 128 * D
+    moe_layer = E * 3 * D * F + 3 * D * F + E * D + E  # routed, one shared expert, router weight and bias
+    mtp = 2 * D * D + 3 * D + attention + moe_layer + 2 * D  # eh_proj, enorm/hnorm/final norm, block
+    assert report.components["mtp"] == mtp == report.total - base.total
+    assert report.active - base.active == mtp - (E - 8) * 3 * D * F
+    assert report.moe_layers == base.moe_layers + 1
+    assert round((report.total + 2 * V * D) / 1e9, 1) == 684.5

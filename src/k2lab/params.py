@@ -4,6 +4,12 @@ total  = every tensor a checkpoint stores (parameters and persistent buffers suc
          ``e_score_correction_bias``; this is how the public 1,026,408,232,448 for K2 is counted)
 active = total − (n_routed_experts − num_experts_per_tok) · (one expert) · (MoE layers)
          i.e. everything except the routed experts a token does not select.
+
+Multi-token-prediction modules (``num_nextn_predict_layers``) are one component, ``mtp`` (their norms,
+``eh_proj`` and block; an MoE block's unselected experts leave ``active`` like a main layer's). They share
+the embedding and head, so the per-layer copies of both that DeepSeek-V3 checkpoints store (and ``to_hf``
+writes, ``k2lab.hf.mtp``) are not counted again. Every preset keeps its public config's MTP setting: none
+(K2 released without MTP; DeepSeek-V3's 671B is without it).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ COMPONENTS = (
     "shared_experts",
     "latent_projection",
     "norms",
+    "mtp",
 )
 
 
@@ -86,6 +93,8 @@ class ParamReport:
 
 
 def _component_of(name: str) -> str:
+    if name.startswith("mtp."):  # multi-token-prediction modules, block included
+        return "mtp"
     if name.startswith("embed."):
         return "embedding"
     if name.startswith("lm_head."):

@@ -33,7 +33,10 @@ def test_mtp_modules_shapes_and_main_weights_unchanged():
     # the MTP block is layer num_hidden_layers in the checkpoint layout: MLA, MoE by is_moe_layer
     assert with_mtp.mtp[0].block.kind == "mla"
     assert len(with_mtp.moe_layers()) == len(plain.moe_layers()) + 2
-    # MTP parameters are drawn after the main ones: the main weights are those of the plain model
+    # initialised like the main layers (N(0, 0.02) matrices, unit norms) ...
+    assert abs(with_mtp.mtp[0].eh_proj.weight.std().item() - with_mtp.config.initializer_range) < 2e-3
+    assert torch.equal(with_mtp.mtp[1].final_norm.weight, torch.ones(D))
+    # ... and drawn after the main ones: the main weights are those of the plain model
     main = {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
     for name, tensor in plain.state_dict().items():
         torch.testing.assert_close(main[name], tensor, rtol=0, atol=0)

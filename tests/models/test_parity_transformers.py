@@ -60,3 +60,24 @@ def test_greedy_generation_identical(pair):
     )[:, 12:]
     got = generate(ours, prompt.tolist(), GenerationConfig(max_new_tokens=10))
     assert got == expected.tolist()
+
+
+def test_checkpoint_with_mtp_layer_loads_in_transformers_with_the_same_main_logits(tmp_path):
+    """transformers' DeepseekV3ForCausalLM builds no MTP layer: it reports layer num_hidden_layers as
+    unexpected (its ignore pattern is K2/V3's layer 61) and must load everything else, with our logits."""
+    import transformers
+
+    from k2lab.hf import to_hf
+
+    ours = nano_variant(num_nextn_predict_layers=1)
+    to_hf(ours, tmp_path / "ckpt")
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt", output_loading_info=True
+    )
+    mtp_layer = f"model.layers.{ours.config.num_hidden_layers}."
+    assert info["unexpected_keys"] and all(key.startswith(mtp_layer) for key in info["unexpected_keys"])
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    ids = torch.randint(3, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs.eval()(ids).logits, rtol=1e-4, atol=1e-4)
+    assert to_transformers(ours).config.num_nextn_predict_layers == 1  # the bridge leaves the MTP layer out

@@ -4,7 +4,8 @@ side-by-side benchmarks).
 transformers 5 keeps experts fused in memory: ``gate_up_proj`` [E, 2F, D] (gate rows then up rows) and
 ``down_proj`` [E, D, F]; on disk they are one tensor per expert (``k2lab.hf.mapping``). Kimi Linear also
 differs in memory: ``self_attn.conv1d`` (q | k | v), ``self_attn.forget_gate.*`` and ``mlp.*`` for the MoE
-(``k2lab.hf.kimi_linear``). The model class follows ``hf_model_type``.
+(``k2lab.hf.kimi_linear``). The model class follows ``hf_model_type``. transformers builds no MTP layers
+(``DeepseekV3ForCausalLM`` ignores them on load): a model's MTP modules stay out of the bridge.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from k2lab.hf import kimi_linear
 from k2lab.hf.layout import TRANSFORMERS
 from k2lab.hf.mapping import config_to_hf, hf_model_type, hf_tensors
+from k2lab.hf.mtp import main_state
 from k2lab.models import CausalLM
 
 
@@ -33,8 +35,9 @@ def transformers_config(model: CausalLM):
 
 
 def transformers_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Our weights under transformers' in-memory names (experts fused)."""
-    return dict(hf_tensors(model.config, model.state_dict(), TRANSFORMERS))
+    """Our weights under transformers' in-memory names (experts fused), without the MTP modules."""
+    config = model.config.replace(num_nextn_predict_layers=0)
+    return dict(hf_tensors(config, main_state(model.state_dict()), TRANSFORMERS))
 
 
 def to_transformers(model: CausalLM):

@@ -15,7 +15,8 @@ FP8 (the public DeepSeek-V3 / Kimi-K2 release format): a quantised weight is ``f
 
 Loading checks every tensor header against the model's expected names and shapes before reading any data,
 and raises ``CheckpointError`` listing missing, unexpected and mis-shaped tensors. MTP layers
-(``model.layers.{num_hidden_layers}.*``) and ``rotary_emb.inv_freq`` are skipped.
+(``model.layers.{num_hidden_layers + j}.*``, ``k2lab.hf.mtp``) load into the model's MTP modules when the
+checkpoint holds them (skipped with ``mtp=False``, and always for Kimi K2.5); ``rotary_emb.inv_freq`` is skipped.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from k2lab.fsutil import read_json_object, replace_directory, staging_directory
 from k2lab.hf import kimi_k25
 from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
 from k2lab.hf.mapping import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, weight_groups
+from k2lab.hf.mtp import is_shared_copy, mtp_layer_index, present_mtp_layers, shared_copies
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
@@ -108,6 +110,7 @@ def from_hf(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    mtp: bool = True,
 ) -> CausalLM | VisionLanguageModel:
     """Load a DeepseekV3 / Kimi-K2 or Kimi Linear checkpoint directory as a ``CausalLM``, or a Kimi K2.5
     (``kimi_k25``) one as a ``VisionLanguageModel`` (any of the namings in ``k2lab.hf.kimi_k25``).
@@ -120,6 +123,9 @@ def from_hf(
         dtype: parameter dtype. The router (``mlp.gate.weight`` and ``e_score_correction_bias``) stays fp32,
             as in transformers (``_keep_in_fp32_modules_strict``) and as ``SigmoidRouter`` builds it.
         device: where the parameters are allocated.
+        mtp: load the multi-token-prediction layers the checkpoint holds (of the ``num_nextn_predict_layers``
+            its config declares; a checkpoint saved by transformers declares them but holds none); False
+            skips them and builds the decoder alone. Kimi K2.5 checkpoints always load without.
 
     The model is built on the meta device, allocated once on ``device`` and filled tensor by tensor, one
     safetensors file at a time, so peak memory is about the model plus one tensor. FP8 block-quantised
@@ -146,6 +152,8 @@ def from_hf(
         )
     else:
         config = _parse_config(config_from_hf, raw, root)
+        held = present_mtp_layers(list(headers), config.num_hidden_layers, config.num_nextn_predict_layers)
+        config = config.replace(num_nextn_predict_layers=held if mtp else 0)
         model = build_model(config, device="meta")
         cast_model(model, dtype)
         groups = weight_groups(config, model_state(model))
@@ -236,19 +244,20 @@ def decoder_ignored(
     raw_config: Mapping[str, Any],
     decoder_name: Callable[[str], str] = lambda key: key,
 ) -> Callable[[str], bool]:
-    """Disk keys of a decoder checkpoint that are not our parameters: MTP layers, ``rotary_emb.inv_freq``,
-    a stored copy of a tied head, transformers' empty shared expert. ``decoder_name`` maps a disk key to
-    the decoder's own name (``model.layers.…``, ``lm_head.weight``) when it is nested in a larger model."""
-    first_mtp = config.num_hidden_layers
+    """Disk keys of a decoder checkpoint that are not our parameters: MTP layers the model does not hold
+    (``config.num_nextn_predict_layers`` of them it does) and the MTP layers' copies of the shared embedding
+    and head, ``rotary_emb.inv_freq``, a stored copy of a tied head, transformers' empty shared expert.
+    ``decoder_name`` maps a disk key to the decoder's own name (``model.layers.…``, ``lm_head.weight``)
+    when it is nested in a larger model."""
     mtp_layers = (raw_config.get(key) or 0 for key in ("num_nextn_predict_layers", "num_mtp_layers"))
-    last_mtp = first_mtp + max(1, *(int(n) for n in mtp_layers))
-    layer_prefix = re.compile(r"^model\.layers\.(\d+)\.")
+    declared = max(1, *(int(n) for n in mtp_layers))
+    held = config.num_nextn_predict_layers
 
     def ignored(key: str) -> bool:
         name = decoder_name(key)
-        match = layer_prefix.match(name)
-        if match and first_mtp <= int(match.group(1)) < last_mtp:
-            return True  # multi-token-prediction layers: not part of the decoder
+        index = mtp_layer_index(name, config.num_hidden_layers)
+        if index is not None and (held <= index < declared or (index < held and is_shared_copy(name))):
+            return True  # multi-token-prediction layers not loaded; the shared embedding / head copies
         if ".shared_experts." in key and config.n_shared_experts == 0 and not math.prod(headers[key].shape):
             return True  # transformers saves the empty shared expert of an MoE without shared experts
         return name.endswith("rotary_emb.inv_freq") or (
@@ -453,7 +462,10 @@ def to_hf(
         state = model_state(model)
         groups = weight_groups(config, state)
         head = model.lm_head.weight
-    tensors = [(tensor.name, gather(state, tensor)) for group in groups for tensor in group.canonical()]
+    written = [tensor for group in groups for tensor in group.canonical()]
+    if not isinstance(model, VisionLanguageModel):
+        written += shared_copies(config, state)  # MTP layers' embed_tokens / shared_head.head (k2lab.hf.mtp)
+    tensors = [(tensor.name, gather(state, tensor)) for tensor in written]
 
     def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:
         if dtype is None or not tensor.is_floating_point() or key.endswith(_FP32_SUFFIXES):

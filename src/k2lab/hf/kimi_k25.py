@@ -73,6 +73,7 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> VLMConfig:
     text_raw.setdefault("model_type", "deepseek_v3")
     if "tie_word_embeddings" in data:  # the parent's flag decides the head (Kimi_K25ForConditionalGeneration)
         text_raw["tie_word_embeddings"] = data["tie_word_embeddings"]
+    text_raw["num_nextn_predict_layers"] = 0  # MTP layers are skipped for the vision-language model
     text = mapping.config_from_hf(text_raw, name=name)
     vision = VisionConfig.from_hf(
         vision_raw, parent={**data, "text_config": {"hidden_size": text.hidden_size}}

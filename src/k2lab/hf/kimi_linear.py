@@ -35,6 +35,10 @@ Also read: transformers' in-memory names (``self_attn.conv1d``, ``self_attn.forg
 ``mlp.experts.gate_up_proj`` / ``down_proj``, ``mlp.shared_experts``), and ``block_sparse_moe.{gate,up,down}_proj``
 for a dense layer, which transformers 5.24's ``save_pretrained`` writes (its ``mlp.`` -> ``block_sparse_moe.``
 renaming reversed onto every layer).
+
+MTP modules: this format has no published MTP weight names, so they are written and read in DeepSeek-V3's
+layout (``k2lab.hf.mtp``: layers ``num_hidden_layers …``, ``enorm`` / ``hnorm`` / ``eh_proj`` /
+``shared_head.*``), the block's MLA and MoE named as above; transformers' KimiLinear ignores them.
 """
 
 from __future__ import annotations
@@ -189,6 +193,7 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
         mlp_activation="swiglu",
         moe_latent_size=None,
         attnres_block_size=None,
+        num_nextn_predict_layers=data.get("num_nextn_predict_layers") or 0,
     )
     return ModelConfig.model_validate(fields)
 
@@ -345,7 +350,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": config.num_nextn_predict_layers,  # DeepSeek-style layers (k2lab.hf.mtp)
         "torch_dtype": "float32",
     }
 
@@ -397,7 +402,7 @@ def _attention_groups(
 ) -> list[WeightGroup]:
     prefix = f"model.layers.{index}.self_attn."
     shape = tuple(state[key].shape)
-    if config.layer_types[index] == "mla":
+    if index >= config.num_hidden_layers or config.layer_types[index] == "mla":  # MTP blocks are MLA
         rest = "attn." + name
         if rest not in MLA_RENAMES:
             raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")

@@ -7,7 +7,8 @@ Two checkpoint formats: DeepseekV3 / Kimi-K2 (this module) and Kimi Linear (``k2
 DeepseekV3 config: ``ModelConfig`` <-> ``config.json`` (legacy ``rope_theta`` + ``rope_scaling`` as real
 checkpoints write it; transformers 5 ``rope_parameters`` is read too). Weights: our fused 3-D expert tensors
 [E, out, in] <-> one key per expert and projection (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as on disk,
-or transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``k2lab.hf.layout``).
+or transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (``k2lab.hf.layout``). MTP modules are
+layers ``num_hidden_layers …`` in either format (``k2lab.hf.mtp``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from k2lab.hf.layout import (
     routed_expert_groups,
     single,
 )
+from k2lab.hf.mtp import main_state, mtp_groups
 
 # Architectures whose config.json we read as the K2 decoder.
 K2_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -166,6 +168,9 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     for token_field in ("bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token_field), list):
             fields[token_field] = fields[token_field][0]
+    # absent: none (transformers' default is 1, but the released configs all say it; from_hf loads the
+    # layers a checkpoint actually holds)
+    fields["num_nextn_predict_layers"] = data.get("num_nextn_predict_layers") or 0
     return ModelConfig.model_validate({"name": name, **fields})
 
 
@@ -191,7 +196,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "topk_method": "noaux_tc",
         "rope_interleave": True,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": config.num_nextn_predict_layers,
         "rope_theta": config.rope_theta,
         "rope_scaling": None,
         "torch_dtype": "float32",
@@ -203,9 +208,12 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 def weight_groups(config: ModelConfig, state: Mapping[str, torch.Tensor]) -> list[WeightGroup]:
     """Our state dict as checkpoint tensors (``k2lab.hf.layout``) of ``config``'s format, in state order."""
-    if hf_model_type(config) == kimi_linear.MODEL_TYPE:
-        return kimi_linear.weight_groups(config, state)
-    return deepseek_weight_groups(state)
+    layer_groups = (
+        (lambda part: kimi_linear.weight_groups(config, part))
+        if hf_model_type(config) == kimi_linear.MODEL_TYPE
+        else deepseek_weight_groups
+    )
+    return layer_groups(main_state(state)) + mtp_groups(config, state, layer_groups)
 
 
 def hf_tensors(

@@ -1,6 +1,8 @@
 """Weight initialisation, in one place: N(0, initializer_range) for every matrix (dense, expert, router,
 embedding), U(±1/√kernel) for the KDA short convolution, ones for norms, zeros for the router's correction bias (as in the
-DeepSeek-V3 reference), the KDA decay parameters as in Kimi Linear (``ForgetGate.reset_decay``) and zero AttnRes pseudo-queries."""
+DeepSeek-V3 reference), the KDA decay parameters as in Kimi Linear (``ForgetGate.reset_decay``) and zero AttnRes pseudo-queries.
+Multi-token-prediction modules (``k2lab.models.mtp``) follow the same rules; registered last, they are drawn
+after everything else, so a model's main weights at a seed do not depend on ``num_nextn_predict_layers``."""
 
 from __future__ import annotations
 
