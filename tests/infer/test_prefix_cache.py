@@ -43,6 +43,16 @@ def test_warm_cache_prefills_less_and_decodes_the_same(model):
     assert cache.stats()["hits"] > 0 and cache.stats()["misses"] > 0
 
 
+def test_rows_of_one_batch_share_their_prefix(model):
+    prompts = prompts_sharing_a_prefix(seed=3)
+    prompts = prompts[:3] + prompts[1:3]  # two exact repeats (an RL group's samples)
+    config = GenerationConfig(max_new_tokens=3)
+    reference = generate(model, prompts, config)
+    cache = PrefixCache.for_model(model, capacity_bytes=1 << 24, block_size=8)
+    assert generate(model, prompts, config, prefix_cache=cache) == reference  # cold
+    assert cache.hit_tokens >= 4 * 32  # the system prompt ran once, the repeats' prompts once each
+
+
 def test_prefill_logits_match_within_fp32_rounding(model):
     prompts = prompts_sharing_a_prefix(seed=1)
     _, expected = prefill(model, prompts, room=1)

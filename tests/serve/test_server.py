@@ -34,16 +34,24 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(small_tokenizer):
-    tokenizer = small_tokenizer
+def served(tokenizer, prefix_cache_bytes: int):
     model = randomize(
         build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=512)), seed=0
     )
-    engine = Engine(model, max_batch=8).start()
+    engine = Engine(model, max_batch=8, prefix_cache_bytes=prefix_cache_bytes, block_size=8).start()
     with serving(build_app(engine, tokenizer, "nano", api_key=KEY)) as base:
         yield base, engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(small_tokenizer):
+    yield from served(small_tokenizer, 1 << 24)
+
+
+@pytest.fixture(scope="module")
+def plain_server(small_tokenizer):
+    yield from served(small_tokenizer, 0)
 
 
 @pytest.fixture
@@ -53,7 +61,34 @@ def client(server):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["nano"]
-    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["prefix_cache"]["capacity_bytes"] == 1 << 24
+
+
+def test_prefix_cache_changes_no_reply(server, plain_server):
+    """Concurrent chats sharing a system prompt and a tool, then each one's next turn, against servers with
+    and without the prefix cache: the same replies (sampled, seeded), and the cache hit."""
+    system = {"role": "system", "content": "You are a weather assistant. Answer briefly, use the tool."}
+
+    async def run(base: str) -> list:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+
+        async def chat(i: int) -> list:
+            messages = [system, {"role": "user", "content": f"weather in city {i}?"}]
+            kwargs = dict(model="nano", tools=[WEATHER], max_tokens=10, temperature=1.0, seed=i)
+            first = (await client.chat.completions.create(messages=messages, **kwargs)).choices[0]
+            reply = {"role": "assistant", "content": first.message.content or ""}
+            follow = [*messages, reply, {"role": "user", "content": "and tomorrow?"}]
+            second = (await client.chat.completions.create(messages=follow, **kwargs)).choices[0]
+            return [(c.message.content, str(c.message.tool_calls), c.finish_reason) for c in (first, second)]
+
+        return await asyncio.gather(*[chat(i) for i in range(6)])
+
+    hits = server[1].prefix_cache.hit_tokens
+    assert asyncio.run(run(server[0])) == asyncio.run(run(plain_server[0]))
+    health = httpx.get(server[0] + "/health").json()["prefix_cache"]
+    assert health["hit_tokens"] > hits and health["hits"] > 0 and health["bytes"] > 0
+    assert httpx.get(plain_server[0] + "/health").json()["prefix_cache"] is None
 
 
 def test_chat_completion_with_usage_and_length(client):

@@ -131,7 +131,18 @@ def generate(
 @app.command()
 @runs_config(
     ServeConfig,
-    options={name: Opt(name) for name in ("host", "port", "model_name", "max_batch", "max_context")},
+    options={
+        name: Opt(name)
+        for name in (
+            "host",
+            "port",
+            "model_name",
+            "max_batch",
+            "max_context",
+            "prefix_cache_mb",
+            "prefix_block_size",
+        )
+    },
 )
 def serve(
     config: ServeConfig,
@@ -160,7 +171,7 @@ def serve(
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
-    engine = Engine(model, max_batch=config.max_batch).start()
+    engine = Engine(model, config.max_batch, config.prefix_cache_mb << 20, config.prefix_block_size).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)
     console.print(f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch})")

@@ -238,6 +238,9 @@ def prefill(
     starts = list(starts or [None] * len(prompts))
     if prefix_cache is not None:
         prefix_cache.check(model)
+        shared = prefix_cache.shared_prefixes([p for p, s in zip(prompts, starts, strict=True) if s is None])
+        if shared:  # what several rows share runs once, first (recursively: shared among those too)
+            prefill(model, shared, 0, prefix_cache=prefix_cache)
         starts = [s if s is not None else prefix_cache.match(p) for s, p in zip(starts, prompts, strict=True)]
     hybrid = "kda" in config.layer_types
     offsets = [0 if s is None else s.length for s in starts]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,6 +119,25 @@ class PrefixCache:
         self.hit_tokens += len(chain) * self.block_size
         rows = torch.cat([block.rows for block in chain], dim=1)
         return RowState(rows, dict(chain[-1].kda or {}))
+
+    def shared_prefixes(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Prefixes that two or more of ``prompts`` share and the cache cannot resume yet, each as its full
+        blocks plus the next token (so a prefill of it stores every block, KDA states included): prefilling
+        these first lets prompts of one batch reuse each other's blocks."""
+        b = self.block_size
+        chains = [self._names(p, (len(p) - 1) // b) for p in prompts]
+        count = Counter(name for names in chains for name in names)
+        shared: dict[bytes, list[int]] = {}
+        for prompt, names in zip(prompts, chains, strict=True):
+            deepest = max((i for i, name in enumerate(names) if count[name] > 1), default=None)
+            if deepest is None or self._resumable(names[deepest]):
+                continue
+            shared.setdefault(names[deepest], list(prompt[: (deepest + 1) * b + 1]))
+        return list(shared.values())
+
+    def _resumable(self, name: bytes) -> bool:
+        block = self._blocks.get(name)
+        return block is not None and (block.kda is not None or not self.needs_kda)
 
     def _touch(self, names: list[bytes]) -> None:
         for name in reversed(names):  # the first block ends most recent: leaves are evicted first

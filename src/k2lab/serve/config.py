@@ -1,4 +1,5 @@
-"""``k2lab serve``'s settings: where to listen, what to call the model, how many sequences decode together."""
+"""``k2lab serve``'s settings: where to listen, what to call the model, how many sequences decode together,
+how much memory the automatic prefix cache may hold."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ class ServeConfig(BaseModel):
     max_context: int | None = Field(
         default=None, ge=2, description="Prompt + completion limit (None: the model's)."
     )
+    prefix_cache_mb: int = Field(
+        default=256,
+        ge=0,
+        description="Automatic prefix cache cap in MiB: shared prompt blocks prefill once (0: off).",
+    )
+    prefix_block_size: int = Field(default=16, ge=1, description="Tokens per prefix-cache block.")

@@ -4,7 +4,10 @@ Every iteration of the loop:
 
 1. **admit** waiting requests (up to ``max_batch`` running): prefill them together (left-padded) into a
    cache of their own, sample each one's first token, and merge that cache into the running one
-   (``LatentCache.concat``: shorter histories are left-aligned with masked slots, positions carry on);
+   (``LatentCache.concat``: shorter histories are left-aligned with masked slots, positions carry on).
+   With a prefix cache (``k2lab.infer.prefix_cache``; on by default) only what its blocks do not hold is
+   prefilled — shared system prompts and tool declarations run once — and a retiring sequence's prompt
+   and reply go into it (MLA-only models), so the next turn of a conversation reuses them;
 2. **decode** one token for every running sequence in a single forward pass;
 3. **retire** sequences that stopped (a stop token, ``max_tokens``, or a cancelled request — a client
    that went away) with ``LatentCache.select``, so later steps compute only live rows.
@@ -24,9 +27,13 @@ from dataclasses import dataclass, field
 import torch
 
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.generate import Constraint, GenerationConfig, left_pad, sample_next
+from k2lab.infer.generate import Constraint, GenerationConfig, prefill, sample_next
+from k2lab.infer.prefix_cache import PrefixCache
 
-__all__ = ["Engine", "Request", "SamplingParams"]
+__all__ = ["PREFIX_CACHE_BYTES", "Engine", "Request", "SamplingParams"]
+
+#: The engine's default prefix-cache cap.
+PREFIX_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,20 @@ class Request:
 
 
 class Engine:
-    """Continuous batching over ``model`` (a ``CausalLM``; ``max_batch`` sequences decode together)."""
+    """Continuous batching over ``model`` (a ``CausalLM``; ``max_batch`` sequences decode together), with
+    an automatic prefix cache of ``prefix_cache_bytes`` (0: none) in blocks of ``block_size`` tokens."""
 
-    def __init__(self, model: torch.nn.Module, max_batch: int = 16) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch: int = 16,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        block_size: int = 16,
+    ) -> None:
         self.model = model.eval()
+        self.prefix_cache = (
+            PrefixCache.for_model(model, prefix_cache_bytes, block_size) if prefix_cache_bytes else None
+        )
         self.config = model.config
         self.max_batch = max_batch
         self.pad_id = self.config.pad_token_id or 0
@@ -152,11 +169,10 @@ class Engine:
         return request.cancelled
 
     def _admit(self, requests: list[Request]) -> None:
-        ids, valid = left_pad([r.prompt for r in requests], self.pad_id)
-        param = next(self.model.parameters())
         budget = max(r.params.max_tokens for r in requests)
-        cache = LatentCache(self.config, len(requests), ids.shape[1] + budget, dtype=param.dtype)
-        logits = self.model(ids, attention_mask=valid, cache=cache).logits[:, -1]
+        cache, logits = prefill(
+            self.model, [r.prompt for r in requests], budget, prefix_cache=self.prefix_cache
+        )
         for r in requests:
             r._generator = torch.Generator().manual_seed(r.params.seed)
         first = self._sample(requests, logits)
@@ -219,6 +235,7 @@ class Engine:
         keep = [i for i, r in enumerate(self._running) if r.finish_reason is None]
         if len(keep) == len(self._running):
             return
+        self._remember([i for i, r in enumerate(self._running) if r.finish_reason is not None])
         with self._wake:
             self._running = [self._running[i] for i in keep]
         if not keep:
@@ -226,3 +243,13 @@ class Engine:
             return
         self._cache.select(keep)
         self._last = self._last[keep]
+
+    def _remember(self, rows: list[int]) -> None:
+        """Put retiring rows' prompt and reply (all that was fed) into the prefix cache (MLA-only models:
+        a KDA state is only kept at block boundaries, which a reply rarely ends on)."""
+        if self.prefix_cache is None or self._cache is None or self._cache.kda_states:
+            return
+        for i in rows:
+            state = self._cache.row(i)
+            request = self._running[i]
+            self.prefix_cache.insert((request.prompt + request.tokens)[: state.length], state)

@@ -234,7 +234,13 @@ def build_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": state.model_name, "active_requests": state.engine.active}
+        cache = state.engine.prefix_cache
+        return {
+            "status": "ok",
+            "model": state.model_name,
+            "active_requests": state.engine.active,
+            "prefix_cache": None if cache is None else cache.stats(),
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
