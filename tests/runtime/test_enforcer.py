@@ -14,6 +14,7 @@ from k2lab import build_model, load_preset
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar, pack_token_mask, unpack_token_mask
 from tests.conftest import randomize
+from tests.runtime.test_budget import ISSUE as ISSUE_SCHEMA
 
 WEATHER = {
     "type": "function",
@@ -159,3 +160,34 @@ def test_token_masks_pack_to_bits_and_back():
     generator = torch.Generator().manual_seed(0)
     big = torch.rand(5, 300, generator=generator) < 0.5
     assert torch.equal(unpack_token_mask(pack_token_mask(big), 300), big)
+
+
+ISSUE = {"type": "function", "function": {"name": "get_weather", "parameters": ISSUE_SCHEMA}}
+
+
+def test_random_model_forced_call_fits_any_budget_from_the_shortest(small_tokenizer):
+    """Issue 22's scenario on a random model (whose flat logits run numbers on): a forced call at temperature
+    1 parses and validates at max_tokens = its shortest form and 64, over 5 seeds (batched, one
+    generator per row); one token short, no section closes."""
+    tokenizer = small_tokenizer
+    model = randomize(
+        build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=512)), seed=0
+    )
+    grammar = ToolCallGrammar.build(
+        tokenizer, 300, [ISSUE], {"type": "function", "function": {"name": "get_weather"}}
+    )
+    shortest, end = len(grammar.shortest_call), tokenizer.special_tokens["<|im_end|>"]
+    prompt = torch.randint(20, 290, (6,), generator=torch.Generator().manual_seed(0)).tolist()
+    for max_tokens in (shortest - 1, shortest, 64):
+        settings = GenerationConfig(max_new_tokens=max_tokens, temperature=1.0, eos_token_id=end)
+        outs = generate(
+            model, [prompt] * 5, settings, row_seeds=range(5),
+            constraints=[grammar.constraint(max_tokens) for _ in range(5)],
+        )  # fmt: skip
+        for out in outs:
+            text = tokenizer.decode(out)
+            if max_tokens < shortest:
+                assert "<|tool_calls_section_end|>" not in text
+                continue
+            ((name, arguments),) = calls_of(text)
+            jsonschema.validate(arguments, ISSUE["function"]["parameters"])

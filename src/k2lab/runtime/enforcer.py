@@ -8,10 +8,24 @@ keep the output a prefix of
     <|tool_calls_section_end|>
 
 with ``name`` one of the declared tools and ``{json}`` an instance of that tool's JSON Schema (objects,
-properties, required, string / number / integer / boolean / null, enums, arrays, nesting); the turn then
-ends with ``<|im_end|>``. The grammar is compiled by llguidance (the structured-generation library that
-vLLM, SGLang and llama.cpp use) from a Lark grammar with one inline ``%json`` schema per tool; the token
-mask is computed per step on CPU.
+properties, required, string / number / integer / boolean / null, enums, arrays, nesting; ``minLength``,
+``maxLength``, ``pattern``, ``minItems``, ``maxItems``, ``minimum``, ``maximum``, ``exclusiveMinimum``,
+``exclusiveMaximum``, ``multipleOf``); the turn then ends with ``<|im_end|>``. The grammar is compiled by
+llguidance (the structured-generation library that vLLM, SGLang and llama.cpp use) from a Lark grammar
+with one inline ``%json`` schema per tool; the token mask is computed per step on CPU. Numbers are
+bounded first (``k2lab.runtime.schema_bounds``: integers within int64, ≤ 19 digits; other numbers ≤ 17
+significant digits, no exponent), so no number runs on.
+
+**Budget.** A constraint built with ``max_tokens`` (``ToolCallGrammar.constraint(max_tokens)``) counts
+its own ``advance`` calls, so at each step it knows ``left``, the tokens still to be sampled (this one
+included), and ``U(s)``, the length of a known completion that closes the section from the matcher's
+state (``k2lab.runtime.budget``). While ``left − 1 ≥ U(s) + slack`` (``slack`` = the length of a whole
+shortest call: about the most one token can add to ``U``) the grammar's mask is all. Nearer the end it
+steers: a token ``t`` stays allowed only if a completion of ``≤ left − 1`` tokens is known after it. The
+witness's next token always qualifies, and the model's ``STEER_CANDIDATES`` most likely other allowed
+tokens are tested (consume, search, roll back). So a forced call closes within any ``max_tokens ≥ U``
+of the start; with less the budget runs out (``finish_reason: "length"``). In ``"auto"`` mode a section
+may only open while a whole shortest call still fits.
 
 ``tool_choice`` (OpenAI): ``"auto"`` leaves text free until the model opens a section; ``"required"``
 and ``{"type": "function", "function": {"name": ...}}`` force a section from the first token (the latter
@@ -23,7 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -32,6 +46,8 @@ from llguidance import LLMatcher, LLTokenizer
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
+from k2lab.runtime.budget import CompletionSearch
+from k2lab.runtime.schema_bounds import bounded_numbers
 
 __all__ = [
     "GrammarError",
@@ -49,6 +65,7 @@ CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = (
     "<|tool_call_end|>",
 )
 TURN_END = "<|im_end|>"
+STEER_CANDIDATES = 8  # allowed tokens (most likely first) tested per step when the budget is tight
 # compact JSON as K2 writes it (json.dumps separators), no free whitespace between tokens
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -87,7 +104,8 @@ def _tool_name(tool: Mapping[str, Any]) -> str:
 
 def _tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
     function = tool.get("function", tool)
-    return closed_objects(function.get("parameters") or {"type": "object", "properties": {}})
+    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    return bounded_numbers(closed_objects(schema))
 
 
 def closed_objects(schema: Any) -> Any:
@@ -146,6 +164,7 @@ class ToolCallGrammar:
     section_end: int
     turn_end: int
     vocab_size: int
+    closers: tuple[int, ...]  # special tokens that end a piece of the section, most final first
 
     @classmethod
     def build(
@@ -193,24 +212,46 @@ class ToolCallGrammar:
             special[SECTION_END],
             special[TURN_END],
             vocab_size,
+            (special[SECTION_END], special[CALL_END], special[ARGUMENT_BEGIN]),
         )
 
-    def constraint(self) -> ToolCallConstraint:
-        """The per-sequence state machine for one generation."""
-        return ToolCallConstraint(self)
+    def constraint(self, max_tokens: int | None = None) -> ToolCallConstraint:
+        """The per-sequence state machine for one generation of at most ``max_tokens`` tokens (None: no
+        budget steering)."""
+        return ToolCallConstraint(self, max_tokens)
+
+    @cached_property
+    def search(self) -> CompletionSearch:
+        """Greedy shortest completions over this grammar's tokenizer."""
+        return CompletionSearch(self.tokenizer, self.vocab_size, self.closers)
+
+    @cached_property
+    def shortest_call(self) -> list[int]:
+        """A shortest known whole section from its opening token on (``U`` of a fresh matcher)."""
+        if not self.allowed:
+            return []
+        path = self.search.shortest(LLMatcher(self.tokenizer, self.grammar), 4096)
+        if path is None:
+            raise GrammarError("the tools' schemas admit no tool call the enforcer can find")
+        return path
 
 
 class ToolCallConstraint:
     """Per sequence: free text, then (inside a tool-call section) the grammar's mask, then ``<|im_end|>``.
 
     ``mask(logits)`` sets disallowed logits to −inf in place ([V]); ``advance(token)`` records the sampled
-    token. ``in_call`` is True while a section is open.
+    token. ``in_call`` is True while a section is open. With ``max_tokens`` the mask also steers the call
+    to close within the budget (module doc); ``allowed_tokens()`` is the grammar's mask alone.
     """
 
-    def __init__(self, grammar: ToolCallGrammar) -> None:
-        self.grammar = grammar
+    def __init__(self, grammar: ToolCallGrammar, max_tokens: int | None = None) -> None:
+        self.grammar, self.max_tokens = grammar, max_tokens
         self.matcher: LLMatcher | None = None
         self.finished_section = False
+        self.used = 0  # tokens advanced so far
+        self.path: list[int] | None = None  # a known completion from the matcher's state
+        self.hopeless = False  # no completion fits the budget left
+        self._after: dict[int, list[int]] = {}  # this step's tested tokens -> a completion after each
         if grammar.forced:
             self._open()
 
@@ -218,13 +259,18 @@ class ToolCallConstraint:
     def in_call(self) -> bool:
         return self.matcher is not None
 
+    @property
+    def left(self) -> int | None:
+        """Tokens still to be sampled, the next one included (None without a budget)."""
+        return None if self.max_tokens is None else self.max_tokens - self.used
+
     def _open(self) -> None:
         self.matcher = LLMatcher(self.grammar.tokenizer, self.grammar.grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
 
     def allowed_tokens(self) -> torch.Tensor | None:
-        """Bool [V] of the tokens that may come next, or None when any token may."""
+        """Bool [V] of the tokens the grammar allows next, or None when any token may."""
         g = self.grammar
         if self.finished_section:
             allowed = torch.zeros(g.vocab_size, dtype=torch.bool)
@@ -242,11 +288,57 @@ class ToolCallConstraint:
 
     def mask(self, logits: torch.Tensor) -> None:
         allowed = self.allowed_tokens()
+        if self.max_tokens is not None:
+            allowed = self._steered(allowed, logits)
         if allowed is not None:
             logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
+    def _steered(self, allowed: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
+        """``allowed`` narrowed to the tokens after which the section can still close in budget."""
+        g, left = self.grammar, self.left
+        if self.matcher is None:
+            if allowed is None and len(g.shortest_call) > left:  # a whole call no longer fits
+                allowed = torch.ones(g.vocab_size, dtype=torch.bool)
+                allowed[g.section_begin] = False
+            return allowed
+        if self.path is None and not self.hopeless:
+            self.path = g.search.shortest(self.matcher, left)
+            self.hopeless = self.path is None
+        if self.hopeless or not self.path:  # it cannot close in budget any more: grammar only
+            return allowed
+        if left - 1 >= len(self.path) + len(g.shortest_call):
+            return allowed
+        fresh = g.search.shortest(self.matcher, len(self.path) - 1)
+        self.path = fresh or self.path
+        keep = torch.zeros(g.vocab_size, dtype=torch.bool)
+        keep[self.path[0]] = True
+        self._after = {self.path[0]: self.path[1:]}
+        scores = logits.detach().float().cpu().masked_fill(~allowed, float("-inf"))
+        top = scores.topk(min(STEER_CANDIDATES, g.vocab_size))
+        for score, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if score == float("-inf") or token == self.path[0]:
+                continue
+            self.matcher.consume_token(token)
+            after = self._completion_after(token, left - 1)
+            self.matcher.rollback(1)
+            if after is not None:
+                keep[token], self._after[token] = True, after
+        return keep
+
+    def _completion_after(self, token: int, limit: int) -> list[int] | None:
+        """With ``token`` just consumed: a completion of ``≤ limit`` tokens (the known path's rest or the
+        known path itself when they still complete, else a fresh search), or None."""
+        path = self.path or []
+        if path and path[0] == token:
+            return path[1:]
+        for candidate in (path[1:], path):
+            if candidate and len(candidate) <= limit and CompletionSearch.completes(self.matcher, candidate):
+                return candidate
+        return self.grammar.search.shortest(self.matcher, limit)
+
     def advance(self, token: int) -> None:
         g = self.grammar
+        self.used += 1
         if self.matcher is None:
             if token == g.section_begin and g.allowed and not self.finished_section:
                 self._open()
@@ -255,6 +347,10 @@ class ToolCallConstraint:
         self._consume(token)
         if token == g.section_end and self.matcher.is_accepting():
             self.matcher, self.finished_section = None, True
+        elif self.max_tokens is not None and self.path:
+            known = self._after.get(token)
+            self.path = known if known is not None else self._completion_after(token, self.left)
+        self._after = {}
 
     def _consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):

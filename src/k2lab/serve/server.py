@@ -134,7 +134,7 @@ class _Completion:
             seed=body.seed if body.seed is not None else int(uuid.uuid4().int % 2**31),
             stop_token_ids=() if body.ignore_eos else app_state.stop_ids,
         )
-        self.constraint = grammar.constraint()
+        self.constraint = grammar.constraint(max_tokens=budget)
         self.tokens: list[int] = []
 
     def submit(self, stream: _Stream) -> EngineRequest:
