@@ -20,6 +20,7 @@ SMOKE_ARGS = {
     "bench_kda.py": ["--json", "--cache-png", "kda.png"],
     "bench_muon.py": ["--json"],
     "bench_rl_update.py": [],
+    "bench_serve_prefix.py": ["--json"],
     "bench_train.py": ["--json"],
     "cache_bytes.py": ["--png", "cache.png"],
 }

@@ -102,3 +102,19 @@ def test_a_policy_failure_in_a_batch_fails_only_its_rollout(model, small_tokeniz
     for k in (0, 2, 3):
         assert rollouts[k].episode.outcome.reason != "policy error"
         assert episodes_of([rollouts[k]]) == episodes_of([alone[k]])
+
+
+def test_prefix_cache_changes_no_rollout(model, small_tokenizer):
+    """Tool episodes played with the policy's prefix cache and without it: the same episodes, and the cache
+    served what rows share (tool declarations, a group's repeated task) and earlier turns."""
+    env = RecipeToolTasks(RecipeConfig(max_turns=3), 0.0)
+    cached = LocalPolicy(model, small_tokenizer, temperature=1.0, max_new_tokens=24)
+    plain = LocalPolicy(model, small_tokenizer, temperature=1.0, max_new_tokens=24, prefix_cache_bytes=0)
+
+    def play(policy):
+        rollouts = [Rollout(env.reset(s)) for s in (0, 0, 1, 2)]  # a group of two samples of task 0
+        return run_episodes(env, policy, rollouts, [5, 6, 7, 8], batch_size=4)
+
+    assert episodes_of(play(cached)) == episodes_of(play(plain))
+    assert plain.prefix_cache is None
+    assert cached.prefix_cache.hit_tokens > 0

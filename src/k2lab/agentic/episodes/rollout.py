@@ -7,7 +7,8 @@
 Policies implement ``respond(messages, tools, *, seed) -> (assistant_message, completion_token_ids)``:
 
 * ``LocalPolicy`` renders with ``encode_chat`` (K2's chat format), samples with ``generate`` under the
-  tool-call decoding enforcer (tool calls are always well-formed and name a declared tool), stops at
+  tool-call decoding enforcer (with a ``PrefixCache`` kept across turns and episodes: shared system
+  prompts, tool declarations and earlier turns prefill once; emptied whenever the weights change) (tool calls are always well-formed and name a declared tool), stops at
   ``<|im_end|>`` and parses with ``parse_assistant``. Output that does not parse, contains reserved
   special-token strings, or never reaches ``<|im_end|>`` raises ``PolicyOutputError`` ("malformed" /
   "truncated"), which ends the episode with that reason (its tokens are still recorded for training).
@@ -39,6 +40,7 @@ import torch
 
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.infer.prefix_cache import PrefixCache
 from k2lab.runtime.chat import (
     ChatFormatError,
     ToolCallParseError,
@@ -63,6 +65,8 @@ __all__ = [
 ]
 
 IM_END = "<|im_end|>"
+#: ``LocalPolicy``'s default prefix-cache cap (k2-mini in fp32: about 70k tokens).
+PREFIX_CACHE_BYTES = 128 << 20
 
 
 class PolicyOutputError(Exception):
@@ -121,6 +125,8 @@ class LocalPolicy:
     """Sample from a local ``CausalLM`` in K2's chat format with the tool-call enforcer.
 
     ``temperature`` and ``max_new_tokens`` may be changed between calls (the RL loop decays temperature).
+    ``prefix_cache_bytes`` caps the automatic prefix cache (``k2lab.infer.prefix_cache``; 0: none), which
+    changes no output, only what is recomputed.
     """
 
     def __init__(
@@ -131,8 +137,10 @@ class LocalPolicy:
         max_new_tokens: int = 64,
         top_p: float = 1.0,
         tool_format: str = "typescript",
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.prefix_cache = PrefixCache.for_model(model, prefix_cache_bytes) if prefix_cache_bytes else None
         self.temperature, self.max_new_tokens, self.top_p = temperature, max_new_tokens, top_p
         self.tool_format = tool_format
         self.im_end = tokenizer.special_tokens[IM_END]
@@ -223,6 +231,7 @@ class LocalPolicy:
                     config,
                     constraints=[self._grammar(requests[i][1]).constraint() for i in chunk],
                     row_seeds=[requests[i][2] for i in chunk],
+                    prefix_cache=self.prefix_cache,
                 )
                 for i, ids in zip(chunk, outputs, strict=True):
                     replies[i] = self._reply(ids)

@@ -1,0 +1,117 @@
+"""Serving throughput with and without the automatic prefix cache: concurrent chats sharing a system prompt.
+
+Issue 22's case: ``--requests`` (50) chat requests arrive at once at the continuous-batching engine of
+``k2lab serve``, all opening with the same ``--shared`` tokens (system prompt and tool declarations, ~500
+tokens) and each with its own ``--user`` tokens, greedy, ``--max-tokens`` each (no stop token, so both
+sides generate exactly as much). A fresh engine per run (a cold cache: the shared prefix is prefilled once
+within the run); the sides alternate, medians of ``--repeats``. Throughput = completion tokens / wall time.
+
+    python benchmarks/bench_serve_prefix.py --json     # k2-mini (random weights), 50 requests
+    python benchmarks/bench_serve_prefix.py --smoke    # k2-nano, 6 requests, one repeat
+
+One JSON line per table row (``--json``): the row ``prefix_cache_serve`` (both sides' seconds and tokens/s,
+their ratio, whether every reply was identical, the cache's counters) and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import torch
+
+from benchmarks.timing import add_smoke_argument, apply_smoke, machine_line, machine_report
+from k2lab import build_model, load_preset
+from k2lab.serve import Engine, Request, SamplingParams
+
+
+def chats(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """``requests`` prompts: the shared prefix, then each request's own tokens."""
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, vocab, (args.shared,), generator=g).tolist()
+    return [
+        shared + torch.randint(3, vocab, (args.user,), generator=g).tolist() for _ in range(args.requests)
+    ]
+
+
+def serve_all(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace, cache: int):
+    """(seconds, replies, cache counters) for every prompt submitted at once to a fresh engine."""
+    engine = Engine(model, args.max_batch, prefix_cache_bytes=cache, block_size=args.block_size).start()
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    start = time.perf_counter()
+    requests = [engine.submit(Request(p, params, on_finish=lambda _: done.release())) for p in prompts]
+    for _ in requests:
+        done.acquire()
+    seconds = time.perf_counter() - start
+    engine.shutdown()
+    stats = engine.prefix_cache.stats() if engine.prefix_cache is not None else None
+    return seconds, [r.tokens for r in requests], stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--shared", type=int, default=512, help="system prompt + tool list tokens")
+    parser.add_argument("--user", type=int, default=24, help="each request's own tokens")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--cache-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--preset", default="k2-mini")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_smoke_argument(parser)
+    tiny = dict(preset="k2-nano", requests=6, shared=40, user=4, max_tokens=4, max_batch=4, block_size=8)
+    args = apply_smoke(parser.parse_args(), **tiny)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build_model(load_preset(args.preset)).eval()
+    prompts = chats(args, model.config.vocab_size)
+
+    serve_all(model, prompts[:2], args, 0)  # warm-up
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    replies: dict[str, list] = {}
+    stats = None
+    for _ in range(args.repeats):
+        for side, cache in (("without", 0), ("with", args.cache_mb << 20)):
+            seconds, replies[side], counters = serve_all(model, prompts, args, cache)
+            times[side].append(seconds)
+            stats = counters or stats
+    tokens = args.requests * args.max_tokens
+    median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+    row = {
+        "name": "prefix_cache_serve",
+        "requests": args.requests,
+        "shared_tokens": args.shared,
+        "user_tokens": args.user,
+        "max_tokens": args.max_tokens,
+        "max_batch": args.max_batch,
+        "without_s": round(median["without"], 3),
+        "with_s": round(median["with"], 3),
+        "without_tokens_per_s": round(tokens / median["without"], 1),
+        "with_tokens_per_s": round(tokens / median["with"], 1),
+        "ratio": round(median["without"] / median["with"], 2),
+        "identical_replies": replies["with"] == replies["without"],
+        "prefix_cache": stats,
+        "threads": torch.get_num_threads(),
+    }
+    machine = machine_report(256 if args.smoke else 2048)
+    if args.json:
+        print(json.dumps(row))
+        print(json.dumps(machine))
+        return
+    print(machine_line(machine))
+    print(
+        f"{args.requests} chats sharing {args.shared} tokens: without prefix cache {row['without_s']} s "
+        f"({row['without_tokens_per_s']} tok/s), with {row['with_s']} s ({row['with_tokens_per_s']} tok/s): "
+        f"{row['ratio']}x; identical replies: {row['identical_replies']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
