@@ -3,7 +3,7 @@
 | module | commands |
 |---|---|
 | ``models`` | ``presets``, ``params``, ``init`` |
-| ``infer`` | ``generate``, ``serve`` |
+| ``infer`` | ``generate``, ``serve``, ``draft train`` |
 | ``train`` | ``train``, ``sft``, ``stability``, ``plot`` |
 | ``ablate`` | ``ablate optimizer / balancing / vision-injection / rephrase / parl`` |
 | ``data`` | ``data rephrase`` |

@@ -1,4 +1,5 @@
-"""Inference commands: ``generate`` and ``serve`` (OpenAI-compatible)."""
+"""Inference commands: ``generate`` (speculative with a draft), ``serve`` (OpenAI-compatible) and
+``draft train`` (an EAGLE-style draft beside a model)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
 from k2lab.infer.generate import GenerationConfig
 from k2lab.serve.config import ServeConfig
+from k2lab.train.draft_config import DraftTrainConfig
+
+draft_app = typer.Typer(
+    help="Drafts for speculative decoding (EAGLE-style, on the model's MTP layer).", no_args_is_help=True
+)
+app.add_typer(draft_app, name="draft")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -86,12 +93,32 @@ def generate(
             "vision-language checkpoint. Give one for all prompts or one per prompt.",
         ),
     ] = None,
+    draft: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft",
+            help="Speculative decoding with this draft: a `k2lab draft train` directory, or a small k2lab "
+            "model directory with the same vocabulary. Default: CHECKPOINT/draft or the model's MTP layer.",
+        ),
+    ] = None,
+    speculative: Annotated[
+        bool | None,
+        typer.Option(
+            "--speculative/--no-speculative",
+            help="Force speculative decoding on or off (default: on when a draft is found).",
+        ),
+    ] = None,
+    draft_tokens: Annotated[
+        int, typer.Option("--draft-tokens", min=1, help="Tokens the draft proposes per step (k).")
+    ] = 4,
 ) -> None:
-    """Generate continuations with the latent KV cache (absorbed MLA decode); with --image, from a
-    vision-language checkpoint (K2.5 style) that sees the image first."""
+    """Generate continuations with the latent KV cache (absorbed MLA decode); with a draft (--draft, or one
+    beside the model), speculatively: output identical to plain decoding when greedy, the same distribution
+    when sampling. With --image, from a vision-language checkpoint (K2.5 style) that sees the image first."""
     import time
 
     from k2lab.infer import generate as run_generation
+    from k2lab.infer.speculative import speculative_generate
     from k2lab.model_dir import load_model
 
     tokenizer = None
@@ -114,8 +141,16 @@ def generate(
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
         config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
+    drafter = None if media or speculative is False else _find_draft(checkpoint, model, draft)
+    if speculative and drafter is None:
+        raise K2LabError(
+            "--speculative needs a draft: --draft DIR, CHECKPOINT/draft (`k2lab draft train`) or an MTP layer"
+        )
     start = time.perf_counter()
-    outputs = run_generation(model, prompts, config, media=media)
+    if drafter is None:
+        outputs = run_generation(model, prompts, config, media=media)
+    else:
+        outputs, stats = speculative_generate(model, drafter, prompts, config, num_draft_tokens=draft_tokens)
     seconds = time.perf_counter() - start
     for text, ids, new in zip(prompt, prompts, outputs, strict=True):
         if tokenizer:
@@ -126,6 +161,64 @@ def generate(
             console.print(f"prompt {ids} -> {new}")
     produced = sum(len(new) for new in outputs)
     console.print(f"{produced} tokens in {seconds:.2f}s ({produced / max(seconds, 1e-9):.1f} tokens/s)")
+    if drafter is not None:
+        console.print(
+            f"speculative (k={draft_tokens}): {stats.tokens_per_step:.2f} tokens per target forward, "
+            f"{stats.mean_accepted:.2f} drafted tokens accepted per step ({stats.acceptance_rate:.0%})"
+        )
+
+
+def _find_draft(checkpoint: Path, model, draft: Path | None):
+    """The draft to use: --draft (an EAGLE draft or a model directory), else the one beside the model."""
+    from k2lab.infer.draft import DRAFT_MANIFEST, ModelDraft, find_draft, load_draft
+    from k2lab.model_dir import load_model
+    from k2lab.models.decoder import CausalLM
+
+    if not isinstance(model, CausalLM):
+        if draft is not None:
+            raise K2LabError("speculative decoding serves text models (not a vision-language checkpoint)")
+        return None
+    if draft is None:
+        return find_draft(checkpoint, model)
+    if (draft / DRAFT_MANIFEST).is_file():
+        return load_draft(draft, model)
+    small = load_model(draft)
+    if not isinstance(small, CausalLM) or small.config.vocab_size != model.config.vocab_size:
+        raise K2LabError(f"the draft model {draft} must be a text model with the target's vocabulary")
+    return ModelDraft(small.eval())
+
+
+@draft_app.command("train")
+@runs_config(
+    DraftTrainConfig,
+    options={
+        name: Opt(name)
+        for name in (
+            "model",
+            "out",
+            "data",
+            "prompts",
+            "continuation",
+            "temperature",
+            "steps",
+            "batch_size",
+            "lr",
+            "fresh",
+            "seed",
+        )
+    },
+)
+def draft_train(config: DraftTrainConfig) -> None:
+    """Fine-tune the model's MTP layer (or a fresh one-block draft, --fresh) into an EAGLE-style draft on
+    the model's own hidden states and continuations of corpus prompts; saved to MODEL/draft/, where
+    `k2lab generate` finds it."""
+    from k2lab.train.draft import train_draft
+
+    summary = train_draft(config, log=lambda line: console.print(line, markup=False, highlight=False))
+    console.print(
+        f"tokens per target forward on held-out prompts: {summary['tokens_per_step_before']:.2f} -> "
+        f"{summary['tokens_per_step_after']:.2f}"
+    )
 
 
 @app.command()

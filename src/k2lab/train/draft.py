@@ -1,0 +1,177 @@
+"""Training an EAGLE-style draft (EAGLE-1, Li et al. 2024) for a frozen target: the target's MTP module (or a
+fresh one-block module when it has none) learns to continue the target's own features and tokens.
+
+Data: prompts are windows of a corpus; the target continues each (greedy, or sampled at ``temperature``),
+so the draft learns what the target says, not what the corpus says. One forward of the target over prompt +
+continuation gives its final-normed hidden states h [N, T, D] (the pool, computed once). Entry i of the
+draft pairs h_i with the next token x_{i+1} (teacher forcing, optionally with uniform feature noise):
+
+    f'_i = final_norm(MTP(h_i + ε, Emb(x_{i+1})))                     ε ~ U(−noise, noise)
+    L = reg_weight · SmoothL1(f'_i, h_{i+1}) + ce_weight · CE(lm_head(f'_i), x_{i+2})
+
+with the regression on every entry and the CE on the target's generated tokens only. Only the module trains
+(AdamW); embedding and head stay the target's. Acceptance is measured on held-out (validation) prompts
+before and after with greedy speculative decoding; the draft is saved to ``<model>/draft/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2lab.data import load_tokenizer
+from k2lab.data.corpus import load_corpus
+from k2lab.errors import K2LabError
+from k2lab.infer.draft import DRAFT_DIR, EagleDraft, save_draft
+from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.infer.speculative import speculative_generate
+from k2lab.model_dir import load_model
+from k2lab.models.decoder import CausalLM
+from k2lab.models.init import init_weights
+from k2lab.models.mtp import MultiTokenPrediction
+from k2lab.train.draft_config import DraftTrainConfig
+
+Log = Callable[[str], None]
+
+
+def corpus_windows(
+    texts: list[str], tokenizer, count: int, length: int, rng: random.Random
+) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens at random places of the concatenated, tokenized texts."""
+    ids = [token for ids in tokenizer.encode_batch(texts) for token in ids]
+    if len(ids) <= length:
+        raise K2LabError(f"the corpus has {len(ids)} tokens, fewer than one prompt of {length}")
+    starts = [rng.randrange(len(ids) - length) for _ in range(count)]
+    return [ids[s : s + length] for s in starts]
+
+
+def continuation_pool(
+    target: CausalLM, prompts: list[list[int]], config: DraftTrainConfig, batch: int = 32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's continuations of ``prompts``: ids [N, P + G] and its hidden states [N, P + G, D]."""
+    generation = GenerationConfig(
+        max_new_tokens=config.continuation, temperature=config.temperature, seed=config.seed
+    )
+    rows, hidden = [], []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        new = generate(target, chunk, generation)
+        ids = torch.tensor([p + n for p, n in zip(chunk, new, strict=True)])  # no EOS set: full length
+        with torch.no_grad():
+            hidden.append(target(ids, output_hidden=True).hidden)
+        rows.append(ids)
+    return torch.cat(rows), torch.cat(hidden)
+
+
+def draft_loss(
+    target: CausalLM,
+    module: MultiTokenPrediction,
+    ids: torch.Tensor,
+    hidden: torch.Tensor,
+    first_generated: int,
+    config: DraftTrainConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE-1's loss on ids [B, T] and the target's hidden [B, T, D] (see the module docstring)."""
+    B, T = ids.shape
+    features = hidden[:, :-1]
+    if config.feature_noise:
+        features = features + (torch.rand_like(features) * 2 - 1) * config.feature_noise
+    inputs = target.layer_inputs(B, T - 1, ids.device)
+    out = module.final_norm(module(features, target.embed(ids[:, 1:]), inputs))  # f'_i, i = 0 … T−2
+    regression = F.smooth_l1_loss(out.float(), hidden[:, 1:].float())
+    logits = target.lm_head(out[:, first_generated - 2 : -1])  # entries whose x_{i+2} was generated
+    labels = ids[:, first_generated:]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    top1 = (logits.argmax(-1) == labels).float().mean()
+    loss = config.reg_weight * regression + config.ce_weight * ce
+    values = {"loss": loss, "reg": regression, "ce": ce, "top1": top1}
+    return loss, {key: value.item() for key, value in values.items()}
+
+
+def draft_module(target: CausalLM, fresh: bool, seed: int) -> MultiTokenPrediction:
+    """The model's first MTP module, or a fresh one initialised like a model's layers."""
+    if len(target.mtp) and not fresh:
+        return target.mtp[0]
+    holder = nn.Module()
+    holder.config = target.config  # init_weights reads the initializer range from it
+    holder.module = MultiTokenPrediction(target.config, 1)
+    init_weights(holder, seed=seed)
+    return holder.module
+
+
+def acceptance(
+    target: CausalLM, module: MultiTokenPrediction, prompts: list[list[int]], config: DraftTrainConfig
+) -> float:
+    """Tokens per target forward of greedy speculative decoding on ``prompts`` (EAGLE's τ)."""
+    if not prompts:
+        return float("nan")
+    module.eval()
+    generation = GenerationConfig(max_new_tokens=config.continuation)
+    _, stats = speculative_generate(
+        target, EagleDraft(target, module), prompts, generation, num_draft_tokens=config.draft_tokens
+    )
+    return stats.tokens_per_step
+
+
+def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
+    """Fine-tune (or train) the draft of ``config.model`` and save it; returns the summary it writes."""
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    if not (config.model / "tokenizer.json").is_file():
+        raise K2LabError(f"{config.model} has no tokenizer.json: the prompts are corpus text")
+    tokenizer = load_tokenizer(config.model / "tokenizer.json")
+    target = load_model(config.model)
+    if not isinstance(target, CausalLM):
+        raise K2LabError("draft training needs a text model (a CausalLM checkpoint)")
+    target.eval().requires_grad_(False)
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    train = corpus_windows([d.text for d in corpus.train], tokenizer, config.prompts, config.prompt_len, rng)
+    held_out = corpus.val or corpus.train
+    val = corpus_windows(
+        [d.text for d in held_out], tokenizer, config.eval_prompts or 1, config.prompt_len, rng
+    )
+    val = val[: config.eval_prompts]
+    module = draft_module(target, config.fresh, config.seed)
+    before = acceptance(target, module, val, config)
+    log(f"held-out tokens per step before: {before:.3f}; generating {len(train)} continuations")
+    ids, hidden = continuation_pool(target, train, config)
+    module.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * step / config.steps))
+    )
+    metrics: dict[str, float] = {}
+    first: dict[str, float] = {}
+    for step in range(1, config.steps + 1):
+        rows = torch.tensor([rng.randrange(ids.shape[0]) for _ in range(config.batch_size)])
+        loss, metrics = draft_loss(target, module, ids[rows], hidden[rows], config.prompt_len, config)
+        first = first or {f"first_{key}": value for key, value in metrics.items()}
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == config.steps:
+            log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    module.requires_grad_(False)
+    after = acceptance(target, module, val, config)
+    summary = {
+        "tokens_per_step_before": before,
+        "tokens_per_step_after": after,
+        **metrics,
+        **first,
+        "seconds": time.perf_counter() - started,
+    }
+    out = config.out or config.model / DRAFT_DIR
+    save_draft(module, target.config, out, {"training": config.model_dump(mode="json"), "summary": summary})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"held-out tokens per step after: {after:.3f}; draft saved to {out}")
+    return summary

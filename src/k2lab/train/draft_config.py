@@ -1,0 +1,33 @@
+"""The settings of ``k2lab draft train`` (``k2lab.train.draft``), apart so the CLI reads them without the
+training stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DraftTrainConfig(BaseModel):
+    """``k2lab draft train``: what to train on and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path = Field(description="The target model directory (k2lab format, with its tokenizer.json).")
+    out: Path | None = Field(default=None, description="Where the draft goes; None = MODEL/draft.")
+    data: str | None = Field(default=None, description="Prompt corpus directory; None = embedded corpus.")
+    data_max_bytes: int = Field(default=2_000_000, gt=0, description="Corpus sample read for prompts.")
+    prompts: int = Field(default=256, gt=0, description="Training prompts the target continues.")
+    prompt_len: int = Field(default=48, gt=1, description="Prompt tokens (a corpus window).")
+    continuation: int = Field(default=64, gt=1, description="Tokens the target generates per prompt.")
+    temperature: float = Field(default=0.0, ge=0, description="Continuations: 0 = the target's greedy ones.")
+    steps: int = Field(default=300, gt=0, description="Optimizer steps.")
+    batch_size: int = Field(default=16, gt=0, description="Sequences per step.")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate (cosine to 10%).")
+    reg_weight: float = Field(default=1.0, ge=0, description="Weight of the feature regression (SmoothL1).")
+    ce_weight: float = Field(default=0.1, ge=0, description="Weight of the CE on the target's tokens.")
+    feature_noise: float = Field(default=0.0, ge=0, description="Uniform noise on input features.")
+    fresh: bool = Field(default=False, description="Start from a fresh block, not the model's MTP module.")
+    eval_prompts: int = Field(default=16, ge=0, description="Held-out prompts for the acceptance check.")
+    draft_tokens: int = Field(default=4, gt=0, description="k of the acceptance check.")
+    seed: int = Field(default=0, description="Prompt sampling, continuations and initialisation.")

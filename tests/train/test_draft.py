@@ -1,0 +1,57 @@
+"""EAGLE draft training: the loss falls on the target's own continuations, the draft is saved beside the
+model, and ``k2lab draft train`` / ``k2lab generate`` (speculative with the saved draft) run end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from k2lab import build_model, load_preset
+from k2lab.cli import main
+from k2lab.infer import GenerationConfig, generate
+from k2lab.infer.draft import DRAFT_DIR, find_draft
+from k2lab.infer.speculative import speculative_generate
+from k2lab.model_dir import load_model, save_model
+from k2lab.train.draft import train_draft
+from k2lab.train.draft_config import DraftTrainConfig
+from tests.conftest import randomize
+
+
+@pytest.fixture
+def model_dir(tmp_path, small_tokenizer):
+    directory = tmp_path / "model"
+    config = load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=1)
+    save_model(randomize(build_model(config)), directory)
+    small_tokenizer.save(directory / "tokenizer.json")
+    return directory
+
+
+SMALL = dict(prompts=8, prompt_len=10, continuation=8, batch_size=8, eval_prompts=1, draft_tokens=2)
+
+
+def test_training_lowers_the_loss_and_saves_the_draft(model_dir, tiny_corpus):
+    config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), steps=10, lr=3e-3, **SMALL)
+    summary = train_draft(config, log=lambda line: None)
+    assert summary["loss"] < 0.8 * summary["first_loss"]
+    assert summary["ce"] < summary["first_ce"]
+    model = load_model(model_dir)
+    draft = find_draft(model_dir, model)
+    assert (model_dir / DRAFT_DIR / "summary.json").is_file() and draft.module is not model.mtp[0]
+    prompts = [[40, 41, 42], [50, 51, 52, 53]]
+    out, _ = speculative_generate(model, draft, prompts, GenerationConfig(max_new_tokens=6), 3)
+    assert out == generate(model, prompts, GenerationConfig(max_new_tokens=6))
+
+
+def test_commands_train_and_use_the_draft(model_dir, tiny_corpus, capsys):
+    args = ["draft", "train", "--model", model_dir, "--data", tiny_corpus, "--steps", "2", "--fresh"]
+    args += ["--set", "eval_prompts=1", "--prompts", "8", "--continuation", "4", "--set", "prompt_len=8"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in args])
+    assert not exit_info.value.code and (model_dir / DRAFT_DIR / "draft.safetensors").is_file()
+    generate_args = ["generate", "-c", model_dir, "--prompt", "5 6 7", "--token-ids", "--max-new-tokens", "5"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in generate_args])
+    assert not exit_info.value.code
+    assert "tokens per target forward" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in [*generate_args, "--no-speculative"]])
+    assert "tokens per target forward" not in capsys.readouterr().out
