@@ -101,6 +101,8 @@ class CausalLM(nn.Module):
     ``logits_mask`` [B, T] (bool) computes the head only where it is True: logits [N, V] for the N selected
     positions in row-major order (scoring a few completion tokens after a long prompt skips the prompt's
     [T, V] logits).
+    ``output_hidden=True`` also returns ``hidden``, the final-normed hidden state (the head's input, [B, T, D],
+    or [N, D] under ``logits_mask``): h^0 of the MTP modules ``self.mtp`` (``mtp_logits``, ``k2lab.models.mtp``).
     """
 
     def __init__(self, config: ModelConfig) -> None:
