@@ -22,8 +22,9 @@ included), and ``U(s)``, the length of a known completion that closes the sectio
 state (``k2lab.runtime.budget``). While ``left − 1 ≥ U(s) + slack`` (``slack`` = the length of a whole
 shortest call: about the most one token can add to ``U``) the grammar's mask is all. Nearer the end it
 steers: a token ``t`` stays allowed only if a completion of ``≤ left − 1`` tokens is known after it. The
-witness's next token always qualifies, and the model's ``STEER_CANDIDATES`` most likely other allowed
-tokens are tested (consume, search, roll back). So a forced call closes within any ``max_tokens ≥ U``
+witness's next token always qualifies, and the model's most likely other allowed tokens are tested
+(consume, search, roll back), at most ``STEER_CANDIDATES`` of them and only until the tested ones hold
+``STEER_MASS`` of the softmax of the logits (a peaked model tests one or two). So a forced call closes within any ``max_tokens ≥ U``
 of the start; with less the budget runs out (``finish_reason: "length"``). In ``"auto"`` mode a section
 may only open while a whole shortest call still fits.
 
@@ -65,7 +66,8 @@ CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = (
     "<|tool_call_end|>",
 )
 TURN_END = "<|im_end|>"
-STEER_CANDIDATES = 8  # allowed tokens (most likely first) tested per step when the budget is tight
+STEER_CANDIDATES = 8  # allowed tokens (most likely first) tested per step when the budget is tight ...
+STEER_MASS = 0.95  # ... until they hold this much of the masked distribution (softmax of the logits)
 # compact JSON as K2 writes it (json.dumps separators), no free whitespace between tokens
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -251,7 +253,8 @@ class ToolCallConstraint:
         self.used = 0  # tokens advanced so far
         self.path: list[int] | None = None  # a known completion from the matcher's state
         self.hopeless = False  # no completion fits the budget left
-        self._after: dict[int, list[int]] = {}  # this step's tested tokens -> a completion after each
+        self.reused = False  # ``path`` was carried over from an earlier state (maybe not the shortest)
+        self._after: dict[int, tuple[list[int], bool]] = {}  # tested token -> (completion after it, reused)
         if grammar.forced:
             self._open()
 
@@ -308,33 +311,39 @@ class ToolCallConstraint:
             return allowed
         if left - 1 >= len(self.path) + len(g.shortest_call):
             return allowed
-        fresh = g.search.shortest(self.matcher, len(self.path) - 1)
-        self.path = fresh or self.path
+        if self.reused:  # a path carried over from an earlier state may be longer than needed
+            self.path, self.reused = g.search.shortest(self.matcher, len(self.path) - 1) or self.path, False
+        witness = self.path[0]
         keep = torch.zeros(g.vocab_size, dtype=torch.bool)
-        keep[self.path[0]] = True
-        self._after = {self.path[0]: self.path[1:]}
+        keep[witness] = True
+        self._after = {witness: (self.path[1:], False)}
         scores = logits.detach().float().cpu().masked_fill(~allowed, float("-inf"))
-        top = scores.topk(min(STEER_CANDIDATES, g.vocab_size))
-        for score, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-            if score == float("-inf") or token == self.path[0]:
+        probs = scores.softmax(-1)
+        covered = float(probs[witness])
+        for token in scores.topk(min(STEER_CANDIDATES, g.vocab_size)).indices.tolist():
+            if covered >= STEER_MASS or not allowed[token]:
+                break
+            if token == witness:
                 continue
+            covered += float(probs[token])
             self.matcher.consume_token(token)
             after = self._completion_after(token, left - 1)
             self.matcher.rollback(1)
-            if after is not None:
+            if after[0] is not None:
                 keep[token], self._after[token] = True, after
         return keep
 
-    def _completion_after(self, token: int, limit: int) -> list[int] | None:
-        """With ``token`` just consumed: a completion of ``≤ limit`` tokens (the known path's rest or the
-        known path itself when they still complete, else a fresh search), or None."""
+    def _completion_after(self, token: int, limit: int) -> tuple[list[int] | None, bool]:
+        """With ``token`` just consumed: a completion of ``≤ limit`` tokens or None, and whether it is a
+        reused one (the known path's rest or the known path itself, when they still complete) rather than
+        a fresh search's."""
         path = self.path or []
         if path and path[0] == token:
-            return path[1:]
+            return path[1:], False
         for candidate in (path[1:], path):
             if candidate and len(candidate) <= limit and CompletionSearch.completes(self.matcher, candidate):
-                return candidate
-        return self.grammar.search.shortest(self.matcher, limit)
+                return candidate, True
+        return self.grammar.search.shortest(self.matcher, limit), False
 
     def advance(self, token: int) -> None:
         g = self.grammar
@@ -349,7 +358,7 @@ class ToolCallConstraint:
             self.matcher, self.finished_section = None, True
         elif self.max_tokens is not None and self.path:
             known = self._after.get(token)
-            self.path = known if known is not None else self._completion_after(token, self.left)
+            self.path, self.reused = known if known is not None else self._completion_after(token, self.left)
         self._after = {}
 
     def _consume(self, token: int) -> None:
