@@ -18,6 +18,14 @@ Comparisons:
   The script checks that both sides generate identical tokens and warns if they do not.
   A second row repeats it after a ``--long-prompt`` (default 1024) prompt: transformers re-expands every cached
   latent through ``kv_b_proj`` at each step, absorbed decode never does, so the gap grows with context.
+* ``speculative_{greedy,sampled}_b{B}_tokens_per_s`` — k2lab against itself: ``speculative_generate`` with
+  the model's EAGLE draft (``k2lab.infer.draft.find_draft``: MODEL/draft/ or its MTP layer) versus plain
+  ``generate``, same prompts and ``--new-tokens``, ``speedup = speculative / plain`` (medians, interleaved).
+  ``tokens_per_step`` is the mean number of tokens per target forward (accepted drafts + the target's own),
+  also measured on ``--spec-eval`` held-out prompts in one batch (``held_out_tokens_per_step``). With
+  ``--spec-model DIR`` (a trained model directory with its tokenizer.json) the prompts are windows of the
+  corpus's validation files (``--spec-data``, default the embedded corpus); without it, an untrained
+  k2-mini with one MTP layer and random prompts (acceptance near zero: the overhead of a useless draft).
 
 Usage::
 
@@ -25,12 +33,14 @@ Usage::
     python benchmarks/bench_k2_model.py --json --threads 2   # one JSON object per comparison and line
     python benchmarks/bench_k2_model.py --precision fp32     # force a precision (default auto)
     python benchmarks/bench_k2_model.py --smoke              # k2-nano, tiny shapes, one repeat
+    python benchmarks/bench_k2_model.py --only speculative --spec-model runs/demo-mtp/model --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -46,9 +56,15 @@ from timing import (  # benchmarks/timing.py
 )
 
 import k2lab
+from k2lab.data import load_tokenizer
+from k2lab.data.corpus import load_corpus
 from k2lab.hardware import choose
 from k2lab.hf.bridge import to_transformers
 from k2lab.infer import GenerationConfig, generate
+from k2lab.infer.draft import EagleDraft, find_draft
+from k2lab.infer.speculative import speculative_generate
+from k2lab.model_dir import load_model
+from k2lab.train.draft import corpus_windows
 
 
 @dataclass
@@ -62,6 +78,26 @@ class Comparison:
     repeats: int
     k2lab_median_s: float
     transformers_median_s: float
+    shape: dict[str, int]
+    preset: str
+    threads: int
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class SpeculativeRow:
+    """Speculative against plain decoding, both k2lab: tokens/s, ``speedup = speculative / plain``."""
+
+    name: str
+    speculative: float
+    plain: float
+    speedup: float
+    tokens_per_step: float
+    mean_accepted: float
+    held_out_tokens_per_step: float
+    repeats: int
+    speculative_median_s: float
+    plain_median_s: float
     shape: dict[str, int]
     preset: str
     threads: int
@@ -156,6 +192,89 @@ def bench_greedy_decode(
     return _comparison(name, tokens, t_ours, t_theirs, args, shape, {"same_tokens": same})
 
 
+def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[int]], str, str]:
+    """(target, draft, prompts, label, draft description): a trained model directory's held-out text, or
+    an untrained model with an MTP layer on random prompts."""
+    count = max(args.spec_eval, *args.spec_batches)
+    if args.spec_model is None:
+        target = k2lab.build_model(config.replace(num_nextn_predict_layers=1), seed=0).eval()
+        generator = torch.Generator().manual_seed(2)
+        prompts = torch.randint(3, config.vocab_size, (count, args.prompt), generator=generator).tolist()
+        return target, EagleDraft(target, target.mtp[0]), prompts, args.preset, "untrained MTP layer"
+    target = load_model(args.spec_model).eval()
+    draft = find_draft(args.spec_model, target)
+    if draft is None:
+        raise SystemExit(f"{args.spec_model} has no draft/ (k2lab draft train) and no MTP layer")
+    tokenizer = load_tokenizer(f"{args.spec_model}/tokenizer.json")
+    corpus = load_corpus(args.spec_data, max_bytes=2_000_000)
+    texts = [document.text for document in corpus.val or corpus.train]
+    prompts = corpus_windows(texts, tokenizer, count, args.prompt, random.Random(0))
+    kind = "MODEL/draft" if draft.module is not getattr(target, "mtp", [None])[0] else "its MTP layer"
+    return target, draft, prompts, str(args.spec_model), f"EAGLE draft ({kind}), held-out text"
+
+
+def bench_speculative(args, config) -> list[SpeculativeRow]:
+    """Speculative (k = --draft-tokens) versus plain decoding of the same prompts, greedy and sampled."""
+    target, draft, prompts, label, described = speculative_setup(args, config)
+    rows = []
+    for temperature in (0.0, 1.0):
+        generation = GenerationConfig(
+            max_new_tokens=args.new_tokens, temperature=temperature, eos_token_id=None
+        )
+        _, held_out = speculative_generate(
+            target, draft, prompts[: args.spec_eval], generation, args.draft_tokens
+        )
+        for batch in args.spec_batches:
+            row = speculative_row(target, draft, prompts[:batch], generation, args)
+            row.held_out_tokens_per_step = round(held_out.tokens_per_step, 3)
+            row.preset = label
+            row.extra = {"draft": described, "held_out_prompts": min(args.spec_eval, len(prompts))}
+            rows.append(row)
+    return rows
+
+
+def speculative_row(target, draft, prompts, generation: GenerationConfig, args) -> SpeculativeRow:
+    """One batch: speculative against plain, interleaved medians; the acceptance of one speculative run."""
+    k = args.draft_tokens
+    plain_out = generate(target, prompts, generation)
+    spec_out, stats = speculative_generate(target, draft, prompts, generation, k)
+    if generation.temperature == 0 and spec_out != plain_out:
+        warnings.warn("speculative greedy output differs from plain decoding", stacklevel=1)
+    t_spec, t_plain = alternating_medians(
+        [
+            lambda: speculative_generate(target, draft, prompts, generation, k),
+            lambda: generate(target, prompts, generation),
+        ],
+        args.repeats,
+    )
+    tokens = len(prompts) * args.new_tokens
+    kind = "greedy" if generation.temperature == 0 else "sampled"
+    return SpeculativeRow(
+        name=f"speculative_{kind}_b{len(prompts)}_tokens_per_s",
+        speculative=round(tokens / t_spec, 2),
+        plain=round(tokens / t_plain, 2),
+        speedup=round(t_plain / t_spec, 3),
+        tokens_per_step=round(stats.tokens_per_step, 3),
+        mean_accepted=round(stats.mean_accepted, 3),
+        held_out_tokens_per_step=float("nan"),
+        repeats=args.repeats,
+        speculative_median_s=round(t_spec, 5),
+        plain_median_s=round(t_plain, 5),
+        shape={"batch": len(prompts), "prompt": args.prompt, "new_tokens": args.new_tokens, "k": k},
+        preset="",
+        threads=args.threads,
+    )
+
+
+def print_speculative(rows: list[SpeculativeRow]) -> None:
+    for row in rows:
+        print(
+            f"{row.name.removesuffix('_tokens_per_s')}: {row.speculative:,.1f} vs plain {row.plain:,.1f} "
+            f"tok/s = {row.speedup:.2f}x, {row.tokens_per_step:.2f} tokens/step "
+            f"(held-out {row.held_out_tokens_per_step:.2f}), {row.extra['draft']}, {row.preset}"
+        )
+
+
 def _comparison(name, tokens, t_ours, t_theirs, args, shape, extra=None) -> Comparison:
     ours, theirs = tokens / t_ours, tokens / t_theirs
     return Comparison(
@@ -225,13 +344,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--only", choices=["train", "decode"], help="run one comparison only")
+    parser.add_argument("--only", choices=["train", "decode", "speculative"], help="run one comparison only")
+    parser.add_argument("--spec-model", help="trained model directory for the speculative rows")
+    parser.add_argument("--spec-data", help="corpus whose validation files give held-out prompts")
+    parser.add_argument("--spec-batches", type=int, nargs="+", default=[1, 4], help="speculative batches")
+    parser.add_argument("--spec-eval", type=int, default=16, help="held-out prompts for tokens per step")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="k of the speculative rows")
     parser.add_argument(
         "--precision", choices=["auto", "fp32", "bf16"], default="auto", help="forward+backward precision"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
     add_smoke_argument(parser)
-    tiny = dict(preset="k2-nano", batch=2, seq=16, decode_batch=2, prompt=8, new_tokens=4, long_prompt=0)
+    tiny = dict(
+        preset="k2-nano",
+        batch=2,
+        seq=16,
+        decode_batch=2,
+        prompt=8,
+        new_tokens=4,
+        long_prompt=0,
+        spec_batches=[1],
+        spec_eval=2,
+        draft_tokens=2,
+    )
     args = apply_smoke(parser.parse_args(argv), **tiny)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -242,8 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     config = k2lab.load_preset(args.preset)
-    ours = k2lab.build_model(config, seed=0)
-    theirs = to_transformers(ours)
+    if args.only == "speculative":
+        ours = theirs = None
+    else:
+        ours = k2lab.build_model(config, seed=0)
+        theirs = to_transformers(ours)
     machine = machine_report(256 if args.smoke else 2048)
     rows = []
     if args.only in (None, "train"):
@@ -256,12 +394,15 @@ def main(argv: list[str] | None = None) -> int:
                     ours, theirs, args, args.long_prompt, "greedy_decode_long_prompt_tokens_per_s"
                 )
             )
+    speculative = bench_speculative(args, config) if args.only in (None, "speculative") else []
     if args.json:
         print(json.dumps(machine), flush=True)
-        for row in rows:
+        for row in [*rows, *speculative]:
             print(json.dumps(asdict(row)), flush=True)
     else:
-        print_table(rows)
+        if rows:
+            print_table(rows)
+        print_speculative(speculative)
         print(machine_line(machine))
     return 0
 
