@@ -225,17 +225,26 @@ class ToolCallGrammar:
     @cached_property
     def search(self) -> CompletionSearch:
         """Greedy shortest completions over this grammar's tokenizer."""
-        return CompletionSearch(self.tokenizer, self.vocab_size, self.closers)
+        return _search(self.tokenizer, self.vocab_size, self.closers)
 
     @cached_property
     def shortest_call(self) -> list[int]:
         """A shortest known whole section from its opening token on (``U`` of a fresh matcher)."""
-        if not self.allowed:
-            return []
-        path = self.search.shortest(LLMatcher(self.tokenizer, self.grammar), 4096)
-        if path is None:
-            raise GrammarError("the tools' schemas admit no tool call the enforcer can find")
-        return path
+        return list(_shortest_call(self.grammar, self.search)) if self.allowed else []
+
+
+@lru_cache(maxsize=8)
+def _search(tokenizer: LLTokenizer, vocab_size: int, closers: tuple[int, ...]) -> CompletionSearch:
+    return CompletionSearch(tokenizer, vocab_size, closers)
+
+
+@lru_cache(maxsize=64)
+def _shortest_call(grammar: str, search: CompletionSearch) -> tuple[int, ...]:
+    """Cached across requests: a server builds one grammar per request, mostly from the same tools."""
+    path = search.shortest(LLMatcher(search.tokenizer, grammar), 4096)
+    if path is None:
+        raise GrammarError("the tools' schemas admit no tool call the enforcer can find")
+    return tuple(path)
 
 
 class ToolCallConstraint:
