@@ -1,0 +1,38 @@
+"""The compiled decode step: ``torch.compile`` (inductor) of the decoder's forward over the latent cache.
+
+A decode step feeds T new tokens per sequence (T = 1 for plain decoding, k + 1 when speculative decoding
+verifies a draft) and attends to the S cached rows, so its shapes change at every step. The step is
+compiled with dynamic shapes: one graph serves every batch size, context length and T (the cache's length
+and write offsets are symbolic, not guarded constants), so there is one build per model and no recompile
+as the cache grows. The routed experts take their gathered-weights tier there (few rows, no grad), which
+has no data-dependent shapes. Eager stays the reference: compiled logits equal eager's within fp32
+rounding over a run of decode steps (tests).
+
+``compile`` of ``GenerationConfig`` and ``ServeConfig`` (``k2lab.train.compile.compile_decision``):
+"auto" compiles on CUDA and stays eager on CPU, where inductor's C++ build takes minutes on 2 cores —
+it pays only for a long-running server or long generations (figures in docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from k2lab.ops.kda import mark_compile_constants
+
+_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
+
+
+def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
+    """``model``'s forward compiled for decode steps (dynamic shapes), built once per model and reused.
+
+    Call it as the model: ``compiled_decode(model)(ids [B, T], cache=cache).logits``. The build happens at
+    the first call; the same model keeps its graph across ``generate`` calls and engine steps."""
+    step = _COMPILED.get(model)
+    if step is None:
+        mark_compile_constants()
+        step = torch.compile(model, dynamic=True)
+        _COMPILED[model] = step
+    return step
