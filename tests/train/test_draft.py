@@ -25,7 +25,9 @@ def model_dir(tmp_path, small_tokenizer):
     return directory
 
 
-SMALL = dict(prompts=8, prompt_len=10, continuation=8, batch_size=8, eval_prompts=1, draft_tokens=2)
+SMALL = dict(
+    prompts=8, prompt_len=10, continuation=8, batch_size=8, eval_prompts=1, eval_tokens=6, draft_tokens=2
+)
 
 
 def test_training_lowers_the_loss_and_saves_the_draft(model_dir, tiny_corpus):
@@ -43,7 +45,18 @@ def test_training_lowers_the_loss_and_saves_the_draft(model_dir, tiny_corpus):
 
 def test_commands_train_and_use_the_draft(model_dir, tiny_corpus, capsys):
     args = ["draft", "train", "--model", model_dir, "--data", tiny_corpus, "--steps", "2", "--fresh"]
-    args += ["--set", "eval_prompts=1", "--prompts", "8", "--continuation", "4", "--set", "prompt_len=8"]
+    args += [
+        "--set",
+        "eval_prompts=1",
+        "--prompts",
+        "8",
+        "--continuation",
+        "0",
+        "--set",
+        "prompt_len=8",
+        "--set",
+        "eval_tokens=4",
+    ]
     with pytest.raises(SystemExit) as exit_info:
         main([str(arg) for arg in args])
     assert not exit_info.value.code and (model_dir / DRAFT_DIR / "draft.safetensors").is_file()

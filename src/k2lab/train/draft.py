@@ -9,7 +9,9 @@ draft pairs h_i with the next token x_{i+1} (teacher forcing, optionally with un
     f'_i = final_norm(MTP(h_i + ε, Emb(x_{i+1})))                     ε ~ U(−noise, noise)
     L = reg_weight · SmoothL1(f'_i, h_{i+1}) + ce_weight · CE(lm_head(f'_i), x_{i+2})
 
-with the regression on every entry and the CE on the target's generated tokens only. Only the module trains
+with the regression on every entry and the CE on the target's generated tokens only. ``continuation = 0``
+skips generation (EAGLE-1's own setting: fixed text, the target's features): the corpus windows are the
+sequences and the CE labels are the target's greedy next tokens at every position. Only the module trains
 (AdamW); embedding and head stay the target's. Acceptance is measured on held-out (validation) prompts
 before and after with greedy speculative decoding; the draft is saved to ``<model>/draft/``.
 """
@@ -53,21 +55,33 @@ def corpus_windows(
 
 
 def continuation_pool(
-    target: CausalLM, prompts: list[list[int]], config: DraftTrainConfig, batch: int = 32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's continuations of ``prompts``: ids [N, P + G] and its hidden states [N, P + G, D]."""
+    target: CausalLM, prompts: list[list[int]], config: DraftTrainConfig, log: Log = print, batch: int = 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's continuations of ``prompts``: ids [N, T], its hidden states [N, T, D] and the tokens it
+    says after each position, ``next_tokens`` [N, T] (−100 where unknown): its generated tokens, or with
+    ``continuation = 0`` its greedy prediction at every position of the prompts themselves."""
     generation = GenerationConfig(
-        max_new_tokens=config.continuation, temperature=config.temperature, seed=config.seed
+        max_new_tokens=max(config.continuation, 1), temperature=config.temperature, seed=config.seed
     )
-    rows, hidden = [], []
+    rows, hidden, following = [], [], []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        new = generate(target, chunk, generation)
-        ids = torch.tensor([p + n for p, n in zip(chunk, new, strict=True)])  # no EOS set: full length
+        if config.continuation:
+            new = generate(target, chunk, generation)
+            chunk = [p + n for p, n in zip(chunk, new, strict=True)]  # no EOS set: full length
+        ids = torch.tensor(chunk)
         with torch.no_grad():
-            hidden.append(target(ids, output_hidden=True).hidden)
+            out = target(ids, output_hidden=True)
+        if config.continuation:
+            after = torch.full_like(ids, -100)
+            after[:, config.prompt_len - 1 : -1] = ids[:, config.prompt_len :]
+        else:
+            after = out.logits.argmax(-1)
         rows.append(ids)
-    return torch.cat(rows), torch.cat(hidden)
+        hidden.append(out.hidden)
+        following.append(after)
+        log(f"pool: {start + len(chunk)} / {len(prompts)} sequences")
+    return torch.cat(rows), torch.cat(hidden), torch.cat(following)
 
 
 def draft_loss(
@@ -75,10 +89,11 @@ def draft_loss(
     module: MultiTokenPrediction,
     ids: torch.Tensor,
     hidden: torch.Tensor,
-    first_generated: int,
+    next_tokens: torch.Tensor,
     config: DraftTrainConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE-1's loss on ids [B, T] and the target's hidden [B, T, D] (see the module docstring)."""
+    """EAGLE-1's loss on ids [B, T], the target's hidden [B, T, D] and next tokens [B, T] (module docstring):
+    entry i predicts the target's token after position i + 1, ``next_tokens[:, i + 1]``."""
     B, T = ids.shape
     features = hidden[:, :-1]
     if config.feature_noise:
@@ -86,10 +101,11 @@ def draft_loss(
     inputs = target.layer_inputs(B, T - 1, ids.device)
     out = module.final_norm(module(features, target.embed(ids[:, 1:]), inputs))  # f'_i, i = 0 … T−2
     regression = F.smooth_l1_loss(out.float(), hidden[:, 1:].float())
-    logits = target.lm_head(out[:, first_generated - 2 : -1])  # entries whose x_{i+2} was generated
-    labels = ids[:, first_generated:]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    top1 = (logits.argmax(-1) == labels).float().mean()
+    labels = next_tokens[:, 1:]
+    known = labels != -100
+    logits = target.lm_head(out[known])
+    ce = F.cross_entropy(logits.float(), labels[known])
+    top1 = (logits.argmax(-1) == labels[known]).float().mean()
     loss = config.reg_weight * regression + config.ce_weight * ce
     values = {"loss": loss, "reg": regression, "ce": ce, "top1": top1}
     return loss, {key: value.item() for key, value in values.items()}
@@ -113,7 +129,7 @@ def acceptance(
     if not prompts:
         return float("nan")
     module.eval()
-    generation = GenerationConfig(max_new_tokens=config.continuation)
+    generation = GenerationConfig(max_new_tokens=config.eval_tokens)
     _, stats = speculative_generate(
         target, EagleDraft(target, module), prompts, generation, num_draft_tokens=config.draft_tokens
     )
@@ -141,8 +157,8 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     val = val[: config.eval_prompts]
     module = draft_module(target, config.fresh, config.seed)
     before = acceptance(target, module, val, config)
-    log(f"held-out tokens per step before: {before:.3f}; generating {len(train)} continuations")
-    ids, hidden = continuation_pool(target, train, config)
+    log(f"held-out tokens per step before: {before:.3f}; the target continues {len(train)} prompts")
+    ids, hidden, next_tokens = continuation_pool(target, train, config, log)
     module.train().requires_grad_(True)
     optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -152,7 +168,7 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     first: dict[str, float] = {}
     for step in range(1, config.steps + 1):
         rows = torch.tensor([rng.randrange(ids.shape[0]) for _ in range(config.batch_size)])
-        loss, metrics = draft_loss(target, module, ids[rows], hidden[rows], config.prompt_len, config)
+        loss, metrics = draft_loss(target, module, ids[rows], hidden[rows], next_tokens[rows], config)
         first = first or {f"first_{key}": value for key, value in metrics.items()}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -19,7 +19,13 @@ class DraftTrainConfig(BaseModel):
     data_max_bytes: int = Field(default=2_000_000, gt=0, description="Corpus sample read for prompts.")
     prompts: int = Field(default=256, gt=0, description="Training prompts the target continues.")
     prompt_len: int = Field(default=48, gt=1, description="Prompt tokens (a corpus window).")
-    continuation: int = Field(default=64, gt=1, description="Tokens the target generates per prompt.")
+    continuation: int = Field(
+        default=64,
+        ge=0,
+        description="Tokens the target generates per prompt; 0 = none: the draft learns the target's greedy "
+        "next tokens on the corpus windows themselves (teacher-forced, one forward per batch).",
+    )
+    eval_tokens: int = Field(default=32, gt=0, description="New tokens per held-out prompt in the check.")
     temperature: float = Field(default=0.0, ge=0, description="Continuations: 0 = the target's greedy ones.")
     steps: int = Field(default=300, gt=0, description="Optimizer steps.")
     batch_size: int = Field(default=16, gt=0, description="Sequences per step.")
