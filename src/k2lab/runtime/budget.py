@@ -51,11 +51,12 @@ class CompletionSearch:
 
     def shortest(self, matcher: LLMatcher, limit: int) -> list[int] | None:
         """A completion of at most ``limit`` tokens from the matcher's state (left as it was), or None
-        when the greedy witness is longer."""
+        when the greedy witness is longer (given up a quarter over ``limit``: re-tokenizing rarely gains
+        more, and a search that cannot fit should cost little)."""
         path: list[int] = []
         try:
             while not matcher.is_accepting():
-                if len(path) > 4 * limit + 16 or len(path) > _GREEDY_CAP:
+                if len(path) > limit + max(8, limit // 4) or len(path) > _GREEDY_CAP:
                     return None
                 step = self._step(matcher)
                 if not step:
