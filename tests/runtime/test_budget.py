@@ -41,9 +41,12 @@ def adversary(tokenizer) -> torch.Tensor:
     return bias
 
 
-def drive(grammar: ToolCallGrammar, max_tokens: int, seed: int, bias: torch.Tensor) -> list[int]:
+def drive(
+    grammar: ToolCallGrammar, max_tokens: int, seed: int, bias: torch.Tensor, budget: bool = True
+) -> list[int]:
     """Sample ``max_tokens`` tokens (temperature 1) under the budgeted constraint, stopping at the section end."""
-    constraint, generator, tokens = grammar.constraint(max_tokens), torch.Generator().manual_seed(seed), []
+    constraint = grammar.constraint(max_tokens if budget else None)
+    generator, tokens = torch.Generator().manual_seed(seed), []
     for _ in range(max_tokens):
         logits = torch.randn(300, generator=generator) * 2 + bias
         constraint.mask(logits)
@@ -93,6 +96,15 @@ def test_issue_schema_closes_at_every_budget_from_the_shortest(small_tokenizer):
     for seed in range(3):  # one token short: the section cannot close
         text = small_tokenizer.decode(drive(grammar, shortest - 1, seed, bias))
         assert "<|tool_calls_section_end|>" not in text
+
+
+def test_an_ample_budget_changes_nothing(small_tokenizer):
+    """Far from the end the mask is the grammar's alone: the same samples as without a budget."""
+    grammar, flat = forced(small_tokenizer, ISSUE), torch.zeros(300)
+    for seed in range(6):
+        free = drive(grammar, 400, seed, flat, budget=False)
+        assert len(free) < 400 - 2 * len(grammar.shortest_call)
+        assert drive(grammar, 400, seed, flat) == free
 
 
 def test_parallel_calls_close_in_budget(small_tokenizer):

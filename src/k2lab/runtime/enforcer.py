@@ -20,7 +20,9 @@ significant digits, no exponent), so no number runs on.
 its own ``advance`` calls, so at each step it knows ``left``, the tokens still to be sampled (this one
 included), and ``U(s)``, the length of a known completion that closes the section from the matcher's
 state (``k2lab.runtime.budget``). While ``left − 1 ≥ U(s) + slack`` (``slack`` = the length of a whole
-shortest call: about the most one token can add to ``U``) the grammar's mask is all. Nearer the end it
+shortest call: what opening another call adds to ``U``, and more than one token adds inside a call unless
+it opens an optional property or ``anyOf`` branch whose own shortest value is longer than a whole call —
+the case this bound does not cover) the grammar's mask is all. Nearer the end it
 steers: a token ``t`` stays allowed only if a completion of ``≤ left − 1`` tokens is known after it. The
 witness's next token always qualifies, and the model's most likely other allowed tokens are tested
 (consume, search, roll back), at most ``STEER_CANDIDATES`` of them and only until the tested ones hold
