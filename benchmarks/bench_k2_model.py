@@ -209,7 +209,7 @@ def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[
     corpus = load_corpus(args.spec_data, max_bytes=2_000_000)
     texts = [document.text for document in corpus.val or corpus.train]
     prompts = corpus_windows(texts, tokenizer, count, args.prompt, random.Random(0))
-    kind = "MODEL/draft" if draft.module is not getattr(target, "mtp", [None])[0] else "its MTP layer"
+    kind = "its MTP layer" if any(draft.module is module for module in target.mtp) else "MODEL/draft"
     return target, draft, prompts, str(args.spec_model), f"EAGLE draft ({kind}), held-out text"
 
 
