@@ -4,7 +4,8 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import compiled_decode
+from k2lab.infer.compiled import compiled_decode, decode_compile_decision
+from k2lab.infer.generate import GenerationConfig, generate
 from tests.conftest import randomize
 
 
@@ -31,7 +32,17 @@ def test_compiled_decode_equals_eager() -> None:
         step = compiled_decode(model)
         got = decode_logits(model, step, prompt, tokens)
         assert compiled_decode(model) is step  # one compiled step per model
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 2, f"{frames} graphs: the decode step recompiles as the cache grows"
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    prompts = [[3, 4, 5, 6], [7, 8]]  # generate reuses the model's compiled step (batch 2, one token)
+    compiled_out = generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="on"))
+    assert compiled_out == generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="off"))
+
+
+def test_decode_compile_decision() -> None:
+    assert decode_compile_decision("on", "cpu") == (True, "requested")
+    assert decode_compile_decision("off", "cuda") == (False, "requested")
+    assert decode_compile_decision("auto", "cuda")[0] is True
+    assert decode_compile_decision("auto", "cpu")[0] is False

@@ -234,6 +234,7 @@ def draft_train(config: DraftTrainConfig) -> None:
             "max_context",
             "prefix_cache_mb",
             "prefix_block_size",
+            "compile",
         )
     },
 )
@@ -264,7 +265,9 @@ def serve(
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
-    engine = Engine(model, config.max_batch, config.prefix_cache_mb << 20, config.prefix_block_size).start()
+    engine = Engine(
+        model, config.max_batch, config.prefix_cache_mb << 20, config.prefix_block_size, config.compile
+    ).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)
     console.print(f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch})")

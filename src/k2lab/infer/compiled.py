@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
 from k2lab.ops.kda import mark_compile_constants
+
+CompileMode = Literal["auto", "on", "off"]
 
 _COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
 
@@ -36,3 +39,21 @@ def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
         step = torch.compile(model, dynamic=True)
         _COMPILED[model] = step
     return step
+
+
+def decode_compile_decision(requested: CompileMode | str, device: str) -> tuple[bool, str]:
+    """Whether decode steps on ``device`` run compiled, and why ("auto": CUDA yes, CPU no)."""
+    if requested in ("on", "off"):
+        return requested == "on", "requested"
+    if device == "cuda":
+        return True, "auto: CUDA, where the fused step launches once"
+    return False, "auto: on CPU inductor's build takes minutes on 2 cores; pays only for long runs"
+
+
+def decode_step(model: torch.nn.Module, requested: CompileMode | str) -> Callable[..., object]:
+    """The callable that runs ``model``'s decode steps: compiled per ``decode_compile_decision``, else the
+    model itself. Vision-language models decode eagerly (their text steps are the language model's)."""
+    device = next(model.parameters()).device.type
+    if hasattr(model, "language_model") or not decode_compile_decision(requested, device)[0]:
+        return model
+    return compiled_decode(model)

@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.infer.cache import KDAState, LatentCache, RowState
+from k2lab.infer.compiled import CompileMode, decode_step
 from k2lab.infer.prefix_cache import PrefixCache
 
 
@@ -34,6 +35,11 @@ class GenerationConfig(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     eos_token_id: int | None = None
     seed: int = 0
+    compile: CompileMode = Field(
+        default="auto",
+        description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA, off on CPU "
+        "(a build of minutes); on = compile (one build per model, reused by later calls); off = eager.",
+    )
 
 
 class Constraint(Protocol):
@@ -158,6 +164,7 @@ def generate(
     media = {k: v.to(param.device) for k, v in (media or {}).items()}
     latents, logits = prefill(model, prompts, config.max_new_tokens, starts, prefix_cache, media)
     keep_states = cache is not None and bool(latents.kda_states)
+    step_model = decode_step(model, config.compile)
     ended: dict[int, dict[int, KDAState]] = {}  # row -> its KDA states when it sampled EOS
     tokens: list[torch.Tensor] = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)
@@ -181,7 +188,7 @@ def generate(
             if bool(finished.all()):
                 break
         if step < config.max_new_tokens - 1:
-            logits = model(token[:, None], cache=latents).logits[:, -1]
+            logits = step_model(token[:, None], cache=latents).logits[:, -1]
     outputs = [_until_eos(row, config.eos_token_id) for row in torch.stack(tokens, 1).tolist()]
     if cache is not None or prefix_cache is not None:
         _keep(latents, prompts, outputs, ended, cache, prefix_cache)

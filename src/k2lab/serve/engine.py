@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k2lab.infer.cache import LatentCache
+from k2lab.infer.compiled import CompileMode, decode_step
 from k2lab.infer.generate import Constraint, GenerationConfig, prefill, sample_next
 from k2lab.infer.prefix_cache import PrefixCache
 
@@ -75,7 +76,8 @@ class Request:
 
 class Engine:
     """Continuous batching over ``model`` (a ``CausalLM``; ``max_batch`` sequences decode together), with
-    an automatic prefix cache of ``prefix_cache_bytes`` (0: none) in blocks of ``block_size`` tokens."""
+    an automatic prefix cache of ``prefix_cache_bytes`` (0: none) in blocks of ``block_size`` tokens and
+    decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``)."""
 
     def __init__(
         self,
@@ -83,8 +85,10 @@ class Engine:
         max_batch: int = 16,
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
         block_size: int = 16,
+        compile: CompileMode = "auto",
     ) -> None:
         self.model = model.eval()
+        self._step = decode_step(self.model, compile)  # the decode forward: compiled or the model
         self.prefix_cache = (
             PrefixCache.for_model(model, prefix_cache_bytes, block_size) if prefix_cache_bytes else None
         )
@@ -158,7 +162,7 @@ class Engine:
         if admitted:
             self._admit(admitted)
         if self._running:
-            logits = self.model(self._last[:, None], cache=self._cache).logits[:, -1]
+            logits = self._step(self._last[:, None], cache=self._cache).logits[:, -1]
             self.steps += 1
             self._sample_all(logits)
         self._retire()
