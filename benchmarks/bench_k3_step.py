@@ -69,7 +69,7 @@ def trainer_steps(recipe: str, args: argparse.Namespace, scratch: Path) -> tuple
 
     def forward_backward() -> None:
         model.train()
-        loss, aux = trainer.loss_of(batch)
+        loss, aux, _ = trainer.loss_of(batch)  # presets here have no MTP modules
         (loss + aux).backward()
         # what update() reads and clears every step (else the recordings grow and a compiled forward
         # meets new guards at each call)
