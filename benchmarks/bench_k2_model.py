@@ -14,7 +14,10 @@ Comparisons:
 * ``greedy_decode_tokens_per_s`` — greedy generation of ``--new-tokens`` tokens per prompt, prefill included:
   ``k2lab.infer.generate`` (latent MLA cache, absorbed decode) versus ``model.generate(do_sample=False)``
   with transformers' default ``DynamicCache``. EOS is disabled on both sides so every sequence produces all
-  tokens; throughput is ``batch × new_tokens / seconds``. Default: batch 4, prompt 64, 64 new tokens.
+  tokens; throughput is ``batch × new_tokens / seconds``. Default: batch 4, prompt 64, 64 new tokens;
+  ``--decode-batch 4 1`` adds a ``greedy_decode_b1_tokens_per_s`` row (each batch after the first is named
+  by its size). ``--compile-decode`` runs k2lab's side with the compiled decode step (``k2lab.infer.compiled``;
+  its build happens in the warm-up, outside the timings).
   The script checks that both sides generate identical tokens and warns if they do not.
   A second row repeats it after a ``--long-prompt`` (default 1024) prompt: transformers re-expands every cached
   latent through ``kv_b_proj`` at each step, absorbed decode never does, so the gap grows with context.
@@ -154,18 +157,20 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
 
 
 def bench_greedy_decode(
-    ours, theirs, args, prompt_len: int, name: str = "greedy_decode_tokens_per_s"
+    ours, theirs, args, prompt_len: int, name: str = "greedy_decode_tokens_per_s", batch: int | None = None
 ) -> Comparison:
-    """Greedy generation tokens/s (prefill included) from the same [decode_batch, prompt_len] prompts."""
+    """Greedy generation tokens/s (prefill included) from the same [batch, prompt_len] prompts."""
+    batch = args.decode_batch[0] if batch is None else batch
     generator = torch.Generator().manual_seed(1)
     # Token ids >= 3 keep pad/bos/eos out of the prompts.
-    ids = torch.randint(3, ours.config.vocab_size, (args.decode_batch, prompt_len), generator=generator)
+    ids = torch.randint(3, ours.config.vocab_size, (batch, prompt_len), generator=generator)
     n_new = args.new_tokens
     ours.eval()
     theirs.eval()
     theirs.generation_config.eos_token_id = None
     theirs.generation_config.pad_token_id = ours.config.pad_token_id or 0
-    config = GenerationConfig(max_new_tokens=n_new, eos_token_id=None)
+    compile_mode = "on" if args.compile_decode else "off"
+    config = GenerationConfig(max_new_tokens=n_new, eos_token_id=None, compile=compile_mode)
     prompts = ids.tolist()
 
     def run_ours() -> list[list[int]]:
@@ -187,9 +192,10 @@ def bench_greedy_decode(
     if not same:
         warnings.warn("greedy outputs differ between k2lab and transformers", stacklevel=1)
     t_ours, t_theirs = alternating_medians([run_ours, run_theirs], args.repeats)
-    tokens = args.decode_batch * n_new
-    shape = {"batch": args.decode_batch, "prompt": prompt_len, "new_tokens": n_new}
-    return _comparison(name, tokens, t_ours, t_theirs, args, shape, {"same_tokens": same})
+    tokens = batch * n_new
+    shape = {"batch": batch, "prompt": prompt_len, "new_tokens": n_new}
+    extra = {"same_tokens": same, "compiled_decode": args.compile_decode}
+    return _comparison(name, tokens, t_ours, t_theirs, args, shape, extra)
 
 
 def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[int]], str, str]:
@@ -333,7 +339,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", default="k2-mini")
     parser.add_argument("--batch", type=int, default=8, help="training batch")
     parser.add_argument("--seq", type=int, default=256, help="training sequence length")
-    parser.add_argument("--decode-batch", type=int, default=4)
+    parser.add_argument(
+        "--decode-batch",
+        type=int,
+        nargs="+",
+        default=[4, 1],
+        help="decode batches (the first names the rows)",
+    )
+    parser.add_argument("--compile-decode", action="store_true", help="k2lab decodes with the compiled step")
     parser.add_argument("--prompt", type=int, default=64, help="prompt length for decoding")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
@@ -359,7 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         preset="k2-nano",
         batch=2,
         seq=16,
-        decode_batch=2,
+        decode_batch=[2, 1],
         prompt=8,
         new_tokens=4,
         long_prompt=0,
@@ -388,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(bench_forward_backward(ours, theirs, args))
     if args.only in (None, "decode"):
         rows.append(bench_greedy_decode(ours, theirs, args, args.prompt))
+        for batch in args.decode_batch[1:]:
+            name = f"greedy_decode_b{batch}_tokens_per_s"
+            rows.append(bench_greedy_decode(ours, theirs, args, args.prompt, name, batch))
         if args.long_prompt:
             rows.append(
                 bench_greedy_decode(
