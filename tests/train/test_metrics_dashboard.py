@@ -136,3 +136,19 @@ def test_dashboard_missing_keys_say_no_data(tmp_path: Path) -> None:
     assert png_size(out) == (1400, 900)
     with pytest.raises(K2LabError, match="metrics.jsonl"):
         plot_dashboard(tmp_path / "missing")
+
+
+def test_loss_panel_draws_the_mtp_loss_when_logged() -> None:
+    from matplotlib.figure import Figure
+
+    from k2lab.train.dashboard import _plot_loss
+
+    def labels(records: list[dict]) -> list[str]:
+        ax = Figure().subplots()
+        _plot_loss(ax, records)
+        return [line.get_label() for line in ax.get_lines()]
+
+    plain = [{"step": s, "loss": 3.0 - s / 10} for s in range(1, 4)]
+    assert labels(plain) == ["train loss"]
+    with_mtp = [dict(r, mtp_loss=r["loss"] + 0.2) for r in plain]
+    assert labels(with_mtp) == ["train loss", "MTP loss (mean over depths)"]

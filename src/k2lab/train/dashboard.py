@@ -1,10 +1,11 @@
 """One-page PNG dashboard of a training run, drawn from ``RUN_DIR/metrics.jsonl``.
 
-Panels (2 x 3): loss and val_loss; learning rate; per-layer max attention logit with the QK-Clip threshold
-τ; heads clipped by QK-Clip per step; expert-load heatmap of the latest step (load / mean load per layer,
-1 = balanced); expert-load imbalance (max / mean) per layer over steps. A panel whose keys are absent says
-"no data". Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch), so it is safe to
-call from a training loop or a headless machine.
+Panels (2 x 3): loss and val_loss (and ``mtp_loss``, the multi-token-prediction loss, when logged);
+learning rate; per-layer max attention logit with the QK-Clip threshold τ; heads clipped by QK-Clip per
+step; expert-load heatmap of the latest step (load / mean load per layer, 1 = balanced); expert-load
+imbalance (max / mean) per layer over steps. A panel whose keys are absent says "no data". Uses
+matplotlib's Agg canvas directly (no pyplot, no global backend switch), so it is safe to call from a
+training loop or a headless machine.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def _plot_loss(ax: Any, records: list[dict[str, Any]]) -> None:
         ax.plot(*train, label="train loss", color="tab:blue", linewidth=1)
     if val[0]:
         ax.plot(*val, label="val loss", color="tab:orange", marker="o", markersize=4, linewidth=1.5)
+    mtp = _series(records, "mtp_loss")
+    if mtp[0]:
+        ax.plot(*mtp, label="MTP loss (mean over depths)", color="tab:green", linewidth=1, alpha=0.8)
     ax.set_title("Loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
