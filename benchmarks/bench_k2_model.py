@@ -17,7 +17,8 @@ Comparisons:
   tokens; throughput is ``batch × new_tokens / seconds``. Default: batch 4, prompt 64, 64 new tokens;
   ``--decode-batch 4 1`` adds a ``greedy_decode_b1_tokens_per_s`` row (each batch after the first is named
   by its size). ``--compile-decode`` runs k2lab's side with the compiled decode step (``k2lab.infer.compiled``;
-  its build happens in the warm-up, outside the timings).
+  its build happens in the warm-up, outside the timings); in the speculative rows both the target's verify
+  forward and plain decoding then run compiled (the draft stays eager).
   The script checks that both sides generate identical tokens and warns if they do not.
   A second row repeats it after a ``--long-prompt`` (default 1024) prompt: transformers re-expands every cached
   latent through ``kv_b_proj`` at each step, absorbed decode never does, so the gap grows with context.
@@ -225,7 +226,10 @@ def bench_speculative(args, config) -> list[SpeculativeRow]:
     rows = []
     for temperature in (0.0, 1.0):
         generation = GenerationConfig(
-            max_new_tokens=args.new_tokens, temperature=temperature, eos_token_id=None
+            max_new_tokens=args.new_tokens,
+            temperature=temperature,
+            eos_token_id=None,
+            compile="on" if args.compile_decode else "off",  # both sides: the verify and the plain step
         )
         _, held_out = speculative_generate(
             target, draft, prompts[: args.spec_eval], generation, args.draft_tokens

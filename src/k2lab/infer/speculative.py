@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from k2lab.infer.cache import LatentCache
+from k2lab.infer.compiled import decode_step
 from k2lab.infer.draft import Draft
 from k2lab.infer.generate import Constraint, GenerationConfig, generate, left_pad
 from k2lab.infer.rollback import CacheWindow, ensure_room
@@ -99,6 +100,7 @@ class SpeculativeStep:
         generator: Generators,
     ) -> None:
         self.model, self.draft, self.config, self.generator = model, draft, config, generator
+        self.verify_forward = decode_step(model, config.compile)  # compiled per config.compile, else model
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """A draft token per row from draft logits [B, V] (argmax when greedy, else a draw from q)."""
@@ -133,7 +135,7 @@ class SpeculativeStep:
         drafted, draft_logits = self.draft.propose(k, self.pick)
         ensure_room(self.cache, k + 1)
         window = CacheWindow(self.cache)
-        out = self.model(
+        out = self.verify_forward(
             torch.cat([self.pending[:, None], drafted], dim=1),
             cache=self.cache,
             output_hidden=self.draft.uses_hidden,
