@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,20 @@ def replace_directory(staging: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, target)
+
+
+@contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """Write a directory atomically: yields a fresh staging sibling of ``target``; when the block ends
+    normally the staging directory replaces ``target`` (``replace_directory``), when it raises (or is
+    interrupted) the staging directory is removed and ``target`` is left as it was."""
+    staging = staging_directory(target)
+    try:
+        yield staging
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.hf import from_hf
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
@@ -50,8 +49,7 @@ def tied_head_key(model: torch.nn.Module) -> str | None:
 def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLike[str]) -> Path:
     """Write ``model`` to ``directory`` atomically (replacing an existing checkpoint there)."""
     target = Path(directory)
-    staging = staging_directory(target)
-    try:
+    with staged_directory(target) as staging:
         manifest = {"format": FORMAT, "version": VERSION, "config": model.config.model_dump(mode="json")}
         if isinstance(model, VisionLanguageModel):
             manifest["kind"] = "vlm"
@@ -59,10 +57,6 @@ def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLi
         state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
         state.pop(tied_head_key(model), None)
         save_file(state, str(staging / WEIGHTS), metadata={"format": FORMAT})
-        replace_directory(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

@@ -39,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.hf import kimi_k25
 from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
 from k2lab.hf.mapping import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, weight_groups
@@ -482,8 +482,7 @@ def to_hf(
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
-    staging = staging_directory(target)
-    try:
+    with staged_directory(target) as staging:
         written = {CONFIG_FILE}
         (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         generation = {
@@ -511,10 +510,6 @@ def to_hf(
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
             written.add(INDEX_FILE)
         _carry_over_other_files(target, staging, written)
-        replace_directory(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

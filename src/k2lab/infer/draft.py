@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from k2lab.config import ModelConfig
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.rollback import CacheWindow, ensure_room
 from k2lab.models.decoder import CausalLM
@@ -217,8 +216,7 @@ def save_draft(
     atomically: ``k2lab-draft.json`` {format, version, kind: "eagle", config: the target's ModelConfig,
     info} and ``draft.safetensors``. ``save_model`` over the model directory replaces ``draft/`` too."""
     target = Path(directory)
-    staging = staging_directory(target)
-    try:
+    with staged_directory(target) as staging:
         manifest = {
             "format": DRAFT_FORMAT,
             "version": 1,
@@ -229,10 +227,6 @@ def save_draft(
         (staging / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         state = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
         save_file(state, str(staging / DRAFT_WEIGHTS), metadata={"format": DRAFT_FORMAT})
-        replace_directory(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, replace_directory, staging_directory
+from k2lab.fsutil import read_json_object, staged_directory
 
 FORMAT = "k2lab-train"
 VERSION = 1
@@ -96,8 +96,7 @@ def save_training_checkpoint(
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     _check_plain(state, "state")
     target = checkpoint_directory(run_dir, step)
-    staging = staging_directory(target)
-    try:
+    with staged_directory(target) as staging:
         files = {STATE: _write_synced(staging / STATE, lambda f: torch.save(state, f))}
         manifest = {
             "format": FORMAT,
@@ -110,11 +109,7 @@ def save_training_checkpoint(
         text = (json.dumps(manifest, indent=2) + "\n").encode()
         _write_synced(staging / MANIFEST, lambda f: f.write(text))
         _fsync_directory(staging)
-        replace_directory(staging, target)
-        _fsync_directory(target.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    _fsync_directory(target.parent)
     _prune(Path(run_dir), step, keep_last)
     return target
 
