@@ -47,6 +47,21 @@ ENV_ALL = "K2LAB_PRECISION"
 ENV_PATH = {"newton_schulz": "K2LAB_NS_PRECISION"}
 
 
+CompileMode = Literal["auto", "on", "off"]
+
+
+def compile_decision(
+    requested: CompileMode | str, device: str, cuda_reason: str, cpu_reason: str
+) -> tuple[bool, str]:
+    """Whether a path runs under ``torch.compile`` on ``device``, and why: "on" / "off" as asked; "auto"
+    compiles on CUDA (``cuda_reason``) and stays eager on CPU (``cpu_reason``: the path's own figures)."""
+    if requested in ("on", "off"):
+        return requested == "on", "requested"
+    if device == "cuda":
+        return True, f"auto: {cuda_reason}"
+    return False, f"auto: {cpu_reason}"
+
+
 @dataclass(frozen=True)
 class Choice:
     """A path's compute dtype and why (printed by ``k2lab train``, recorded in metrics and summaries)."""

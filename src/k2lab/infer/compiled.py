@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
+from k2lab.hardware import CompileMode, compile_decision
 from k2lab.ops.kda import mark_compile_constants
 
-CompileMode = Literal["auto", "on", "off"]
+__all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step"]
 
 _COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., object]] = weakref.WeakKeyDictionary()
 
@@ -42,12 +42,13 @@ def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
 
 
 def decode_compile_decision(requested: CompileMode | str, device: str) -> tuple[bool, str]:
-    """Whether decode steps on ``device`` run compiled, and why ("auto": CUDA yes, CPU no)."""
-    if requested in ("on", "off"):
-        return requested == "on", "requested"
-    if device == "cuda":
-        return True, "auto: CUDA, where the fused step launches once"
-    return False, "auto: on CPU inductor's build takes minutes on 2 cores; pays only for long runs"
+    """Whether decode steps on ``device`` run compiled, and why (``k2lab.hardware.compile_decision``)."""
+    return compile_decision(
+        requested,
+        device,
+        "CUDA, where the fused step launches once",
+        "on CPU inductor's build takes minutes on 2 cores; pays only for long runs",
+    )
 
 
 def decode_step(model: torch.nn.Module, requested: CompileMode | str) -> Callable[..., object]:

@@ -18,24 +18,23 @@ compiled logits, gradients, recorded maxima and expert loads equal eager's withi
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from k2lab.hardware import CompileMode
+from k2lab.hardware import compile_decision as hardware_compile_decision
 from k2lab.ops.kda import mark_compile_constants
 
-CompileMode = Literal["auto", "on", "off"]
+__all__ = ["CompileMode", "compile_decision", "compiled"]
 
 
 def compile_decision(requested: CompileMode | str, device: str) -> tuple[bool, str]:
-    """Whether to compile the training forward on ``device`` and why."""
-    if requested == "on":
-        return True, "requested"
-    if requested == "off":
-        return False, "requested"
-    if device == "cuda":
-        return True, "auto: CUDA, where fused kernels pay from the first steps"
-    return False, "auto: on CPU inductor's build (~1 min on 2 cores) costs more than it saves (4–13 % a step)"
+    """Whether to compile the training forward on ``device`` and why (``k2lab.hardware.compile_decision``)."""
+    return hardware_compile_decision(
+        requested,
+        device,
+        "CUDA, where fused kernels pay from the first steps",
+        "on CPU inductor's build (~1 min on 2 cores) costs more than it saves (4–13 % a step)",
+    )
 
 
 def compiled(model: torch.nn.Module) -> torch.nn.Module:
