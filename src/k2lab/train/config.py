@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from k2lab.hardware import CompileMode, Precision
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.presets import available_presets, get_preset
 from k2lab.recipes import is_set, load_config, read_recipe, unset_defaults
@@ -62,12 +63,12 @@ class TrainConfig(BaseModel):
     )
     grad_accum: int = Field(default=1, gt=0)
     grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping.")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Precision = Field(
         default="auto",
         description="Model-step precision: auto = bf16 autocast where the hardware runs it natively "
         "(k2lab.hardware), else fp32.",
     )
-    compile: Literal["auto", "on", "off"] = Field(
+    compile: CompileMode = Field(
         default="auto",
         description="torch.compile the training forward+backward: auto = on for CUDA, off on CPU "
         "(k2lab.train.compile).",
