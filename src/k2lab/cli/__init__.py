@@ -2,7 +2,7 @@
 
 | module | commands |
 |---|---|
-| ``models`` | ``presets``, ``params``, ``init`` |
+| ``models`` | ``presets``, ``params``, ``init``, ``export`` |
 | ``infer`` | ``generate``, ``serve``, ``draft train`` |
 | ``train`` | ``train``, ``sft``, ``stability``, ``plot`` |
 | ``ablate`` | ``ablate optimizer / balancing / vision-injection / rephrase / parl`` |

@@ -1,4 +1,4 @@
-"""Model commands: ``presets``, ``params``, ``init``."""
+"""Model commands: ``presets``, ``params``, ``init``, ``export``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import typer
 from rich.table import Table
 
 from k2lab.cli.app import PresetOption, app, console
+from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
+from k2lab.hf import export as hf_export
 from k2lab.presets import available_presets, get_preset, language_model_config, load_preset
 
 
@@ -142,3 +144,35 @@ def init(
     else:
         save_model(model, out)
     console.print(f"wrote {preset} ({total:,} parameters, seed {seed}) to {out}")
+
+
+@app.command()
+@runs_config(
+    hf_export.ExportConfig,
+    options={
+        "out": Opt("out", "-o"),
+        "format": Opt("format"),
+        "max_shard_size": Opt("max_shard_size"),
+        "dtype": Opt("dtype"),
+        "checkpoint": Opt("checkpoint"),
+        "tokenizer": Opt("tokenizer"),
+        "quantize": Opt("quantize"),
+    },
+)
+def export(
+    config: hf_export.ExportConfig,
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="A run directory (its final model or latest / best checkpoint), a training checkpoint "
+            "(RUN/checkpoints/step_*) or a model directory."
+        ),
+    ],
+) -> None:
+    """Write a complete Hugging Face model repository: config, safetensors (sharded), tokenizer files with the
+    special tokens, the chat template and generation_config.json; it loads in transformers and vLLM."""
+    out = hf_export.export(
+        config, source, log=lambda line: console.print(line, markup=False, highlight=False)
+    )
+    files = sorted(path.name for path in out.iterdir())
+    console.print(f"wrote {out}: {', '.join(files)}", markup=False, highlight=False)

@@ -1,0 +1,37 @@
+"""k2lab's chat format as a Jinja chat template (``chat_template.jinja``, package data beside this module).
+
+The template is the Jinja twin of ``k2lab.runtime.chat.render_chat``: for every conversation that
+``render_chat`` accepts, transformers' ``tokenizer.apply_chat_template(messages, tools=tools,
+add_generation_prompt=g, tokenize=False)`` gives byte-identical text (``tests/hf/test_chat_template.py``
+checks it over generated conversations). Rendered as ``render_chat`` does:
+
+* the ``tool_declare`` system turn first when ``tools`` is non-empty: TypeScript as
+  ``k2lab.runtime.tool_spec.tools_to_typescript`` writes it (descriptions as ``//`` comments, ``?`` for
+  optional properties, unions, ``T[]`` with ``(A | B)[]`` for compound items, inline ``$ref``,
+  ``// default:`` comments), or compact JSON with the template variable ``tool_format="json"``;
+* ``developer`` turns as ``system``; content as a string or a list of text parts (joined);
+* assistant turns ``[<think>{reasoning_content}</think>]{content}[tool-call section]`` with tool calls
+  renumbered ``functions.{name}:{idx}`` through the conversation and tool results' ``tool_call_id``
+  rewritten to the id of the call they answer (the latest call with that client id); arguments given as
+  an object are dumped as ``json.dumps(..., ensure_ascii=False)`` (transformers' ``tojson``);
+* the generation prompt ``<|im_assistant|>assistant<|im_middle|>`` (no ``<think>`` opened).
+
+What Jinja does not do: ``render_chat`` *rejects* some inputs with ``ChatFormatError`` (special-token
+strings in text, ``</think>`` inside reasoning, an invalid tool spec, a missing user content ...); the
+template renders them anyway (it validates nothing), so equality holds on the inputs ``render_chat``
+accepts. There is no thinking switch: like ``render_chat``, a turn shows ``<think>`` exactly when it has
+``reasoning_content``.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+__all__ = ["TEMPLATE_FILE", "chat_template"]
+
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+def chat_template() -> str:
+    """The template's text (read from the installed package's data)."""
+    return resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")

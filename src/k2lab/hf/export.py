@@ -1,0 +1,165 @@
+"""``k2lab export``: a complete Hugging Face model repository from a run, a training checkpoint or a model
+directory (``k2lab.hf.export_source`` says which weights and which tokenizer).
+
+The repository (written atomically through ``k2lab.fsutil.staged_directory``: a crash leaves the old
+directory or the new one) holds:
+
+* ``config.json`` and the safetensors weights as ``to_hf`` writes them, in shards of at most
+  ``max_shard_size`` (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``) once the
+  weights pass it, else one ``model.safetensors``;
+* the tokenizer files of ``k2lab.hf.tokenizer_files`` (``tokenizer.json``, ``tokenizer_config.json`` with
+  bos/eos/pad and every special token, ``special_tokens_map.json``) and the chat template of
+  ``k2lab.hf.chat_template`` (in ``tokenizer_config.json`` and as ``chat_template.jinja``);
+* ``generation_config.json``: ``bos_token_id``, ``pad_token_id``, ``eos_token_id`` = [end of sequence,
+  ``<|im_end|>``] (the ids ``k2lab serve`` stops at: a chat turn ends at ``<|im_end|>``) and the sampling
+  defaults of ``k2lab generate`` (``GenerationConfig``: temperature 0 = ``do_sample`` false).
+
+The result loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (no
+remote code) and with ``k2lab.hf.from_hf``. ``format="gguf"`` and ``quantize`` are not implemented yet and
+say so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from k2lab.data.tokenizer import Tokenizer, load_tokenizer
+from k2lab.errors import CheckpointError, K2LabError
+from k2lab.fsutil import staged_directory
+from k2lab.hf.chat_template import chat_template
+from k2lab.hf.export_source import Choice, find_source
+from k2lab.hf.io import GENERATION_CONFIG_FILE, to_hf
+from k2lab.hf.tokenizer_files import tokenizer_files
+from k2lab.infer.generate import GenerationConfig
+from k2lab.models import CausalLM
+from k2lab.vision.vlm import VisionLanguageModel
+
+__all__ = ["ExportConfig", "export", "generation_config", "parse_size"]
+
+Log = Callable[[str], object]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of ``"5GB"`` (10⁹, as transformers' ``max_shard_size``), ``"2GiB"`` (2³⁰), ``"100KB"``, ``"512"``."""
+    if isinstance(text, int):
+        size = text
+    else:
+        match = _SIZE.match(text)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"a size like 5GB, 500MB, 2GiB or a number of bytes, got {text!r}")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"the size must be positive, got {text!r}")
+    return size
+
+
+class ExportConfig(BaseModel):
+    """What ``k2lab export SOURCE`` writes (the source is the command's argument)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    out: Path = Field(description="Directory to write the model repository to (replaced atomically).")
+    format: Literal["hf", "gguf"] = Field(
+        default="hf", description="hf = transformers / vLLM model repository; gguf = llama.cpp (not yet)."
+    )
+    max_shard_size: str = Field(
+        default="5GB",
+        description="Largest safetensors shard (5GB = 5·10⁹ bytes, 2GiB = 2·2³⁰, or bytes); larger weights "
+        "are split with model.safetensors.index.json.",
+    )
+    dtype: Literal["keep", "fp32", "bf16", "fp16"] = Field(
+        default="keep",
+        description="Weight dtype on disk (keep = as loaded, fp32); the router bias stays fp32.",
+    )
+    checkpoint: Choice = Field(
+        default="latest",
+        description="For a run directory: latest = the final model or newest checkpoint; best = lowest "
+        "val_loss logged at a checkpoint's step.",
+    )
+    tokenizer: Path | None = Field(
+        default=None, description="tokenizer.json to export (default: the one found beside the weights)."
+    )
+    quantize: str | None = Field(default=None, description="Quantised weights (not implemented yet).")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, value: str) -> str:
+        parse_size(value)
+        return value
+
+
+def generation_config(tokenizer: Tokenizer, defaults: GenerationConfig | None = None) -> dict:
+    """``generation_config.json``: the special ids (eos: end of sequence and ``<|im_end|>``) and sampling."""
+    defaults = defaults or GenerationConfig()
+    end_of_turn = tokenizer.special_tokens.get("<|im_end|>")
+    eos = [tokenizer.eos_id] + ([end_of_turn] if end_of_turn is not None else [])
+    data: dict = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_id}
+    data = {key: value for key, value in data.items() if value is not None}
+    if defaults.temperature > 0:
+        data.update(do_sample=True, temperature=defaults.temperature, top_p=defaults.top_p)
+    else:
+        data["do_sample"] = False
+    return data
+
+
+def _text_config(model: CausalLM | VisionLanguageModel):
+    return model.config.text if isinstance(model, VisionLanguageModel) else model.config
+
+
+def check_tokenizer(tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel, path: Path) -> None:
+    """The tokenizer fits the model: no more ids than its vocabulary, the same bos / eos / pad ids."""
+    config = _text_config(model)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise K2LabError(
+            f"tokenizer {path} has {tokenizer.vocab_size} ids but the model's vocabulary is {config.vocab_size}"
+        )
+    for role, ours in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id)):
+        declared = getattr(config, f"{role}_token_id")
+        if declared is not None and ours is not None and declared != ours:
+            raise K2LabError(
+                f"tokenizer {path} has {role} id {ours} but the model config says {role}_token_id {declared}"
+            )
+
+
+def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
+    """Write the model repository of ``source`` (run, checkpoint or model directory) to ``config.out``."""
+    if config.format == "gguf":
+        raise K2LabError(
+            "--format gguf is not implemented yet (issue 23 point 3); export --format hf for now"
+        )
+    if config.quantize is not None:
+        raise K2LabError("--quantize is not implemented yet; export full-precision weights (--dtype)")
+    found = find_source(source, config.checkpoint, config.tokenizer, log)
+    log(f"exporting {found.description}")
+    model, tokenizer_path = found.load()
+    if tokenizer_path is None:
+        raise CheckpointError(
+            f"no tokenizer.json found for {found.path} (beside the weights, in the run's model/ or the run's "
+            "tokenizer setting); pass --tokenizer FILE"
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+    check_tokenizer(tokenizer, model, tokenizer_path)
+    log(f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} ids)")
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a directory")
+    files = tokenizer_files(tokenizer, chat_template(), _text_config(model).max_position_embeddings)
+    files[GENERATION_CONFIG_FILE] = json.dumps(generation_config(tokenizer), indent=2) + "\n"
+    with staged_directory(out) as staging:
+        dtype = DTYPES.get(config.dtype)
+        to_hf(model, staging, max_shard_bytes=parse_size(config.max_shard_size), dtype=dtype)
+        for name, text in files.items():
+            (staging / name).write_text(text, encoding="utf-8")
+    return out

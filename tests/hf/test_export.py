@@ -1,0 +1,233 @@
+"""``k2lab export``: a complete HF repository from a model directory, a training checkpoint or a run, loaded
+back by transformers (``AutoModelForCausalLM`` + ``AutoTokenizer``: same ids, logits within 1e-4 and the same
+greedy tokens as k2lab) and by ``from_hf``; sharding past ``max_shard_size``; which checkpoint of a run is
+taken; the errors and the atomic write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from k2lab import build_model, load_preset
+from k2lab.cli import main
+from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from k2lab.errors import K2LabError
+from k2lab.hf import from_hf
+from k2lab.hf.export import ExportConfig, export, parse_size
+from k2lab.hf.io import INDEX_FILE, SINGLE_FILE
+from k2lab.infer import GenerationConfig, generate
+from k2lab.model_dir import load_model, save_model
+from k2lab.train.run_checkpoints import checkpoint_directory, save_training_checkpoint
+from tests.conftest import randomize
+from tests.hf.conftest import nano_for
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "def main():\n    print('héllo')<|im_end|>"
+
+
+def quiet(line: str) -> None:
+    del line
+
+
+def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
+
+
+def data_bytes(path: Path) -> int:
+    """Bytes of tensor data in a safetensors file: its size less the 8-byte length and the JSON header."""
+    with open(path, "rb") as handle:
+        header = int.from_bytes(handle.read(8), "little")
+    return path.stat().st_size - 8 - header
+
+
+def test_the_repository_has_every_file(exported: Path, tokenizer: Tokenizer):
+    names = {path.name for path in exported.iterdir()}
+    assert names == {
+        "config.json",
+        SINGLE_FILE,
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    }
+    config = json.loads((exported / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == (
+        "<|bos|>",
+        "<|eos|>",
+        "<|pad|>",
+    )
+    assert config["unk_token"] is None and config["clean_up_tokenization_spaces"] is False
+    decoder = config["added_tokens_decoder"]
+    assert [decoder[str(i)]["content"] for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
+    assert all(entry["special"] for entry in decoder.values())
+    assert set(config["additional_special_tokens"]) == set(SPECIAL_TOKENS) - {"<|bos|>", "<|eos|>", "<|pad|>"}
+    generation = json.loads((exported / "generation_config.json").read_text())
+    end_of_turn = tokenizer.special_tokens["<|im_end|>"]
+    assert generation == {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": [tokenizer.eos_id, end_of_turn],
+        "pad_token_id": tokenizer.pad_id,
+        "do_sample": False,
+    }
+
+
+def test_from_hf_reads_back_the_same_weights(exported: Path, model_dir: Path):
+    assert weights_equal(from_hf(exported), load_model(model_dir))
+
+
+def test_transformers_runs_the_export_like_k2lab(exported: Path, model_dir: Path, tokenizer: Tokenizer):
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(exported))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    ours = load_model(model_dir).eval()
+    assert len(hf_tokenizer) == tokenizer.vocab_size
+    ids = hf_tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, ours(ids).logits, rtol=1e-4, atol=1e-4)
+        hf_tokens = hf_model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[
+            0, ids.shape[1] :
+        ]
+    k2lab_tokens = generate(ours, [ids[0].tolist()], GenerationConfig(max_new_tokens=12))[0]
+    assert hf_tokens.tolist() == k2lab_tokens
+
+
+def test_shards_past_max_shard_size(tmp_path: Path, model_dir: Path):
+    out = export(ExportConfig(out=tmp_path / "hf", max_shard_size="60KB"), model_dir, log=quiet)
+    index = json.loads((out / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and not (out / SINGLE_FILE).exists()
+    for shard in shards:
+        count = sum(1 for name in index["weight_map"].values() if name == shard)
+        assert data_bytes(out / shard) <= 60_000 or count == 1, shard  # a tensor over the limit stands alone
+    assert index["metadata"]["total_size"] == sum(data_bytes(out / shard) for shard in shards)
+    assert weights_equal(from_hf(out), load_model(model_dir))
+    transformers.AutoModelForCausalLM.from_pretrained(str(out))  # loads the sharded form without complaint
+
+
+def test_dtype_casts_the_weights(tmp_path: Path, model_dir: Path):
+    out = export(ExportConfig(out=tmp_path / "hf", dtype="bf16"), model_dir, log=quiet)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("5GB", 5 * 10**9), ("2GiB", 2 * 2**30), ("100KB", 100_000), ("512", 512), ("1.5MB", 1_500_000)],
+)
+def test_parse_size(text: str, size: int):
+    assert parse_size(text) == size
+
+
+# ---- runs and checkpoints --------------------------------------------------------------------------------
+def make_run(root: Path, tokenizer: Tokenizer, losses: dict[int, float]) -> dict[int, torch.nn.Module]:
+    """A run directory with one checkpoint per step (different weights) and ``val_loss`` per step."""
+    tokenizer_file = root / "tok" / "tokenizer.json"
+    tokenizer.save(tokenizer_file)
+    run = root / "run"
+    models = {}
+    for step in losses:
+        model = randomize(nano_for(tokenizer), seed=step)
+        state = {
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": {},
+            "train_config": {"tokenizer": str(tokenizer_file)},
+            "model_config": model.config.model_dump(mode="json"),
+        }
+        save_training_checkpoint(run, step, state, keep_last=None)
+        models[step] = model
+    lines = [json.dumps({"step": step, "loss": 1.0, "val_loss": loss}) for step, loss in losses.items()]
+    (run / "metrics.jsonl").write_text("\n".join([*lines, '{"step": 9, "lo']) + "\n")  # last line cut short
+    return models
+
+
+def test_a_run_gives_its_latest_or_best_checkpoint(tmp_path: Path, tokenizer: Tokenizer):
+    models = make_run(tmp_path, tokenizer, {1: 3.0, 2: 2.5, 3: 2.7})
+    run = tmp_path / "run"
+    lines: list[str] = []
+    out = export(ExportConfig(out=tmp_path / "latest"), run, log=lines.append)
+    assert "latest checkpoint step_00000003 (step 3)" in lines[0]
+    assert weights_equal(from_hf(out), models[3])
+    out = export(ExportConfig(out=tmp_path / "best", checkpoint="best"), run, log=lines.append)
+    assert "best checkpoint (val_loss 2.5000) step_00000002" in lines[-2]
+    assert weights_equal(from_hf(out), models[2])
+    state = checkpoint_directory(run, 3) / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated: skipped with a line, the next one taken
+    lines.clear()
+    out = export(ExportConfig(out=tmp_path / "latest"), run, log=lines.append)
+    assert lines[0].startswith("checkpoint step_00000003 skipped") and "step_00000002" in lines[1]
+    assert weights_equal(from_hf(out), models[2])
+    out = export(ExportConfig(out=tmp_path / "one"), checkpoint_directory(run, 1), log=quiet)
+    assert weights_equal(from_hf(out), models[1])
+    assert (out / "tokenizer.json").read_text() == tokenizer.backend.to_str()
+
+
+def test_a_finished_run_gives_its_final_model(tmp_path: Path, tokenizer: Tokenizer):
+    make_run(tmp_path, tokenizer, {1: 3.0, 2: 2.0})
+    run = tmp_path / "run"
+    final = randomize(nano_for(tokenizer), seed=99)
+    save_model(final, run / "model")
+    tokenizer.save(run / "model" / "tokenizer.json")
+    (run / "summary.json").write_text(json.dumps({"steps": 2, "val_loss": 2.0}))
+    lines: list[str] = []
+    out = export(ExportConfig(out=tmp_path / "hf"), run, log=lines.append)
+    assert lines[0] == f"exporting run {run}: final model (step 2)"
+    assert weights_equal(from_hf(out), final)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+def test_bad_sources_are_clear_errors(tmp_path: Path, model_dir: Path, tokenizer: Tokenizer):
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (tmp_path / "missing", {}, "does not exist"),
+        (tmp_path / "empty", {}, "is not a run directory"),
+        (model_dir, {"format": "gguf"}, "gguf is not implemented yet"),
+        (model_dir, {"quantize": "int8"}, "--quantize is not implemented yet"),
+        (model_dir, {"tokenizer": tmp_path / "none.json"}, "tokenizer file"),
+    ]
+    for source, options, message in cases:
+        with pytest.raises(K2LabError, match=message):
+            export(ExportConfig(out=tmp_path / "out", **options), source, log=quiet)
+    with pytest.raises(ValidationError, match="a size like 5GB"):
+        ExportConfig(out=tmp_path / "out", max_shard_size="5XB")
+    bare = save_model(nano_for(tokenizer), tmp_path / "bare")  # no tokenizer.json beside it
+    with pytest.raises(K2LabError, match="pass --tokenizer FILE"):
+        export(ExportConfig(out=tmp_path / "out"), bare, log=quiet)
+    small = save_model(build_model(load_preset("k2-nano")), tmp_path / "small")  # 128 ids < the tokenizer's
+    with pytest.raises(K2LabError, match="model's vocabulary is 128"):
+        export(ExportConfig(out=tmp_path / "out", tokenizer=model_dir / "tokenizer.json"), small, log=quiet)
+    make_run(tmp_path / "r", tokenizer, {1: 1.0})
+    state = checkpoint_directory(tmp_path / "r" / "run", 1) / "state.pt"
+    state.write_bytes(state.read_bytes()[:-1])
+    with pytest.raises(K2LabError, match="no checkpoint that verifies"):
+        export(ExportConfig(out=tmp_path / "out"), tmp_path / "r" / "run", log=quiet)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_the_format_cannot_hold_writes_nothing(tmp_path: Path, model_dir: Path):
+    k3 = save_model(build_model(load_preset("k3-nano", vocab_size=400)), tmp_path / "k3")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(K2LabError, match="no equivalent for: mla_output_gate"):
+        export(ExportConfig(out=out, tokenizer=model_dir / "tokenizer.json"), k3, log=quiet)
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
+    assert [path.name for path in out.iterdir()] == ["keep.txt"]
+
+
+def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(model_dir), "--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"])
+    assert done.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"exporting model directory {model_dir}" in printed and "model.safetensors.index.json" in printed
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    assert done.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
