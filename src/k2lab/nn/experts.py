@@ -11,9 +11,15 @@ matmul per weight (``ops.grouped_mm``), scale each row by its routing weight (fp
 ``out_dtype`` (default: x's dtype, as K2; fp32 for the latent branch, which normalises the sum next).
 No loop over tokens and no compute for unselected experts.
 
-Decode tier: with fewer (token, pick) rows than experts (one token at a time), the rows' own expert weights
-are gathered ([NK, F, D] each) and applied with one batched matmul per weight instead of a grouped product
-that visits every expert — the same products, fewer kernel launches (``gathered_forward``).
+Decode tiers, with fewer (token, pick) rows than experts (a few tokens at a time) and no gradient: the same
+products as the grouped tier, without visiting every expert.
+
+- eager (``looped_forward``): one pass per picked expert over its rows, with the expert's weights used in
+  place (views of the stacked parameters): no weight is copied;
+- under ``torch.compile`` (``gathered_forward``): the rows' expert weights are gathered ([NK, F, D] each)
+  and applied with one batched matmul per weight — no data-dependent Python, so one graph serves every
+  step. In eager mode the gather copies NK·3·F·D weights a step, which costs more than the loop's launches
+  (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -67,7 +73,9 @@ class RoutedExperts(nn.Module):
         """
         out_dtype = x_ND.dtype if out_dtype is None else out_dtype
         if indices_NK.numel() < self.n_experts and not torch.is_grad_enabled():
-            return self.gathered_forward(x_ND, indices_NK, weights_NK, out_dtype)
+            if torch.compiler.is_compiling():
+                return self.gathered_forward(x_ND, indices_NK, weights_NK, out_dtype)
+            return self.looped_forward(x_ND, indices_NK, weights_NK, out_dtype)
         top_k = indices_NK.shape[1]
         flat_expert = indices_NK.reshape(-1)
         order = flat_expert.argsort(stable=True)
@@ -105,6 +113,40 @@ class RoutedExperts(nn.Module):
         hidden = self.activation(apply(x_R1D, self.gate_proj), apply(x_R1D, self.up_proj))
         y_R = apply(hidden, self.down_proj).squeeze(1).float() * weights_NK.reshape(-1, 1)
         return y_R.view(N, K, -1).sum(1).to(out_dtype)
+
+    def looped_forward(
+        self, x_ND: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The eager decode tier: for each picked expert e with rows R_e = {(n, k) : e_{n,k} = e},
+
+            y_n += w_{n,k} · W_down[e] act(W_gate[e] x_n, W_up[e] x_n)      for (n, k) ∈ R_e
+
+        with ``W[e]`` a view of the stacked weights. x [N, D] -> [N, D]; the sum runs in fp32."""
+        N, K = indices_NK.shape
+        rows_of: dict[int, list[int]] = {}
+        for row, expert in enumerate(indices_NK.reshape(-1).tolist()):
+            rows_of.setdefault(expert, []).append(row)
+        weight_R1 = weights_NK.reshape(-1, 1).float()
+        y_ND = torch.zeros(N, x_ND.shape[-1], dtype=torch.float32, device=x_ND.device)
+        for expert, rows in rows_of.items():
+            tokens = [row // K for row in rows]
+            if len(rows) == 1:  # one row: slices, no index tensors
+                n = tokens[0]
+                y = self._expert(expert, x_ND[n : n + 1]).float()
+                y_ND[n : n + 1].addcmul_(y, weight_R1[rows[0]])
+            else:
+                token_index = torch.tensor(tokens, device=x_ND.device)
+                y = self._expert(expert, x_ND.index_select(0, token_index)).float()
+                y_ND.index_add_(0, token_index, y * weight_R1[rows])
+        return y_ND.to(out_dtype)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """W_down[e] act(W_gate[e] x, W_up[e] x) for x [n, D] (weights cast to x's dtype, as autocast does)."""
+
+        def linear(h: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
+            return torch.nn.functional.linear(h, w[expert].to(h.dtype))
+
+        return linear(self.activation(linear(x, self.gate_proj), linear(x, self.up_proj)), self.down_proj)
 
     def extra_repr(self) -> str:
         E, F, D = self.gate_proj.shape
