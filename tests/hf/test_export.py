@@ -14,16 +14,18 @@ from pydantic import ValidationError
 
 from k2lab import build_model, load_preset
 from k2lab.cli import main
-from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from k2lab.data.corpus import load_corpus
+from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.hf import from_hf
 from k2lab.hf.export import ExportConfig, export, parse_size
 from k2lab.hf.io import INDEX_FILE, SINGLE_FILE
 from k2lab.infer import GenerationConfig, generate
 from k2lab.model_dir import load_model, save_model
+from k2lab.train.config import TrainConfig
 from k2lab.train.run_checkpoints import checkpoint_directory, save_training_checkpoint
 from tests.conftest import randomize
-from tests.hf.conftest import nano_for
+from tests.hf.conftest import TEXTS, VOCAB, nano_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,10 +127,14 @@ def test_parse_size(text: str, size: int):
 
 
 # ---- runs and checkpoints --------------------------------------------------------------------------------
-def make_run(root: Path, tokenizer: Tokenizer, losses: dict[int, float]) -> dict[int, torch.nn.Module]:
-    """A run directory with one checkpoint per step (different weights) and ``val_loss`` per step."""
+def make_run(
+    root: Path, tokenizer: Tokenizer, losses: dict[int, float], train_config: dict | None = None
+) -> dict[int, torch.nn.Module]:
+    """A run directory with one checkpoint per step (different weights) and ``val_loss`` per step; the
+    run's ``train_config`` names a tokenizer file unless given."""
     tokenizer_file = root / "tok" / "tokenizer.json"
     tokenizer.save(tokenizer_file)
+    train_config = {"tokenizer": str(tokenizer_file)} if train_config is None else train_config
     run = root / "run"
     models = {}
     for step in losses:
@@ -137,7 +143,7 @@ def make_run(root: Path, tokenizer: Tokenizer, losses: dict[int, float]) -> dict
             "step": step,
             "model": model.state_dict(),
             "optimizer": {},
-            "train_config": {"tokenizer": str(tokenizer_file)},
+            "train_config": train_config,
             "model_config": model.config.model_dump(mode="json"),
         }
         save_training_checkpoint(run, step, state, keep_last=None)
@@ -179,6 +185,24 @@ def test_a_finished_run_gives_its_final_model(tmp_path: Path, tokenizer: Tokeniz
     out = export(ExportConfig(out=tmp_path / "hf"), run, log=lines.append)
     assert lines[0] == f"exporting run {run}: final model (step 2)"
     assert weights_equal(from_hf(out), final)
+
+
+def test_a_run_that_trained_its_tokenizer_gets_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer
+):
+    monkeypatch.setenv("K2LAB_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index, text in enumerate(TEXTS[:3]):
+        (corpus / f"{index}.txt").write_text(text * 5)
+    config = TrainConfig(preset="k2-nano", data=str(corpus), vocab_size=VOCAB, out=str(tmp_path / "run"))
+    run_tokenizer = train_tokenizer(load_corpus(config.data), VOCAB)  # what the run trained (and cached)
+    make_run(tmp_path, tokenizer, {1: 1.0}, config.model_dump(mode="json"))
+    (tmp_path / "cache").rename(tmp_path / "gone")  # not cached any more: trained again, the same
+    lines: list[str] = []
+    out = export(ExportConfig(out=tmp_path / "hf"), tmp_path / "run", log=lines.append)
+    assert any("BPE tokenizer for corpus corpus (trained again)" in line for line in lines)
+    assert (out / "tokenizer.json").read_text() == run_tokenizer.backend.to_str()
 
 
 # ---- errors ----------------------------------------------------------------------------------------------

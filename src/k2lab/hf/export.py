@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from k2lab.data.tokenizer import Tokenizer, load_tokenizer
+from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import staged_directory
 from k2lab.hf.chat_template import chat_template
@@ -118,18 +118,20 @@ def _text_config(model: CausalLM | VisionLanguageModel):
     return model.config.text if isinstance(model, VisionLanguageModel) else model.config
 
 
-def check_tokenizer(tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel, path: Path) -> None:
+def check_tokenizer(tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel) -> None:
     """The tokenizer fits the model: no more ids than its vocabulary, the same bos / eos / pad ids."""
     config = _text_config(model)
     if tokenizer.vocab_size > config.vocab_size:
         raise K2LabError(
-            f"tokenizer {path} has {tokenizer.vocab_size} ids but the model's vocabulary is {config.vocab_size}"
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the model's vocabulary is "
+            f"{config.vocab_size}"
         )
     for role, ours in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id)):
         declared = getattr(config, f"{role}_token_id")
         if declared is not None and ours is not None and declared != ours:
             raise K2LabError(
-                f"tokenizer {path} has {role} id {ours} but the model config says {role}_token_id {declared}"
+                f"tokenizer {tokenizer.path} has {role} id {ours} but the model config says "
+                f"{role}_token_id {declared}"
             )
 
 
@@ -143,15 +145,14 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
         raise K2LabError("--quantize is not implemented yet; export full-precision weights (--dtype)")
     found = find_source(source, config.checkpoint, config.tokenizer, log)
     log(f"exporting {found.description}")
-    model, tokenizer_path = found.load()
-    if tokenizer_path is None:
+    model, tokenizer = found.load(log)
+    if tokenizer is None:
         raise CheckpointError(
             f"no tokenizer.json found for {found.path} (beside the weights, in the run's model/ or the run's "
             "tokenizer setting); pass --tokenizer FILE"
         )
-    tokenizer = load_tokenizer(tokenizer_path)
-    check_tokenizer(tokenizer, model, tokenizer_path)
-    log(f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} ids)")
+    check_tokenizer(tokenizer, model)
+    log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")

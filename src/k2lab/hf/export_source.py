@@ -6,7 +6,8 @@ resolved to one set of weights and the tokenizer that goes with them.
 * A **training checkpoint** (``RUN/checkpoints/step_XXXXXXXX`` with ``manifest.json``, verified by size and
   SHA-256): the ``model`` state under its ``model_config``; the tokenizer is the run's
   ``RUN/model/tokenizer.json``, else the ``tokenizer`` file the run was trained with, else the tokenizer of the
-  checkpoint an SFT run started from.
+  checkpoint an SFT run started from, else (a run that trained its BPE) ``train_tokenizer``'s for the run's
+  corpus: from the tokenizer cache, or trained again (deterministic).
 * A **run directory** (``checkpoints/`` and/or ``model/``): with ``choice="latest"`` the final model
   ``model/`` when no checkpoint is newer than it (``summary.json``'s ``steps``; else file times), else the
   newest checkpoint that verifies (each newer one that does not is reported and skipped); with
@@ -29,12 +30,16 @@ import torch
 from pydantic import ValidationError
 
 from k2lab.config import ModelConfig, format_validation_error
+from k2lab.data.corpus import load_corpus
+from k2lab.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object
 from k2lab.model_dir import MANIFEST as MODEL_MANIFEST
 from k2lab.model_dir import check_state_dict, load_model, tied_head_key
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
+from k2lab.train.config import TrainConfig
+from k2lab.train.pretraining import tokenizer_vocab_for
 from k2lab.train.run_checkpoints import MANIFEST as CHECKPOINT_MANIFEST
 from k2lab.train.run_checkpoints import list_checkpoints, load_training_checkpoint, verify_checkpoint
 from k2lab.vision.vlm import VisionLanguageModel, VLMConfig, build_vlm
@@ -59,13 +64,15 @@ class ExportSource:
     description: str
     step: int | None = None
 
-    def load(self) -> tuple[CausalLM | VisionLanguageModel, Path | None]:
-        """The model in fp32 and the tokenizer file (``self.tokenizer`` when set, else the one found with the
+    def load(self, log: Log = print) -> tuple[CausalLM | VisionLanguageModel, Tokenizer | None]:
+        """The model in fp32 and its tokenizer (from ``self.tokenizer`` when set, else the one found with the
         weights; None when there is none). ``CheckpointError`` for unreadable or mismatched weights."""
         if not self.checkpoint:
-            return load_model(self.path), self.tokenizer
-        model, found = _load_checkpoint(self.path)
-        return model, self.tokenizer or found
+            return load_model(self.path), _tokenizer_or_none(self.tokenizer)
+        model, train_config = _load_checkpoint(self.path)
+        if self.tokenizer is not None:
+            return model, load_tokenizer(self.tokenizer)
+        return model, checkpoint_tokenizer(self.path, train_config, log)
 
 
 def find_source(
@@ -186,9 +193,15 @@ def _checkpoint_source(directory: Path, step: int, prefix: str) -> ExportSource:
     return ExportSource(directory, True, None, description, step)
 
 
-def checkpoint_tokenizer(directory: Path, train_config: dict) -> Path | None:
+def _tokenizer_or_none(path: Path | None) -> Tokenizer | None:
+    return None if path is None else load_tokenizer(path)
+
+
+def checkpoint_tokenizer(directory: Path, train_config: dict, log: Log = print) -> Tokenizer | None:
     """The tokenizer of a checkpoint's run: ``RUN/model/tokenizer.json``, then the run's ``tokenizer``
-    setting, then an SFT run's starting checkpoint's ``tokenizer.json`` (None when none exists)."""
+    setting, then an SFT run's starting checkpoint's ``tokenizer.json``, then (a pre-training run that
+    trained its BPE) the tokenizer ``train_tokenizer`` gives for the run's corpus and vocabulary: the cached
+    one, or trained again (deterministic); None when none of these applies."""
     found = _file_or_none(directory.parent.parent / FINAL_MODEL / TOKENIZER)
     named = train_config.get("tokenizer")
     if found is None and isinstance(named, str):
@@ -196,11 +209,22 @@ def checkpoint_tokenizer(directory: Path, train_config: dict) -> Path | None:
     base = (train_config.get("sft") or {}).get("checkpoint")
     if found is None and isinstance(base, str):
         found = _file_or_none(Path(base).expanduser() / TOKENIZER)
-    return found
+    if found is not None or base is not None or named is not None or not train_config:
+        return _tokenizer_or_none(found)
+    try:
+        config = TrainConfig.model_validate(train_config)
+    except ValidationError:
+        return None  # a run of an older config: the user names the tokenizer
+    corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+    tokenizer = train_tokenizer(corpus, config.vocab_size or tokenizer_vocab_for(config.preset, log=log))
+    how = "from the cache" if tokenizer.from_cache else "trained again"
+    log(f"the run's BPE tokenizer for corpus {corpus.name} ({how})")
+    return tokenizer
 
 
-def _load_checkpoint(directory: Path) -> tuple[CausalLM | VisionLanguageModel, Path | None]:
-    """The ``model`` state of a training checkpoint under its ``model_config`` (fp32), and its tokenizer."""
+def _load_checkpoint(directory: Path) -> tuple[CausalLM | VisionLanguageModel, dict]:
+    """The ``model`` state of a training checkpoint under its ``model_config`` (fp32), and the run's
+    ``train_config`` (``{}`` when the checkpoint has none)."""
     _, state = load_training_checkpoint(directory)
     raw, weights = state.get("model_config"), state.get("model")
     if not isinstance(raw, dict) or not isinstance(weights, dict):
@@ -219,5 +243,4 @@ def _load_checkpoint(directory: Path) -> tuple[CausalLM | VisionLanguageModel, P
     materialize(model)
     model.load_state_dict(weights, strict=tied is None)
     train_config = state.get("train_config")
-    tokenizer = checkpoint_tokenizer(directory, train_config if isinstance(train_config, dict) else {})
-    return cast_model(model, torch.float32).eval(), tokenizer
+    return cast_model(model, torch.float32).eval(), train_config if isinstance(train_config, dict) else {}
