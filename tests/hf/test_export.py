@@ -89,6 +89,9 @@ def test_transformers_runs_the_export_like_k2lab(exported: Path, model_dir: Path
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
     ours = load_model(model_dir).eval()
     assert len(hf_tokenizer) == tokenizer.vocab_size
+    assert set(hf_tokenizer.all_special_tokens) == set(SPECIAL_TOKENS) and hf_tokenizer.unk_token is None
+    roles = (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id)
+    assert roles == (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
     ids = hf_tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     assert ids[0].tolist() == tokenizer.encode(PROMPT)
     with torch.no_grad():

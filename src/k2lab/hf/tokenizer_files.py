@@ -7,8 +7,9 @@ needed to write them).
   with ``AutoTokenizer``), ``bos_token`` / ``eos_token`` / ``pad_token`` our ``<|bos|>`` / ``<|eos|>`` /
   ``<|pad|>`` and ``unk_token`` null (a byte-level BPE never needs one: any text encodes), every special token
   in ``added_tokens_decoder`` (id -> content and flags, as in ``tokenizer.json``) and the chat and media
-  tokens as ``additional_special_tokens`` (transformers 4) and ``extra_special_tokens`` (5), the
-  ``chat_template`` and ``clean_up_tokenization_spaces`` false (decoding gives back the exact text);
+  tokens as ``additional_special_tokens`` (transformers 5 reads them as its ``extra_special_tokens``; a
+  list under that name would break transformers 4, which expects a dict there), the ``chat_template`` and
+  ``clean_up_tokenization_spaces`` false (decoding gives back the exact text);
 * ``special_tokens_map.json``: the same roles, for older readers;
 * ``chat_template.jinja``: the template again as its own file, as transformers 5 saves it.
 
@@ -88,7 +89,6 @@ def tokenizer_files(tokenizer: Tokenizer, chat_template: str, model_max_length: 
         "added_tokens_decoder": added_tokens_decoder(tokenizer),
         **roles,
         "additional_special_tokens": extra,
-        "extra_special_tokens": extra,
         "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
