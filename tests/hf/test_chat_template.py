@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import json
 import random
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
-from k2lab.hf.chat_template import chat_template
+from k2lab.hf.chat_template import TEMPLATE_FILE, chat_template
 from k2lab.runtime.chat import GENERATION_PROMPT, ChatFormatError, encode_chat, render_chat
 from tests.runtime.test_chat import CONVERSATION, GOLDEN, WEATHER
 
@@ -218,6 +220,14 @@ def case(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, 
 @pytest.fixture(scope="module")
 def hf_tokenizer(exported: Path):
     return transformers.AutoTokenizer.from_pretrained(str(exported))
+
+
+def test_the_template_is_package_data():
+    """It ships in the wheel: pyproject's package-data for k2lab.hf matches the file."""
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["k2lab.hf"]
+    assert any(fnmatch(TEMPLATE_FILE, pattern) for pattern in patterns)
+    assert chat_template().startswith("{#- k2lab's chat template")
 
 
 def test_the_export_carries_the_packaged_template(hf_tokenizer, exported: Path):
