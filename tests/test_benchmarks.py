@@ -21,6 +21,7 @@ SMOKE_ARGS = {
     "bench_muon.py": ["--json"],
     "bench_rl_update.py": [],
     "bench_serve_prefix.py": ["--json"],
+    "bench_serve_speculative.py": ["--json"],
     "bench_train.py": ["--json"],
     "cache_bytes.py": ["--png", "cache.png"],
 }

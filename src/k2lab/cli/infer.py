@@ -13,6 +13,7 @@ from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
 from k2lab.infer.generate import GenerationConfig
+from k2lab.infer.speculative import DRAFT_TOKENS
 from k2lab.serve.config import ServeConfig
 from k2lab.train.draft_config import DraftTrainConfig
 
@@ -110,7 +111,7 @@ def generate(
     ] = None,
     draft_tokens: Annotated[
         int, typer.Option("--draft-tokens", min=1, help="Tokens the draft proposes per step (k).")
-    ] = 4,
+    ] = DRAFT_TOKENS,
 ) -> None:
     """Generate continuations with the latent KV cache (absorbed MLA decode); with a draft (--draft, or one
     beside the model), speculatively: output identical to plain decoding when greedy, the same distribution
@@ -235,8 +236,10 @@ def draft_train(config: DraftTrainConfig) -> None:
             "prefix_cache_mb",
             "prefix_block_size",
             "compile",
+            "draft_tokens",
         )
-    },
+    }
+    | {"speculative": Opt("speculative", "--speculative/--no-speculative")},
 )
 def serve(
     config: ServeConfig,
@@ -265,12 +268,26 @@ def serve(
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
+    drafter = None if config.speculative is False else _find_draft(checkpoint, model, None)
+    if config.speculative and drafter is None:
+        raise K2LabError(
+            "--speculative needs a draft: CHECKPOINT/draft (`k2lab draft train`) or an MTP layer"
+        )
     engine = Engine(
-        model, config.max_batch, config.prefix_cache_mb << 20, config.prefix_block_size, config.compile
+        model,
+        config.max_batch,
+        config.prefix_cache_mb << 20,
+        config.prefix_block_size,
+        config.compile,
+        draft=drafter,
+        draft_tokens=config.draft_tokens,
     ).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)
-    console.print(f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch})")
+    spec = f", speculative k={config.draft_tokens}" if drafter is not None else ""
+    console.print(
+        f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch}{spec})"
+    )
     try:
         uvicorn.run(app_, host=config.host, port=config.port, log_level="warning")
     finally:

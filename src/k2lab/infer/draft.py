@@ -76,6 +76,14 @@ class Draft(Protocol):
     def select(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order)."""
 
+    def concat(self, other: Draft) -> None:
+        """Append the rows of ``other`` (the same kind of draft, prefilled on another batch) after these."""
+
+
+def _concat_caches(first: LatentCache, second: LatentCache) -> LatentCache:
+    """Both caches' rows in one, keeping the larger free room of the two after the longer."""
+    room = max(first.max_length - first.length, second.max_length - second.length)
+    return LatentCache.concat([first, second], max(first.length, second.length) + room)
 
 def _model_dtype(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
     param = next(model.parameters())
@@ -127,6 +135,10 @@ class ModelDraft:
     def select(self, index: torch.Tensor) -> None:
         self.cache.select(index)
         self.last, self.pending = self.last[index], self.pending[index]
+
+    def concat(self, other: ModelDraft) -> None:
+        self.cache = _concat_caches(self.cache, other.cache)
+        self.last, self.pending = torch.cat([self.last, other.last]), torch.cat([self.pending, other.pending])
 
 
 def single_layer_config(model: CausalLM):
@@ -204,6 +216,11 @@ class EagleDraft:
     def select(self, index: torch.Tensor) -> None:
         self.cache.select(index)
         self.feature, self.next_logits = self.feature[index], self.next_logits[index]
+
+    def concat(self, other: EagleDraft) -> None:
+        self.cache = _concat_caches(self.cache, other.cache)
+        self.feature = torch.cat([self.feature, other.feature])
+        self.next_logits = torch.cat([self.next_logits, other.next_logits])
 
 
 def save_draft(

@@ -20,11 +20,17 @@ the draft is told the same (``k2lab.infer.draft``).
 with other work; ``speculative_generate`` is the ``generate`` counterpart. Constraints (tool-call grammars)
 are not speculated: the ``Constraint`` protocol has no way to advance along a drafted path and take it back,
 so a call with any constraint falls back to plain ``generate`` (its stats then count no speculative steps).
+
+A serving engine's rows differ: ``RowSettings`` gives each row its own temperature, top-p and generator
+(temperature 0: that row is greedy), and ``plain`` rows take no drafts at all — every step they accept 0
+drafted tokens and their token comes from the engine's own sampler (e.g. under a tool-call constraint) on
+the verify forward's first position, which is exactly one plain decode step. ``begin`` starts a step from a
+cache the caller prefilled and ``concat`` appends another batch's rows (continuous batching).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,17 +41,32 @@ from k2lab.infer.draft import Draft
 from k2lab.infer.generate import Constraint, GenerationConfig, generate, left_pad
 from k2lab.infer.rollback import CacheWindow, ensure_room
 
+#: k, the tokens the draft proposes per step: the default of ``generate --draft-tokens`` and ``k2lab serve``.
+DRAFT_TOKENS = 4
+
 Generators = torch.Generator | list[torch.Generator]
+Setting = float | torch.Tensor  # one value for every row, or one per row [B]
+PlainToken = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [n], logits [n, V]) -> tokens [n]
 
 
-def processed_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def _per_row(value: Setting, logits: torch.Tensor) -> Setting:
+    """A per-row setting [B] shaped to broadcast over logits [B, ..., V]; a float stays a float."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=logits.device, dtype=torch.float32).reshape(-1, *[1] * (logits.dim() - 1))
+    return value
+
+
+def processed_probs(logits: torch.Tensor, temperature: Setting, top_p: Setting) -> torch.Tensor:
     """logits [..., V] -> fp32 probabilities: softmax(logits / T), then only the smallest set of most likely
-    tokens with mass ≥ top_p keeps its (unrenormalised) mass, as ``sample_next`` draws from."""
+    tokens with mass ≥ top_p keeps its (unrenormalised) mass, as ``sample_next`` draws from. T and top_p
+    are floats, or per-row tensors [B] for logits [B, ..., V]."""
+    temperature, top_p = _per_row(temperature, logits), _per_row(top_p, logits)
     probs = (logits.float() / temperature).softmax(dim=-1)
-    if top_p < 1:
+    nucleus = top_p < 1  # a bool, or [B, 1 …] per row (rows at 1 keep every token, as sample_next)
+    if nucleus if isinstance(nucleus, bool) else nucleus.any():
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        sorted_probs = sorted_probs.masked_fill((mass_before >= top_p) & nucleus, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -89,48 +110,114 @@ class SpeculativeStats:
         return self.accepted / max(self.proposed, 1)
 
 
+@dataclass
+class RowSettings:
+    """Each row's own sampling (a serving batch): temperature [B] (0: greedy), top_p [B], a generator per
+    row, and ``plain`` [B] bool: rows that take no drafts (their token comes from the caller's sampler)."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    generators: list[torch.Generator]
+    plain: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> RowSettings:
+        """The rows ``index`` [n] (long), in that order."""
+        index = index.to(self.temperature.device)
+        rows = index.tolist()
+        return RowSettings(
+            self.temperature[index], self.top_p[index], [self.generators[i] for i in rows], self.plain[index]
+        )
+
+    def concat(self, other: RowSettings) -> RowSettings:
+        """These rows, then ``other``'s."""
+        return RowSettings(
+            torch.cat([self.temperature, other.temperature]),
+            torch.cat([self.top_p, other.top_p]),
+            self.generators + other.generators,
+            torch.cat([self.plain, other.plain]),
+        )
+
+
 class SpeculativeStep:
-    """Speculative decoding of one batch: ``prefill`` once, then ``step`` until done; ``select`` drops rows."""
+    """Speculative decoding of one batch: ``prefill`` (or ``begin``) once, then ``step`` until done;
+    ``select`` drops rows and ``concat`` appends another batch's.
+
+    Sampling follows ``config`` and ``generator`` (one for the batch or one per row), or, with ``rows``,
+    each row's own ``RowSettings`` (``config`` then only chooses whether the verify forward compiles)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         draft: Draft,
         config: GenerationConfig,
-        generator: Generators,
+        generator: Generators | None = None,
+        rows: RowSettings | None = None,
     ) -> None:
-        self.model, self.draft, self.config, self.generator = model, draft, config, generator
+        if (generator is None) == (rows is None):
+            raise ValueError("pass exactly one of generator (one config for all rows) and rows (per row)")
+        self.model, self.draft, self.config, self.generator, self.rows = model, draft, config, generator, rows
         self.verify_forward = decode_step(model, config.compile)  # compiled per config.compile, else model
 
+    def _sampled(self, device: torch.device) -> torch.Tensor | None:
+        """The rows that sample (index [n]); None when every row does (the others take the argmax)."""
+        if self.rows is None:
+            return None if self.config.temperature > 0 else torch.zeros(0, dtype=torch.long, device=device)
+        sampled = (self.rows.temperature > 0).to(device) & ~self.rows.plain.to(device)
+        return None if bool(sampled.all()) else sampled.nonzero().squeeze(1)
+
+    def _settings(self, index: torch.Tensor | None) -> tuple[Setting, Setting, Generators]:
+        """(temperature, top-p, generators) of every row (index None) or of the rows ``index``."""
+        if self.rows is None:
+            return self.config.temperature, self.config.top_p, self.generator
+        rows = self.rows if index is None else self.rows.select(index)
+        return rows.temperature, rows.top_p, rows.generators
+
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """A draft token per row from draft logits [B, V] (argmax when greedy, else a draw from q)."""
-        if self.config.temperature == 0:
-            return logits.argmax(dim=-1)
-        return _multinomial(
-            processed_probs(logits, self.config.temperature, self.config.top_p), self.generator
-        )
+        """A token per row from logits [B, V] (argmax when greedy, else a draw from the processed
+        distribution): the draft's proposals (q) and the target's first token after a prefill (p)."""
+        sampled = self._sampled(logits.device)
+        if sampled is None:
+            temperature, top_p, generator = self._settings(None)
+            return _multinomial(processed_probs(logits, temperature, top_p), generator)
+        tokens = logits.argmax(dim=-1)
+        if len(sampled):
+            temperature, top_p, generator = self._settings(sampled)
+            probs = processed_probs(logits[sampled], temperature, top_p)
+            tokens[sampled] = _multinomial(probs, generator)
+        return tokens
 
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, capacity: int) -> torch.Tensor:
         """Prefill left-padded ids [B, T] (valid [B, T]) in target and draft; return the first tokens [B].
 
         ``capacity`` (≥ T + new tokens + 2·(k + 1)) sizes both caches; holes from rejections are compacted."""
         param = next(self.model.parameters())
-        self.cache = LatentCache(
-            self.model.config, ids.shape[0], capacity, dtype=param.dtype, device=param.device
-        )
-        out = self.model(ids, attention_mask=valid, cache=self.cache, output_hidden=self.draft.uses_hidden)
-        logits = out.logits[:, -1]
-        if self.config.temperature == 0:
-            self.pending = logits.argmax(dim=-1)
-        else:
-            probs = processed_probs(logits, self.config.temperature, self.config.top_p)
-            self.pending = _multinomial(probs, self.generator)
-        self.draft.prefill(ids, valid, self.pending, out.hidden, capacity)
+        cache = LatentCache(self.model.config, ids.shape[0], capacity, dtype=param.dtype, device=param.device)
+        out = self.model(ids, attention_mask=valid, cache=cache, output_hidden=self.draft.uses_hidden)
+        self.begin(cache, self.pick(out.logits[:, -1]), ids, valid, out.hidden, capacity)
         return self.pending
 
-    def step(self, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin(
+        self,
+        cache: LatentCache,
+        pending: torch.Tensor,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        hidden: torch.Tensor | None,
+        capacity: int,
+    ) -> None:
+        """Start from a target ``cache`` the caller prefilled, whose last forward took ids [B, T] (valid
+        [B, T]; hidden [B, T, D] its final-normed states), and the tokens ``pending`` [B] sampled after it:
+        the draft is prefilled on that forward (``capacity`` bounds its cache, as in ``prefill``)."""
+        self.cache, self.pending = cache, pending
+        self.draft.prefill(ids, valid, pending, hidden, capacity)
+
+    def step(
+        self, num_draft_tokens: int, plain_token: PlainToken | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Propose, verify, accept: (tokens [B, k + 1], counts [B]); row b emitted tokens[b, : counts[b]]
-        (its accepted drafts, then the target's token, which becomes the pending one)."""
+        (its accepted drafts, then the target's token, which becomes the pending one). ``plain`` rows
+        (``RowSettings``) accept nothing and take ``plain_token(rows, logits [n, V])`` of the first
+        position: one plain decode step."""
         k = num_draft_tokens
         drafted, draft_logits = self.draft.propose(k, self.pick)
         ensure_room(self.cache, k + 1)
@@ -141,6 +228,12 @@ class SpeculativeStep:
             output_hidden=self.draft.uses_hidden,
         )
         accepted, token = self.verify(drafted, draft_logits, out.logits)
+        if self.rows is not None and bool(self.rows.plain.any()):
+            if plain_token is None:
+                raise ValueError("plain rows need plain_token to choose their tokens")
+            plain = self.rows.plain.nonzero().squeeze(1)
+            accepted[plain] = 0
+            token[plain] = plain_token(plain, out.logits[plain, 0]).to(token)
         window.close(accepted + 1)
         self.draft.accept(accepted, token, out.hidden)
         self.pending = token
@@ -150,32 +243,65 @@ class SpeculativeStep:
     def verify(
         self, drafted: torch.Tensor, draft_logits: torch.Tensor, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """drafted [B, k], draft logits [B, k, V], target logits [B, k+1, V] -> (accepted [B], t' [B])."""
+        """drafted [B, k], draft logits [B, k, V], target logits [B, k+1, V] -> (accepted [B], t' [B]):
+        greedy rows keep drafts while they equal the argmax, sampled rows follow the rejection rule."""
+        sampled = self._sampled(logits.device)
+        if sampled is None:
+            return self._reject(drafted, draft_logits, logits, *self._settings(None))
         k = drafted.shape[1]
-        if self.config.temperature == 0:
-            best = logits.argmax(dim=-1)  # [B, k+1]
-            accepted = (drafted == best[:, :k]).long().cumprod(dim=1).sum(dim=1)
-            return accepted, best.gather(1, accepted[:, None]).squeeze(1)
-        temperature, top_p = self.config.temperature, self.config.top_p
+        best = logits.argmax(dim=-1)  # [B, k+1]
+        accepted = (drafted == best[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        token = best.gather(1, accepted[:, None]).squeeze(1)
+        if len(sampled):
+            accepted[sampled], token[sampled] = self._reject(
+                drafted[sampled], draft_logits[sampled], logits[sampled], *self._settings(sampled)
+            )
+        return accepted, token
+
+    @staticmethod
+    def _reject(
+        drafted: torch.Tensor,
+        draft_logits: torch.Tensor,
+        logits: torch.Tensor,
+        temperature: Setting,
+        top_p: Setting,
+        generator: Generators,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rejection rule on sampled rows (shapes as ``verify``): accept d_j while u_j·q_j < p_j, then
+        t' ~ norm(max(0, p − q)) at the first rejection (p_{k+1} when all k are accepted)."""
+        k = drafted.shape[1]
         p = processed_probs(logits, temperature, top_p)  # [B, k+1, V]
         q = processed_probs(draft_logits, temperature, top_p)  # [B, k, V]
         p_x = p[:, :k].gather(2, drafted[..., None]).squeeze(-1)
         q_x = q.gather(2, drafted[..., None]).squeeze(-1)
-        u = _uniform(drafted.shape[0], k, self.generator, drafted.device)
+        u = _uniform(drafted.shape[0], k, generator, drafted.device)
         accepted = (u * q_x < p_x).long().cumprod(dim=1).sum(dim=1)  # u < p/q, q > 0 where drafted
         rows = torch.arange(drafted.shape[0], device=drafted.device)
         residual = (p - torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)).clamp(min=0)[rows, accepted]
         mass = residual.sum(dim=-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[rows, accepted])  # p = q: p
-        return accepted, _multinomial(residual, self.generator)
+        return accepted, _multinomial(residual, generator)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the rows ``index`` (in that order): cache, draft, pending tokens and row generators."""
         self.cache.select(index)
         self.draft.select(index)
         self.pending = self.pending[index]
-        if not isinstance(self.generator, torch.Generator):
+        if self.rows is not None:
+            self.rows = self.rows.select(index)
+        elif not isinstance(self.generator, torch.Generator):
             self.generator = [self.generator[i] for i in index.tolist()]
+
+    def concat(self, other: SpeculativeStep, room: int) -> None:
+        """Append ``other``'s rows (both per-row ``RowSettings``) after these: the target caches merge by
+        ``LatentCache.concat`` with ``room`` free slots after the longest, the drafts by ``Draft.concat``."""
+        if self.rows is None or other.rows is None:
+            raise ValueError("only steps with per-row settings (rows=...) can be concatenated")
+        length = max(self.cache.length, other.cache.length)
+        self.cache = LatentCache.concat([self.cache, other.cache], length + room)
+        self.draft.concat(other.draft)
+        self.pending = torch.cat([self.pending, other.pending])
+        self.rows = self.rows.concat(other.rows)
 
 
 @torch.inference_mode()
@@ -184,7 +310,7 @@ def speculative_generate(
     draft: Draft,
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig | None = None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int = DRAFT_TOKENS,
     constraints: Sequence[Constraint | None] | None = None,
     row_seeds: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], SpeculativeStats]:

@@ -1,11 +1,12 @@
 """``k2lab serve``'s settings: where to listen, what to call the model, how many sequences decode together,
-how much memory the automatic prefix cache may hold."""
+how much memory the automatic prefix cache may hold, whether to decode speculatively."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.infer.compiled import CompileMode
+from k2lab.infer.speculative import DRAFT_TOKENS
 
 __all__ = ["ServeConfig"]
 
@@ -34,4 +35,12 @@ class ServeConfig(BaseModel):
         default="auto",
         description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA, off on CPU "
         "(the build takes minutes there; on: a k2-mini decode step 1.4x faster after a ~40 s build).",
+    )
+    speculative: bool | None = Field(
+        default=None,
+        description="Speculative decoding with the draft beside the model (MODEL/draft/ or its MTP layer): "
+        "None = on when one is found, True = required, False = off.",
+    )
+    draft_tokens: int = Field(
+        default=DRAFT_TOKENS, ge=1, description="Tokens the draft proposes per verify step (k)."
     )

@@ -12,6 +12,12 @@ Every iteration of the loop:
 3. **retire** sequences that stopped (a stop token, ``max_tokens``, or a cancelled request — a client
    that went away) with ``LatentCache.select``, so later steps compute only live rows.
 
+With a draft (``MODEL/draft/`` or an MTP layer; ``k2lab.serve.speculation``) step 2 is speculative: the
+draft proposes ``draft_tokens`` tokens per row and one (k + 1)-token forward verifies them, so a row emits
+1 … k + 1 tokens per step — greedy rows exactly what plain decoding gives, sampled rows the target's
+distribution (rejection sampling with the request's own generator); rows with a constraint take no drafts.
+Admission appends the new rows' draft cache and features, retirement selects them.
+
 Each request has its own sampling settings and generator (temperature, top-p, seed) and may carry a
 decoding constraint (the tool-call enforcer). Tokens are delivered through a thread-safe callback as
 they are sampled; ``Request.cancel()`` frees the request's row at the next iteration.
@@ -28,8 +34,11 @@ import torch
 
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_step
+from k2lab.infer.draft import Draft
 from k2lab.infer.generate import Constraint, GenerationConfig, prefill, sample_next
 from k2lab.infer.prefix_cache import PrefixCache
+from k2lab.infer.speculative import DRAFT_TOKENS, RowSettings
+from k2lab.serve.speculation import Speculation, prefill_for_draft
 
 __all__ = ["PREFIX_CACHE_BYTES", "Engine", "Request", "SamplingParams"]
 
@@ -77,7 +86,8 @@ class Request:
 class Engine:
     """Continuous batching over ``model`` (a ``CausalLM``; ``max_batch`` sequences decode together), with
     an automatic prefix cache of ``prefix_cache_bytes`` (0: none) in blocks of ``block_size`` tokens and
-    decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``)."""
+    decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``); with ``draft``,
+    speculative steps of ``draft_tokens`` drafted tokens (``speculation``; None: plain decoding)."""
 
     def __init__(
         self,
@@ -86,8 +96,11 @@ class Engine:
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
         block_size: int = 16,
         compile: CompileMode = "auto",
+        draft: Draft | None = None,
+        draft_tokens: int = DRAFT_TOKENS,
     ) -> None:
         self.model = model.eval()
+        self.speculation = None if draft is None else Speculation(self.model, draft, draft_tokens, compile)
         self._step = decode_step(self.model, compile)  # the decode forward: compiled or the model
         self.prefix_cache = (
             PrefixCache.for_model(model, prefix_cache_bytes, block_size) if prefix_cache_bytes else None
@@ -152,6 +165,8 @@ class Engine:
                         self._finish(request, f"error: {type(error).__name__}: {error}")
                 with self._wake:
                     self._running, self._cache, self._last = [], None, None
+                if self.speculation is not None:
+                    self.speculation.select([])
             with self._wake:
                 self._admitting = []
         for request in [*self._waiting, *self._running]:
@@ -161,10 +176,20 @@ class Engine:
         admitted = [r for r in admitted if not self._drop_if_cancelled(r)]
         if admitted:
             self._admit(admitted)
-        if self._running:
+        if self._running and self.speculation is not None and self.speculation.drafting():
+            tokens, counts = self.speculation.step(self._cache, self._last, self._plain_tokens)
+            self.steps += 1
+            self._last = self.speculation.runner.pending
+            for request, row, count in zip(self._running, tokens.tolist(), counts.tolist(), strict=True):
+                for token in row[:count]:
+                    if request.finish_reason is None:
+                        self._deliver(request, token)
+        elif self._running:
             logits = self._step(self._last[:, None], cache=self._cache).logits[:, -1]
             self.steps += 1
             self._sample_all(logits)
+            if self.speculation is not None:  # every row is constrained: the draft rows wait, unused
+                self.speculation.runner.pending = self._last
         self._retire()
 
     def _drop_if_cancelled(self, request: Request) -> bool:
@@ -173,21 +198,29 @@ class Engine:
         return request.cancelled
 
     def _admit(self, requests: list[Request]) -> None:
-        budget = max(r.params.max_tokens for r in requests)
-        cache, logits = prefill(
-            self.model, [r.prompt for r in requests], budget, prefix_cache=self.prefix_cache
-        )
+        spec = self.speculation
+        budget = max(r.params.max_tokens for r in requests) + (0 if spec is None else spec.margin)
+        prompts = [r.prompt for r in requests]
+        if spec is None:
+            cache, logits = prefill(self.model, prompts, budget, prefix_cache=self.prefix_cache)
+        else:
+            block = self.prefix_cache.block_size if self.prefix_cache is not None else 0
+            cache, logits, forward = prefill_for_draft(
+                self.model, prompts, budget, self.prefix_cache, block, spec.draft.uses_hidden
+            )
         for r in requests:
             r._generator = torch.Generator().manual_seed(r.params.seed)
         first = self._sample(requests, logits)
-        if self._cache is None:
+        room = max(r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests])
+        if spec is not None:
+            rows = self._row_settings(requests)
+            runner = spec.admit(rows, cache, first, forward, cache.max_length, room + spec.margin)
+            self._cache, self._last = runner.cache, runner.pending
+        elif self._cache is None:
             self._cache, self._last = cache, first
         else:
             caches = [self._cache, cache]
-            room = max(c.length for c in caches) + max(
-                r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests]
-            )
-            self._cache = LatentCache.concat(caches, room)
+            self._cache = LatentCache.concat(caches, max(c.length for c in caches) + room)
             self._last = torch.cat([self._last, first])
         with self._wake:
             self._running += requests
@@ -204,17 +237,37 @@ class Engine:
             if request.finish_reason is not None:
                 tokens.append(self.pad_id)
                 continue
-            row_logits = logits[row].float().clone()
-            if request.constraint is not None:
-                request.constraint.mask(row_logits)
-            p = request.params
-            settings = GenerationConfig(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p)
-            token = int(sample_next(row_logits[None], settings, request._generator)[0])
-            if request.constraint is not None:
-                request.constraint.advance(token)
-            tokens.append(token)
-            self._deliver(request, token)
+            tokens.append(self._choose(request, logits[row]))
+            self._deliver(request, tokens[-1])
         return torch.tensor(tokens, dtype=torch.long)
+
+    @staticmethod
+    def _choose(request: Request, logits: torch.Tensor) -> int:
+        """The request's next token from logits [V]: under its constraint, with its settings and generator."""
+        row_logits = logits.float().clone()
+        if request.constraint is not None:
+            request.constraint.mask(row_logits)
+        p = request.params
+        settings = GenerationConfig(max_new_tokens=1, temperature=p.temperature, top_p=p.top_p)
+        token = int(sample_next(row_logits[None], settings, request._generator)[0])
+        if request.constraint is not None:
+            request.constraint.advance(token)
+        return token
+
+    def _plain_tokens(self, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens [n] of the running rows ``rows`` [n] that take no drafts, from their logits [n, V]."""
+        chosen = [self._choose(self._running[r], logits[i]) for i, r in enumerate(rows.tolist())]
+        return torch.tensor(chosen, dtype=torch.long)
+
+    @staticmethod
+    def _row_settings(requests: Sequence[Request]) -> RowSettings:
+        """The speculative rows' sampling: each request's own; constrained requests take no drafts."""
+        return RowSettings(
+            temperature=torch.tensor([r.params.temperature for r in requests], dtype=torch.float32),
+            top_p=torch.tensor([r.params.top_p for r in requests], dtype=torch.float32),
+            generators=[r._generator for r in requests],
+            plain=torch.tensor([r.constraint is not None for r in requests]),
+        )
 
     def _deliver(self, request: Request, token: int) -> None:
         if token in request.params.stop_token_ids:
@@ -242,18 +295,25 @@ class Engine:
         self._remember([i for i, r in enumerate(self._running) if r.finish_reason is not None])
         with self._wake:
             self._running = [self._running[i] for i in keep]
+        if self.speculation is not None:
+            self.speculation.select(keep)
         if not keep:
             self._cache, self._last = None, None
+            return
+        if self.speculation is not None:  # the runner selected the same cache and pending tokens
+            self._cache, self._last = self.speculation.runner.cache, self.speculation.runner.pending
             return
         self._cache.select(keep)
         self._last = self._last[keep]
 
     def _remember(self, rows: list[int]) -> None:
         """Put retiring rows' prompt and reply (all that was fed) into the prefix cache (MLA-only models:
-        a KDA state is only kept at block boundaries, which a reply rarely ends on)."""
+        a KDA state is only kept at block boundaries, which a reply rarely ends on). A speculative row can
+        hold drafted tokens past its stop token or ``max_tokens``: only the delivered ones go in."""
         if self.prefix_cache is None or self._cache is None or self._cache.kda_states:
             return
         for i in rows:
             state = self._cache.row(i)
             request = self._running[i]
-            self.prefix_cache.insert((request.prompt + request.tokens)[: state.length], state)
+            ids = (request.prompt + request.tokens)[: state.length]
+            self.prefix_cache.insert(ids, state.prefix(len(ids)))

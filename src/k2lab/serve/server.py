@@ -242,6 +242,7 @@ def build_app(
             "model": state.model_name,
             "active_requests": state.engine.active,
             "prefix_cache": None if cache is None else cache.stats(),
+            "speculative": None if state.engine.speculation is None else state.engine.speculation.report(),
         }
 
     @app.get("/v1/models")

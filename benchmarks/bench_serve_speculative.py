@@ -1,0 +1,153 @@
+"""Serving throughput with and without speculative decoding: concurrent greedy chat requests to the engine.
+
+``--requests`` N chat requests (a system prompt and a user turn holding a held-out window of the model's
+validation text, rendered with K2's chat template as ``k2lab serve`` does) arrive at once at the
+continuous-batching engine of ``k2lab serve`` (``max_batch`` = N), greedy, ``--max-tokens`` each (no stop
+token, so both sides generate exactly as much). One side decodes plainly, the other speculates with the
+draft beside the model (``MODEL/draft/`` or its MTP layer) proposing k = ``--draft-tokens`` tokens; both
+keep the default prefix cache. A fresh engine per run; the sides alternate, medians of ``--repeats``.
+Throughput = completion tokens / wall time; the row also gives the mean drafted tokens accepted per row and
+verify step, the tokens per target forward and whether every reply was identical, and the load average.
+
+    python benchmarks/bench_serve_speculative.py --model /tmp/spec/demo --json
+    python benchmarks/bench_serve_speculative.py --smoke    # k2-nano with an untrained MTP layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import time
+
+import torch
+
+from benchmarks.timing import add_smoke_argument, apply_smoke, machine_line, machine_report
+from k2lab import build_model, load_preset
+from k2lab.data import load_tokenizer
+from k2lab.data.corpus import load_corpus
+from k2lab.infer.draft import EagleDraft, find_draft
+from k2lab.model_dir import load_model
+from k2lab.runtime.chat import render_chat
+from k2lab.serve import Engine, Request, SamplingParams
+from k2lab.train.draft import corpus_windows
+
+SYSTEM = "You are a helpful assistant. Continue the user's text in the same style."
+
+
+def setup(args: argparse.Namespace):
+    """(target, draft, prompts): the model directory's held-out text as chats, or (smoke) k2-nano with an
+    untrained MTP layer on random prompts."""
+    count = max(args.requests)
+    if args.model is None:
+        target = build_model(load_preset(args.preset, num_nextn_predict_layers=1)).eval()
+        generator = torch.Generator().manual_seed(2)
+        prompts = torch.randint(3, target.config.vocab_size, (count, args.prompt), generator=generator)
+        return target, EagleDraft(target, target.mtp[0]), prompts.tolist()
+    target = load_model(args.model).eval()
+    draft = find_draft(args.model, target)
+    if draft is None:
+        raise SystemExit(f"{args.model} has no draft/ (k2lab draft train) and no MTP layer")
+    tokenizer = load_tokenizer(f"{args.model}/tokenizer.json")
+    corpus = load_corpus(args.data, max_bytes=2_000_000)
+    texts = [document.text for document in corpus.val or corpus.train]
+    windows = corpus_windows(texts, tokenizer, count, args.prompt, random.Random(0))
+    chats = [
+        render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": tokenizer.decode(w)}])
+        for w in windows
+    ]
+    return target, draft, [tokenizer.encode(chat) for chat in chats]
+
+
+def serve_all(model, draft, prompts: list[list[int]], args: argparse.Namespace, k: int):
+    """(seconds, replies, speculation report) for every prompt submitted at once to a fresh engine."""
+    engine = Engine(model, len(prompts), compile="off", draft=draft, draft_tokens=k).start()
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    start = time.perf_counter()
+    requests = [engine.submit(Request(p, params, on_finish=lambda _: done.release())) for p in prompts]
+    for _ in requests:
+        done.acquire()
+    seconds = time.perf_counter() - start
+    engine.shutdown()
+    report = engine.speculation.report() if engine.speculation is not None else None
+    return seconds, [r.tokens for r in requests], report
+
+
+def measure(model, draft, prompts, args, k: int) -> dict:
+    """One row: plain against speculative serving of ``prompts``, alternating, medians of the repeats."""
+    load_before = os.getloadavg()[0]
+    times: dict[str, list[float]] = {"plain": [], "speculative": []}
+    replies: dict[str, list] = {}
+    report = None
+    for _ in range(args.repeats):
+        for side, drafter in (("plain", None), ("speculative", draft)):
+            seconds, replies[side], counters = serve_all(model, drafter, prompts, args, k)
+            times[side].append(seconds)
+            report = counters or report
+    tokens = len(prompts) * args.max_tokens
+    median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+    return {
+        "name": "speculative_serve",
+        "requests": len(prompts),
+        "draft_tokens": k,
+        "max_tokens": args.max_tokens,
+        "plain_s": round(median["plain"], 3),
+        "speculative_s": round(median["speculative"], 3),
+        "plain_tokens_per_s": round(tokens / median["plain"], 1),
+        "speculative_tokens_per_s": round(tokens / median["speculative"], 1),
+        "ratio": round(median["plain"] / median["speculative"], 2),
+        "mean_accepted": report["mean_accepted"],
+        "tokens_per_step": report["tokens_per_step"],
+        "identical_replies": replies["plain"] == replies["speculative"],
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="trained model directory with a draft (or MTP layer)")
+    parser.add_argument("--data", default=None, help="corpus whose validation files give the user turns")
+    parser.add_argument("--requests", default="1,4,8", help="concurrent requests per row (comma-separated)")
+    parser.add_argument("--draft-tokens", default="3", help="k per row (comma-separated)")
+    parser.add_argument("--prompt", type=int, default=64, help="held-out tokens in each user turn")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--preset", default="k2-nano", help="the model without --model")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_smoke_argument(parser)
+    args = apply_smoke(parser.parse_args(), model=None, requests="2", prompt=8, max_tokens=6)
+    args.requests = [int(n) for n in args.requests.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, draft, prompts = setup(args)
+    with torch.inference_mode():
+        serve_all(model, draft, prompts[:1], args, 2)  # warm-up
+    rows = [
+        measure(model, draft, prompts[:n], args, int(k))
+        for n in args.requests
+        for k in args.draft_tokens.split(",")
+    ]
+    machine = machine_report(256 if args.smoke else 2048)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        print(json.dumps(machine))
+        return
+    print(machine_line(machine))
+    for row in rows:
+        print(
+            f"{row['requests']} chats, k={row['draft_tokens']}: plain {row['plain_tokens_per_s']} tok/s, "
+            f"speculative {row['speculative_tokens_per_s']} tok/s: {row['ratio']}x; {row['mean_accepted']} "
+            f"drafts accepted per verify step ({row['tokens_per_step']} tokens); identical replies: "
+            f"{row['identical_replies']}; load {row['load_average']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

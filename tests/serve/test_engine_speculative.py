@@ -1,0 +1,198 @@
+"""Speculative decoding in the serving engine: greedy replies identical to the engine without a draft for
+concurrent requests of different lengths admitted at different times (an MLA and a hybrid KDA target, with
+and without the prefix cache), cancelled requests, constrained rows (no drafts), deterministic seeded
+sampling, per-row settings that keep the target's distribution, and the counters in ``/health``."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+from k2lab import build_model, load_preset
+from k2lab.infer.draft import EagleDraft, ModelDraft
+from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.infer.speculative import RowSettings, SpeculativeStep
+from k2lab.serve import Engine, Request, SamplingParams
+from k2lab.serve.server import build_app
+from tests.conftest import randomize, serving
+from tests.infer.test_speculative import chi_square, chi_square_bound, exact_joint
+
+SHARED = list(range(10, 26))  # 16 tokens: four prefix-cache blocks of 4
+FIRST = [([7, 8, 9], 9), (SHARED + [5, 6], 12), ([99], 7)]  # (prompt, max_tokens): admitted at once
+LATER = [(SHARED + [40, 41, 42], 10), (list(range(50, 61)), 8), (SHARED + [3], 11)]  # once FIRST runs
+
+
+@pytest.fixture(scope="module")
+def mla():
+    return randomize(build_model(load_preset("k2-nano", num_nextn_predict_layers=1)))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return randomize(build_model(load_preset("k3-nano", num_nextn_predict_layers=1)))
+
+
+def engine(model, draft=None, prefix=True, max_batch=4) -> Engine:
+    cache = 1 << 22 if prefix else 0
+    return Engine(model, max_batch, cache, block_size=4, compile="off", draft=draft, draft_tokens=3).start()
+
+
+def serve(eng: Engine, waves, temperature=0.0, constrain=None, cancel_after=None):
+    """Submit each wave of (prompt, max_tokens) once the first request of the previous wave has 2 tokens;
+    returns the finished requests (``constrain(i)``: request i's constraint; ``cancel_after``: request 0
+    cancels itself after that many tokens)."""
+    done, started = threading.Semaphore(0), threading.Event()
+    requests, index = [], 0
+    for wave in waves:
+        started.clear()
+        for prompt, budget in wave:
+            params = SamplingParams(max_tokens=budget, temperature=temperature, top_p=0.9, seed=index)
+
+            def on_token(token, me=index):
+                if len(requests[me].tokens) >= 2:
+                    started.set()
+                if me == 0 and cancel_after is not None and len(requests[me].tokens) >= cancel_after:
+                    requests[me].cancel()
+
+            constraint = constrain(index) if constrain else None
+            request = Request(prompt, params, on_token, lambda _: done.release(), constraint=constraint)
+            requests.append(request)
+            eng.submit(request)
+            index += 1
+        started.wait(timeout=60)
+    for _ in requests:
+        done.acquire(timeout=120)
+    eng.shutdown()
+    return requests
+
+
+def replies(requests):
+    return [(r.tokens, r.finish_reason) for r in requests]
+
+
+@pytest.mark.parametrize(
+    ("name", "draft", "prefix"),
+    [("mla", "self", True), ("mla", "eagle", True), ("mla", "self", False), ("hybrid", "eagle", True)],
+)
+def test_greedy_replies_equal_the_plain_engine(request, name, draft, prefix):
+    """Six greedy requests, three admitted after the first three are decoding (prefix-cache hits on the
+    shared 16 tokens): the same tokens and finish reasons as without a draft."""
+    model = request.getfixturevalue(name)
+    drafter = ModelDraft(model) if draft == "self" else EagleDraft(model, model.mtp[0])
+    plain = serve(engine(model, prefix=prefix), [FIRST, LATER])
+    spec_engine = engine(model, drafter, prefix=prefix)
+    spec = serve(spec_engine, [FIRST, LATER])
+    assert replies(spec) == replies(plain)
+    stats = spec_engine.speculation.stats
+    assert stats.steps > 0 and spec_engine.steps < sum(len(r.tokens) for r in spec)
+    if draft == "self":  # the target drafting for itself: most drafts are accepted
+        assert stats.mean_accepted > 1
+    if prefix:
+        assert spec_engine.prefix_cache.stats()["hits"] > 0
+
+
+def test_cancelled_request_leaves_the_others_unchanged(mla):
+    plain = serve(engine(mla), [FIRST, LATER], cancel_after=3)
+    spec = serve(engine(mla, ModelDraft(mla)), [FIRST, LATER], cancel_after=3)
+    assert spec[0].finish_reason == "cancelled" and len(spec[0].tokens) >= 3
+    assert replies(spec[1:]) == replies(plain[1:])
+
+
+class Banned:
+    """A constraint: never the tokens ``banned``; records what it was told."""
+
+    def __init__(self, banned):
+        self.banned, self.seen = banned, []
+
+    def mask(self, logits):
+        logits[self.banned] = float("-inf")
+
+    def advance(self, token):
+        assert token not in self.banned
+        self.seen.append(token)
+
+
+def test_constrained_rows_decode_plainly_beside_drafting_rows(mla):
+    """Requests 0 and 3 carry a constraint (banning what unconstrained greedy decoding picks): they take no
+    drafts and reply exactly as the plain engine; the free rows still speculate."""
+    free = serve(engine(mla), [FIRST, LATER])
+    banned = sorted({t for r in free for t in r.tokens[:3]})
+
+    def constrain(i):
+        return Banned(banned) if i in (0, 3) else None
+
+    plain = serve(engine(mla), [FIRST, LATER], constrain=constrain)
+    spec_engine = engine(mla, ModelDraft(mla))
+    spec = serve(spec_engine, [FIRST, LATER], constrain=constrain)
+    assert replies(spec) == replies(plain)
+    assert spec[0].constraint.seen == spec[0].tokens and not set(spec[3].tokens) & set(banned)
+    stats = spec_engine.speculation.stats
+    assert stats.proposed == 3 * stats.row_steps and stats.accepted > 0
+
+
+def test_a_batch_of_constrained_rows_runs_plain_steps(mla):
+    waves = [[(p, n) for p, n in FIRST]]
+    plain = serve(engine(mla), waves, constrain=lambda i: Banned([5]))
+    spec_engine = engine(mla, EagleDraft(mla, mla.mtp[0]))
+    assert replies(serve(spec_engine, waves, constrain=lambda i: Banned([5]))) == replies(plain)
+    assert spec_engine.speculation.stats.steps == 0
+
+
+def test_seeded_sampled_replies_are_deterministic(mla):
+    """Temperature 1, top-p 0.9, a seed per request: two runs give the same replies; other seeds differ."""
+    first = serve(engine(mla, ModelDraft(mla)), [FIRST, LATER], temperature=1.0)
+    again = serve(engine(mla, ModelDraft(mla)), [FIRST, LATER], temperature=1.0)
+    assert replies(first) == replies(again)
+    shifted = [[(p, n) for p, n in LATER], [(p, n) for p, n in FIRST]]  # other seeds for the same prompts
+    other = serve(engine(mla, ModelDraft(mla)), shifted, temperature=1.0)
+    assert [r.tokens for r in other[3:]] != [r.tokens for r in first[:3]]
+
+
+def test_row_settings_keep_the_target_distribution():
+    """One batch mixing sampled rows (T = 0.8, top-p 0.9, a generator each), greedy rows and plain rows
+    (no drafts; here their token is the argmax): the sampled rows' first three tokens pass the chi-square
+    bound against the exact joint (vocabulary 8); greedy and plain rows give plain greedy decoding."""
+    target = randomize(build_model(load_preset("k2-nano", vocab_size=8)))
+    small = randomize(build_model(load_preset("k2-nano", vocab_size=8, num_hidden_layers=1)), seed=5)
+    prompt, kinds = [3, 5, 1, 6], ["sampled", "greedy", "plain"] * 1500
+    settings = RowSettings(
+        temperature=torch.tensor([0.8 if kind == "sampled" else 0.0 for kind in kinds]),
+        top_p=torch.tensor([0.9] * len(kinds)),
+        generators=[torch.Generator().manual_seed(i) for i in range(len(kinds))],
+        plain=torch.tensor([kind == "plain" for kind in kinds]),
+    )
+    runner = SpeculativeStep(target, ModelDraft(small), GenerationConfig(compile="off"), rows=settings)
+    ids = torch.tensor([prompt] * len(kinds))
+    outputs = [[t] for t in runner.prefill(ids, torch.ones_like(ids, dtype=torch.bool), 32).tolist()]
+    plain_counts = []
+    for _ in range(2):  # each step emits >= 1 token: >= 3 per row
+        tokens, counts = runner.step(2, plain_token=lambda rows, logits: logits.argmax(-1))
+        plain_counts += counts[settings.plain].tolist()
+        for row, (new, count) in enumerate(zip(tokens.tolist(), counts.tolist(), strict=True)):
+            outputs[row] += new[:count]
+    greedy = generate(target, [prompt], GenerationConfig(max_new_tokens=3))[0]
+    by_kind = {
+        kind: [tuple(out[:3]) for out, k in zip(outputs, kinds, strict=True) if k == kind] for kind in kinds
+    }
+    assert set(by_kind["greedy"]) == set(by_kind["plain"]) == {tuple(greedy)} and set(plain_counts) == {1}
+    stat, dof = chi_square(by_kind["sampled"], exact_joint(target, prompt, 3, 0.8, 0.9))
+    assert dof > 10
+    assert stat < chi_square_bound(dof), (stat, dof)
+
+
+def test_health_reports_the_acceptance(small_tokenizer):
+    model = randomize(build_model(load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=1)))
+    eng = engine(model, ModelDraft(model))
+    serve_one = Request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))
+    finished = threading.Event()
+    serve_one.on_finish = lambda _: finished.set()
+    eng.submit(serve_one)
+    assert finished.wait(60)
+    with serving(build_app(eng, small_tokenizer, "nano")) as base:
+        health = httpx.get(base + "/health").json()["speculative"]
+    eng.shutdown()
+    assert health["draft_tokens"] == 3 and health["verify_steps"] > 0 and health["mean_accepted"] > 0
+    assert health["tokens_per_step"] == pytest.approx(1 + health["mean_accepted"], abs=1e-3)
