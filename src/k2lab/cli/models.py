@@ -174,5 +174,5 @@ def export(
     out = hf_export.export(
         config, source, log=lambda line: console.print(line, markup=False, highlight=False)
     )
-    files = sorted(path.name for path in out.iterdir())
+    files = sorted(path.name for path in out.iterdir()) if out.is_dir() else [out.name]  # gguf: one file
     console.print(f"wrote {out}: {', '.join(files)}", markup=False, highlight=False)

@@ -15,8 +15,8 @@ directory or the new one) holds:
   defaults of ``k2lab generate`` (``GenerationConfig``: temperature 0 = ``do_sample`` false).
 
 The result loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (no
-remote code) and with ``k2lab.hf.from_hf``. ``format="gguf"`` and ``quantize`` are not implemented yet and
-say so.
+remote code) and with ``k2lab.hf.from_hf``. ``format="gguf"`` writes one llama.cpp file at ``out`` instead
+(``k2lab.hf.gguf_export``). ``quantize`` is not implemented yet and says so.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import staged_directory
 from k2lab.hf.chat_template import chat_template
 from k2lab.hf.export_source import Choice, find_source
+from k2lab.hf.gguf_export import write_gguf
 from k2lab.hf.io import GENERATION_CONFIG_FILE, to_hf
 from k2lab.hf.tokenizer_files import tokenizer_files
 from k2lab.infer.generate import GenerationConfig
@@ -72,7 +73,7 @@ class ExportConfig(BaseModel):
 
     out: Path = Field(description="Directory to write the model repository to (replaced atomically).")
     format: Literal["hf", "gguf"] = Field(
-        default="hf", description="hf = transformers / vLLM model repository; gguf = llama.cpp (not yet)."
+        default="hf", description="hf = transformers / vLLM model repository; gguf = one llama.cpp file at out."
     )
     max_shard_size: str = Field(
         default="5GB",
@@ -137,10 +138,6 @@ def check_tokenizer(tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel)
 
 def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     """Write the model repository of ``source`` (run, checkpoint or model directory) to ``config.out``."""
-    if config.format == "gguf":
-        raise K2LabError(
-            "--format gguf is not implemented yet (issue 23 point 3); export --format hf for now"
-        )
     if config.quantize is not None:
         raise K2LabError("--quantize is not implemented yet; export full-precision weights (--dtype)")
     found = find_source(source, config.checkpoint, config.tokenizer, log)
@@ -152,6 +149,8 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
             "tokenizer setting); pass --tokenizer FILE"
         )
     check_tokenizer(tokenizer, model)
+    if config.format == "gguf":
+        return write_gguf(model, tokenizer, config.out, chat_template(), DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
     out = Path(config.out)
     if out.exists() and not out.is_dir():
