@@ -40,16 +40,16 @@ def engine(model, draft=None, prefix=True, max_batch=4) -> Engine:
     return Engine(model, max_batch, cache, block_size=4, compile="off", draft=draft, draft_tokens=3).start()
 
 
-def serve(eng: Engine, waves, temperature=0.0, constrain=None, cancel_after=None):
+def serve(eng: Engine, waves, temperature=0.0, constrain=None, cancel_after=None, stop=(), keep=False):
     """Submit each wave of (prompt, max_tokens) once the first request of the previous wave has 2 tokens;
     returns the finished requests (``constrain(i)``: request i's constraint; ``cancel_after``: request 0
-    cancels itself after that many tokens)."""
+    cancels itself after that many tokens; ``stop``: stop token ids; ``keep``: leave the engine running)."""
     done, started = threading.Semaphore(0), threading.Event()
     requests, index = [], 0
     for wave in waves:
         started.clear()
         for prompt, budget in wave:
-            params = SamplingParams(max_tokens=budget, temperature=temperature, top_p=0.9, seed=index)
+            params = SamplingParams(budget, temperature, top_p=0.9, seed=index, stop_token_ids=stop)
 
             def on_token(token, me=index):
                 if len(requests[me].tokens) >= 2:
@@ -65,7 +65,8 @@ def serve(eng: Engine, waves, temperature=0.0, constrain=None, cancel_after=None
         started.wait(timeout=60)
     for _ in requests:
         done.acquire(timeout=120)
-    eng.shutdown()
+    if not keep:
+        eng.shutdown()
     return requests
 
 
@@ -111,6 +112,23 @@ def test_cancelled_request_leaves_the_others_unchanged(mla, plain_replies):
     spec = serve(engine(mla, ModelDraft(mla)), [FIRST, LATER], cancel_after=3)
     assert spec[0].finish_reason == "cancelled" and len(spec[0].tokens) >= 3
     assert replies(spec[1:]) == plain_replies("mla")[1:]
+
+
+def test_stop_inside_an_accepted_window_and_the_next_turn(mla, plain_replies):
+    """A stop token met inside a window of accepted drafts (self-draft) ends the reply there; the retired
+    rows go into the prefix cache cut to what was delivered, so each conversation's next turn (which hits
+    it) replies as the plain engine's."""
+    stop = (plain_replies("mla")[1][0][4],)
+    sides = {}
+    for side, draft in (("plain", None), ("speculative", ModelDraft(mla))):
+        eng = engine(mla, draft)
+        first = serve(eng, [FIRST, LATER], stop=stop, keep=True)
+        turns = [(r.prompt + r.tokens + [stop[0], 5, 6], 6) for r in first]
+        hits = eng.prefix_cache.stats()["hits"]
+        sides[side] = replies(first) + replies(serve(eng, [turns], stop=stop))
+        assert eng.prefix_cache.stats()["hits"] > hits
+    assert sides["speculative"] == sides["plain"]
+    assert ("stop" in {reason for _, reason in sides["plain"]}) and eng.speculation.stats.accepted > 0
 
 
 class Banned:
