@@ -14,7 +14,7 @@ import torch
 from k2lab import build_model, load_preset
 from k2lab.infer.draft import EagleDraft, ModelDraft
 from k2lab.infer.generate import GenerationConfig, generate
-from k2lab.infer.speculative import RowSettings, SpeculativeStep
+from k2lab.infer.speculative import DRAFT_TOKENS, RowSettings, SpeculativeStep
 from k2lab.serve import Engine, Request, SamplingParams
 from k2lab.serve.server import build_app
 from tests.conftest import randomize, serving
@@ -225,3 +225,25 @@ def test_health_reports_the_acceptance(small_tokenizer):
     eng.shutdown()
     assert health["draft_tokens"] == 3 and health["verify_steps"] > 0 and health["mean_accepted"] > 0
     assert health["tokens_per_step"] == pytest.approx(1 + health["mean_accepted"], abs=1e-3)
+
+
+def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tokenizer, monkeypatch):
+    """`k2lab serve` with an MTP layer: speculative by default with k = DRAFT_TOKENS, --draft-tokens k,
+    --no-speculative; without a draft, --speculative is a clear error."""
+    from k2lab.cli import main
+    from k2lab.model_dir import save_model
+
+    seen = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **_: seen.append(app.state.k2lab.engine.speculation))
+    for name, layers in (("mtp", 1), ("plain", 0)):
+        model = build_model(load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=layers))
+        save_model(model, tmp_path / name)
+        small_tokenizer.save(str(tmp_path / name / "tokenizer.json"))
+    for flags in ([], ["--draft-tokens", "2"], ["--no-speculative"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "-c", str(tmp_path / "mtp"), *flags])
+        assert exit_info.value.code == 0
+    assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "-c", str(tmp_path / "plain"), "--speculative"])
+    assert exit_info.value.code == 2 and len(seen) == 3
