@@ -4,9 +4,11 @@ model, and ``k2lab draft train`` / ``k2lab generate`` (speculative with the save
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from k2lab import build_model, load_preset
 from k2lab.cli import main
+from k2lab.errors import K2LabError
 from k2lab.infer import GenerationConfig, generate
 from k2lab.infer.draft import DRAFT_DIR, find_draft
 from k2lab.infer.speculative import speculative_generate
@@ -30,14 +32,21 @@ SMALL = dict(
 )
 
 
-def test_training_lowers_the_loss_and_saves_the_draft(model_dir, tiny_corpus):
-    config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), steps=10, lr=3e-3, **SMALL)
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_training_lowers_the_loss_and_saves_the_draft(model_dir, tiny_corpus, draft_vocab):
+    """The whole vocabulary (None: 1024 > V = 300) or the 40 most frequent continuation tokens."""
+    config = DraftTrainConfig(
+        model=model_dir, data=str(tiny_corpus), steps=10, lr=3e-3, draft_vocab=draft_vocab, **SMALL
+    )
     summary = train_draft(config, log=lambda line: None)
     assert summary["loss"] < 0.8 * summary["first_loss"]
     assert summary["ce"] < summary["first_ce"]
+    assert summary["draft_vocab"] == (draft_vocab or 300)
+    assert 0 < summary["vocab_coverage_held_out"] <= 1 and 0 < summary["vocab_coverage_train"] <= 1
     model = load_model(model_dir)
     draft = find_draft(model_dir, model)
     assert (model_dir / DRAFT_DIR / "summary.json").is_file() and draft.module is not model.mtp[0]
+    assert (draft.vocab is None) if draft_vocab is None else (len(draft.vocab) == draft_vocab)
     prompts = [[40, 41, 42], [50, 51, 52, 53]]
     out, _ = speculative_generate(model, draft, prompts, GenerationConfig(max_new_tokens=6), 3)
     assert out == generate(model, prompts, GenerationConfig(max_new_tokens=6))
@@ -68,3 +77,12 @@ def test_commands_train_and_use_the_draft(model_dir, tiny_corpus, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(arg) for arg in [*generate_args, "--no-speculative"]])
     assert "tokens per target forward" not in capsys.readouterr().out
+
+
+def test_a_bad_draft_vocabulary_is_refused(model_dir, tiny_corpus):
+    for bad in (0, -3):
+        with pytest.raises(ValidationError, match="draft_vocab"):
+            DraftTrainConfig(model=model_dir, draft_vocab=bad)
+    config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), draft_vocab=301, **SMALL)
+    with pytest.raises(K2LabError, match="between 1 and the target's vocabulary 300, got 301"):
+        train_draft(config, log=lambda line: None)

@@ -205,14 +205,15 @@ def _find_draft(checkpoint: Path, model, draft: Path | None):
             "batch_size",
             "lr",
             "fresh",
+            "draft_vocab",
             "seed",
         )
     },
 )
 def draft_train(config: DraftTrainConfig) -> None:
     """Fine-tune the model's MTP layer (or a fresh one-block draft, --fresh) into an EAGLE-style draft on
-    the model's own hidden states and continuations of corpus prompts; saved to MODEL/draft/, where
-    `k2lab generate` finds it."""
+    the model's own hidden states and continuations of corpus prompts, proposing among the --draft-vocab
+    most frequent tokens of those continuations; saved to MODEL/draft/, where `k2lab generate` finds it."""
     from k2lab.train.draft import train_draft
 
     summary = train_draft(config, log=lambda line: console.print(line, markup=False, highlight=False))

@@ -17,7 +17,9 @@ invariant holds again with u' = d_a (t when a = 0) and t' pending: the same roll
 with f_i the target's final-normed hidden state h_i for context tokens and the draft's own output f'_{i−1}
 inside a proposal (``propose``: k − 1 forwards of one entry). ``accept`` drops the k − 1 drafted entries and
 feeds the a + 1 verified ones (h of x_{m+1}, d_1 … d_a from the verify forward, paired with the next token),
-whose last output gives d_1 of the next step: k forwards of the draft block per step.
+whose last output gives d_1 of the next step: k forwards of the draft block per step, and k heads (only
+on the entries that propose). With a ``DraftVocab`` the head is the lm_head's rows of N frequent tokens
+(logits −∞ elsewhere; ``k2lab.infer.draft_vocab``), saved with the draft.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k2lab.config import ModelConfig
-from k2lab.errors import CheckpointError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.infer.cache import LatentCache
+from k2lab.infer.draft_vocab import DraftVocab
 from k2lab.infer.rollback import CacheWindow, ensure_room
 from k2lab.models.decoder import CausalLM
 from k2lab.models.mtp import MultiTokenPrediction
@@ -44,6 +47,7 @@ DRAFT_DIR = "draft"  # <model dir>/draft/: the EAGLE draft trained for that mode
 DRAFT_FORMAT = "k2lab-draft"
 DRAFT_MANIFEST = "k2lab-draft.json"
 DRAFT_WEIGHTS = "draft.safetensors"
+VOCAB_KEY = "draft_vocab.ids"  # a reduced draft vocabulary's token ids [N] (``k2lab.infer.draft_vocab``)
 # what a draft must share with its target (the block's shapes, the shared embedding and head)
 _MATCHING = ("vocab_size", "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "num_attention_heads")
 
@@ -84,6 +88,7 @@ def _concat_caches(first: LatentCache, second: LatentCache) -> LatentCache:
     """Both caches' rows in one, keeping the larger free room of the two after the longer."""
     room = max(first.max_length - first.length, second.max_length - second.length)
     return LatentCache.concat([first, second], max(first.length, second.length) + room)
+
 
 def _model_dtype(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
     param = next(model.parameters())
@@ -159,20 +164,25 @@ class EagleDraft:
 
     uses_hidden = True
 
-    def __init__(self, target: CausalLM, module: MultiTokenPrediction) -> None:
-        self.target, self.module = target, module
+    def __init__(
+        self, target: CausalLM, module: MultiTokenPrediction, vocab: DraftVocab | None = None
+    ) -> None:
+        self.target, self.module, self.vocab = target, module, vocab
         self.cache: LatentCache | None = None
 
-    def _run(
-        self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries (features [B, T, D], tokens [B, T]) appended to the cache -> (f' [B, T, D], logits)."""
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Entries (features [B, T, D], tokens [B, T]) appended to the cache -> f' [B, T, D]."""
         B, T = tokens.shape
         inputs = self.target.layer_inputs(B, T, features.device, attention_mask=valid, cache=self.cache)
         h = self.module(features, self.target.embed(tokens), inputs, self.cache.layer(0))
         self.cache.commit(inputs.valid)
-        out = self.module.final_norm(h)
-        return out, self.target.lm_head(out)
+        return self.module.final_norm(h)
+
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [..., V] of features [..., D]: the target's lm_head, or over ``vocab`` only."""
+        if self.vocab is None:
+            return self.target.lm_head(features)
+        return self.vocab.logits(self.target.lm_head, features)
 
     def prefill(
         self,
@@ -186,8 +196,8 @@ class EagleDraft:
         config = single_layer_config(self.target)
         self.cache = LatentCache(config, ids.shape[0], capacity, dtype=dtype, device=device)
         tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # entry i pairs h_i with x_{i+1}
-        features, logits = self._run(hidden, tokens, valid)
-        self.feature, self.next_logits = features[:, -1], logits[:, -1]
+        self.feature = self._run(hidden, tokens, valid)[:, -1]  # the last column is real in every row
+        self.next_logits = self.head(self.feature)
 
     def propose(self, num_tokens: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor]:
         ensure_room(self.cache, num_tokens)
@@ -195,8 +205,8 @@ class EagleDraft:
         tokens, logits = [pick(self.next_logits)], [self.next_logits]
         feature = self.feature
         for _ in range(num_tokens - 1):
-            out, step = self._run(feature[:, None], tokens[-1][:, None], None)
-            feature, step = out[:, -1], step[:, -1]
+            feature = self._run(feature[:, None], tokens[-1][:, None], None)[:, -1]
+            step = self.head(feature)
             tokens.append(pick(step))
             logits.append(step)
         self.drafted = torch.stack(tokens, dim=1)
@@ -209,9 +219,9 @@ class EagleDraft:
         tokens = torch.cat([self.drafted, pending[:, None]], dim=1)
         tokens = tokens.scatter(1, accepted[:, None], pending[:, None])  # entry a pairs h with t'
         valid = torch.arange(width, device=hidden.device)[None, :] <= accepted[:, None]
-        features, logits = self._run(hidden[:, :width], tokens, valid)
-        rows = torch.arange(B, device=hidden.device)
-        self.feature, self.next_logits = features[rows, accepted], logits[rows, accepted]
+        features = self._run(hidden[:, :width], tokens, valid)
+        self.feature = features[torch.arange(B, device=hidden.device), accepted]
+        self.next_logits = self.head(self.feature)  # the head on the one entry that proposes next
 
     def select(self, index: torch.Tensor) -> None:
         self.cache.select(index)
@@ -228,10 +238,12 @@ def save_draft(
     config: ModelConfig,
     directory: str | os.PathLike[str],
     info: dict[str, Any] | None = None,
+    vocab: DraftVocab | None = None,
 ) -> Path:
     """Write an EAGLE draft (``module``'s weights; embedding and head stay the target's) to ``directory``
     atomically: ``k2lab-draft.json`` {format, version, kind: "eagle", config: the target's ModelConfig,
-    info} and ``draft.safetensors``. ``save_model`` over the model directory replaces ``draft/`` too."""
+    draft_vocab: N or null, info} and ``draft.safetensors`` (with a reduced vocabulary, its ids [N] under
+    ``draft_vocab.ids``). ``save_model`` over the model directory replaces ``draft/`` too."""
     target = Path(directory)
     with staged_directory(target) as staging:
         manifest = {
@@ -239,10 +251,13 @@ def save_draft(
             "version": 1,
             "kind": "eagle",
             "config": config.model_dump(mode="json"),
+            "draft_vocab": None if vocab is None else len(vocab),
             "info": info or {},
         }
         (staging / DRAFT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         state = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
+        if vocab is not None:
+            state[VOCAB_KEY] = vocab.ids.cpu().contiguous()
         save_file(state, str(staging / DRAFT_WEIGHTS), metadata={"format": DRAFT_FORMAT})
     return target
 
@@ -268,12 +283,17 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path / DRAFT_WEIGHTS} cannot be read ({error})") from error
     param = next(target.parameters())
+    ids = state.pop(VOCAB_KEY, None)
+    try:
+        vocab = None if ids is None else DraftVocab(ids, target.config.vocab_size)
+    except K2LabError as error:
+        raise CheckpointError(f"{path / DRAFT_WEIGHTS}: {error}") from error
     module = MultiTokenPrediction(ModelConfig.model_validate(saved), 1).to(param.device)
     try:
         module.load_state_dict(state)
     except RuntimeError as error:
         raise CheckpointError(f"{path / DRAFT_WEIGHTS} does not match its config ({error})") from error
-    return EagleDraft(target, module.to(param.dtype).eval())
+    return EagleDraft(target, module.to(param.dtype).eval(), vocab)
 
 
 def find_draft(model_dir: str | os.PathLike[str], target: CausalLM) -> EagleDraft | None:

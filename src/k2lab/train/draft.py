@@ -9,7 +9,9 @@ draft pairs h_i with the next token x_{i+1} (teacher forcing, optionally with un
     f'_i = final_norm(MTP(h_i + ε, Emb(x_{i+1})))                     ε ~ U(−noise, noise)
     L = reg_weight · SmoothL1(f'_i, h_{i+1}) + ce_weight · CE(lm_head(f'_i), x_{i+2})
 
-with the regression on every entry and the CE on the target's generated tokens only. ``continuation = 0``
+with the regression on every entry and the CE on the target's generated tokens only. With a reduced draft
+vocabulary S (``draft_vocab``: the N most frequent of the pool's next tokens, ``k2lab.infer.draft_vocab``)
+the CE is a softmax over S alone (h W_Sᵀ), on the labels inside S; top-1 still counts every label. ``continuation = 0``
 skips generation (EAGLE-1's own setting: fixed text, the target's features): the corpus windows are the
 sequences and the CE labels are the target's greedy next tokens at every position. Only the module trains
 (AdamW); embedding and head stay the target's. Acceptance is measured on held-out (validation) prompts
@@ -32,6 +34,7 @@ from k2lab.data import load_tokenizer
 from k2lab.data.corpus import load_corpus
 from k2lab.errors import K2LabError
 from k2lab.infer.draft import DRAFT_DIR, EagleDraft, save_draft
+from k2lab.infer.draft_vocab import DraftVocab, check_size, frequent_tokens
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.infer.speculative import speculative_generate
 from k2lab.model_dir import load_model
@@ -41,6 +44,7 @@ from k2lab.models.mtp import MultiTokenPrediction
 from k2lab.train.draft_config import DraftTrainConfig
 
 Log = Callable[[str], None]
+DRAFT_VOCAB = 1024  # draft_vocab None: this many tokens, or the whole vocabulary if that is smaller
 
 
 def corpus_windows(
@@ -91,9 +95,11 @@ def draft_loss(
     hidden: torch.Tensor,
     next_tokens: torch.Tensor,
     config: DraftTrainConfig,
+    vocab: DraftVocab | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EAGLE-1's loss on ids [B, T], the target's hidden [B, T, D] and next tokens [B, T] (module docstring):
-    entry i predicts the target's token after position i + 1, ``next_tokens[:, i + 1]``."""
+    entry i predicts the target's token after position i + 1, ``next_tokens[:, i + 1]``; with ``vocab`` the
+    CE is over its tokens only."""
     B, T = ids.shape
     features = hidden[:, :-1]
     if config.feature_noise:
@@ -103,12 +109,46 @@ def draft_loss(
     regression = F.smooth_l1_loss(out.float(), hidden[:, 1:].float())
     labels = next_tokens[:, 1:]
     known = labels != -100
-    logits = target.lm_head(out[known])
-    ce = F.cross_entropy(logits.float(), labels[known])
-    top1 = (logits.argmax(-1) == labels[known]).float().mean()
+    ce, top1 = _token_loss(target, out[known], labels[known], vocab)
     loss = config.reg_weight * regression + config.ce_weight * ce
     values = {"loss": loss, "reg": regression, "ce": ce, "top1": top1}
     return loss, {key: value.item() for key, value in values.items()}
+
+
+def _token_loss(
+    target: CausalLM, features: torch.Tensor, labels: torch.Tensor, vocab: DraftVocab | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE, top-1 agreement) of the draft head on features [n, D] against labels [n]: over the whole
+    vocabulary, or with ``vocab`` a CE over S on the labels inside S and top-1 over all labels."""
+    if vocab is None:
+        logits = target.lm_head(features)
+        return F.cross_entropy(logits.float(), labels), (logits.argmax(-1) == labels).float().mean()
+    logits = vocab.sub_logits(target.lm_head, features)
+    positions = vocab.positions(labels)
+    inside = positions >= 0
+    ce = F.cross_entropy(logits[inside].float(), positions[inside]) if inside.any() else logits.sum() * 0
+    return ce, (logits.argmax(-1) == positions).float().mean()
+
+
+def draft_vocab(
+    config: DraftTrainConfig, vocab_size: int, next_tokens: torch.Tensor | None
+) -> DraftVocab | None:
+    """The draft's vocabulary: the ``config.draft_vocab`` (default ``DRAFT_VOCAB``, at most V) most frequent
+    of the target's next tokens [N, T] (−100 ignored); None when that is the whole vocabulary. With
+    ``next_tokens`` None it only checks the size (``K2LabError`` unless 1 ≤ N ≤ V)."""
+    size = config.draft_vocab or min(DRAFT_VOCAB, vocab_size)
+    check_size(size, vocab_size)
+    if next_tokens is None or size == vocab_size:
+        return None
+    return DraftVocab(frequent_tokens(next_tokens, vocab_size, size), vocab_size)
+
+
+def held_out_coverage(target: CausalLM, vocab: DraftVocab | None, prompts: list[list[int]]) -> float:
+    """The fraction of the target's greedy next tokens on ``prompts`` (one forward) inside ``vocab``."""
+    if vocab is None or not prompts:
+        return 1.0 if prompts else float("nan")
+    with torch.no_grad():
+        return vocab.coverage(target(torch.tensor(prompts)).logits.argmax(-1))
 
 
 def draft_module(target: CausalLM, fresh: bool, seed: int) -> MultiTokenPrediction:
@@ -123,7 +163,11 @@ def draft_module(target: CausalLM, fresh: bool, seed: int) -> MultiTokenPredicti
 
 
 def acceptance(
-    target: CausalLM, module: MultiTokenPrediction, prompts: list[list[int]], config: DraftTrainConfig
+    target: CausalLM,
+    module: MultiTokenPrediction,
+    prompts: list[list[int]],
+    config: DraftTrainConfig,
+    vocab: DraftVocab | None = None,
 ) -> float:
     """Tokens per target forward of greedy speculative decoding on ``prompts`` (EAGLE's τ)."""
     if not prompts:
@@ -131,7 +175,7 @@ def acceptance(
     module.eval()
     generation = GenerationConfig(max_new_tokens=config.eval_tokens)
     _, stats = speculative_generate(
-        target, EagleDraft(target, module), prompts, generation, num_draft_tokens=config.draft_tokens
+        target, EagleDraft(target, module, vocab), prompts, generation, num_draft_tokens=config.draft_tokens
     )
     return stats.tokens_per_step
 
@@ -147,6 +191,7 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     target = load_model(config.model)
     if not isinstance(target, CausalLM):
         raise K2LabError("draft training needs a text model (a CausalLM checkpoint)")
+    draft_vocab(config, target.config.vocab_size, None)  # a bad size fails before any work
     target.eval().requires_grad_(False)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     train = corpus_windows([d.text for d in corpus.train], tokenizer, config.prompts, config.prompt_len, rng)
@@ -159,6 +204,13 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     before = acceptance(target, module, val, config)
     log(f"held-out tokens per step before: {before:.3f}; the target continues {len(train)} prompts")
     ids, hidden, next_tokens = continuation_pool(target, train, config, log)
+    vocab = draft_vocab(config, target.config.vocab_size, next_tokens)
+    coverage = {
+        "draft_vocab": len(vocab) if vocab else target.config.vocab_size,
+        "vocab_coverage_train": vocab.coverage(next_tokens) if vocab else 1.0,
+        "vocab_coverage_held_out": held_out_coverage(target, vocab, val),
+    }
+    log("draft vocabulary: " + ", ".join(f"{key} {value:.4g}" for key, value in coverage.items()))
     module.train().requires_grad_(True)
     optimizer = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -168,7 +220,7 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     first: dict[str, float] = {}
     for step in range(1, config.steps + 1):
         rows = torch.tensor([rng.randrange(ids.shape[0]) for _ in range(config.batch_size)])
-        loss, metrics = draft_loss(target, module, ids[rows], hidden[rows], next_tokens[rows], config)
+        loss, metrics = draft_loss(target, module, ids[rows], hidden[rows], next_tokens[rows], config, vocab)
         first = first or {f"first_{key}": value for key, value in metrics.items()}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -178,16 +230,18 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
         if step % 50 == 0 or step == config.steps:
             log(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     module.requires_grad_(False)
-    after = acceptance(target, module, val, config)
+    after = acceptance(target, module, val, config, vocab)
     summary = {
         "tokens_per_step_before": before,
         "tokens_per_step_after": after,
+        **coverage,
         **metrics,
         **first,
         "seconds": time.perf_counter() - started,
     }
     out = config.out or config.model / DRAFT_DIR
-    save_draft(module, target.config, out, {"training": config.model_dump(mode="json"), "summary": summary})
+    info = {"training": config.model_dump(mode="json"), "summary": summary}
+    save_draft(module, target.config, out, info, vocab)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"held-out tokens per step after: {after:.3f}; draft saved to {out}")
     return summary

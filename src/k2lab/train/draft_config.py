@@ -34,6 +34,13 @@ class DraftTrainConfig(BaseModel):
     ce_weight: float = Field(default=0.1, ge=0, description="Weight of the CE on the target's tokens.")
     feature_noise: float = Field(default=0.0, ge=0, description="Uniform noise on input features.")
     fresh: bool = Field(default=False, description="Start from a fresh block, not the model's MTP module.")
+    draft_vocab: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens the draft proposes among: the N most frequent of the target's own next tokens in "
+        "the training pool (its head is those N rows of the lm_head); None = 1024, or the whole vocabulary if "
+        "that is smaller; N = V: the whole vocabulary. N above V is an error.",
+    )
     eval_prompts: int = Field(default=16, ge=0, description="Held-out prompts for the acceptance check.")
     draft_tokens: int = Field(default=4, gt=0, description="k of the acceptance check.")
     seed: int = Field(default=0, description="Prompt sampling, continuations and initialisation.")
