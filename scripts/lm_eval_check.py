@@ -17,6 +17,10 @@ Run with k2lab's venv after ``scripts/lm_eval_venv.sh`` (lm-eval lives in a venv
    ll = Σ_{i ≥ ctxlen} log p(t_i | t_<i) — and compares it with lm-eval's per-item numbers, and the
    accuracy with the argmax of the direct ones.
 
+``--vllm [VENV]`` serves a ``k2lab export`` of the checkpoint with vLLM's OpenAI server from the vLLM venv
+(``scripts/vllm_venv.sh``; the command and CPU workarounds of ``scripts/vllm_check.py``) instead of
+``k2lab serve``; the same direct k2lab numbers are the reference.
+
 Writes ``summary.json`` in ``--out`` and exits 1 when a log-likelihood differs by more than ``--tol``
 or the accuracies differ. Not part of ``make test`` (it needs the lm-eval venv and minutes of CPU).
 """
@@ -34,8 +38,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-import httpx
 import torch
+import vllm_check  # scripts/vllm_check.py, beside this script: vLLM's server command (stdlib imports only)
 
 from k2lab.data import load_tokenizer
 from k2lab.model_dir import load_model
@@ -109,22 +113,22 @@ def write_task(out: Path, count: int) -> Path:
     return folder
 
 
-def start_server(checkpoint: Path, port: int, log: Path) -> subprocess.Popen:
-    command = [str(ROOT / ".venv/bin/k2lab"), "serve", "-c", str(checkpoint), "--port", str(port),
-               "--model-name", "k2lab-demo"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"k2lab serve exited ({server.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    server.terminate()
-    raise SystemExit(f"k2lab serve did not answer /health in 180 s; see {log}")
+def start_server(checkpoint: Path, port: int, log: Path, vllm: Path | None = None) -> subprocess.Popen:
+    """``k2lab serve`` on ``checkpoint``, or (``vllm``: the vLLM venv) vLLM's OpenAI server on a ``k2lab export``
+    of it (``scripts/vllm_check.py``'s command: fp32, its CPU workarounds, ``/tokenizer_info``)."""
+    if vllm is None:
+        command = [str(ROOT / ".venv/bin/k2lab"), "serve", "-c", str(checkpoint), "--port", str(port),
+                   "--model-name", "k2lab-demo"]  # fmt: skip
+        server, timeout = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT), 180
+    else:
+        export = log.parent / "export"
+        subprocess.run(
+            [str(ROOT / ".venv/bin/k2lab"), "export", str(checkpoint), "--out", str(export)], check=True
+        )
+        server = vllm_check.start_vllm(str(export), port, "k2lab-demo", log, python=str(vllm / "bin/python"))
+        timeout = 900
+    vllm_check.wait_healthy(server, port, log, timeout)
+    return server
 
 
 def run_lm_eval(venv: Path, task_dir: Path, out: Path, port: int, batch_size: int) -> float:
@@ -193,12 +197,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--tol", type=float, default=1e-4)
+    parser.add_argument("--vllm", type=Path, nargs="?", const=Path.home() / ".cache/k2lab/vllm-venv", default=None,
+                        help="serve a k2lab export with vLLM from this venv (scripts/vllm_venv.sh) instead")  # fmt: skip
     args = parser.parse_args()
     if not (args.venv / "bin/lm_eval").exists():
         raise SystemExit(f"no lm_eval in {args.venv}: run scripts/lm_eval_venv.sh first")
     args.out.mkdir(parents=True, exist_ok=True)
     task_dir = write_task(args.out, args.items)
-    server = start_server(args.checkpoint, args.port, args.out / "serve.log")
+    server = start_server(args.checkpoint, args.port, args.out / "serve.log", args.vllm)
     try:
         seconds = run_lm_eval(args.venv, task_dir, args.out, args.port, args.batch_size)
     finally:
