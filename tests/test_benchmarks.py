@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "timing.py")
 SMOKE_ARGS = {
+    "bench_agentic_rl.py": ["--json"],
     "bench_k2_model.py": ["--json"],
     "bench_k3_step.py": ["--json"],
     "bench_kda.py": ["--json", "--cache-png", "kda.png"],

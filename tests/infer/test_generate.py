@@ -93,3 +93,21 @@ def test_continuation_must_extend_the_cached_tokens(nano):
         generate(nano, [[5, 6, 7]], cache=cache)
     with pytest.raises(ValueError, match="2 prompts continue a cache of 1"):
         generate(nano, [[5, 6, 7, *out], [1]], cache=cache)
+
+
+def test_drop_finished_samples_the_same_tokens_and_keeps_each_rows_cache(both):
+    """Rows that sample EOS leave the batch (``drop_finished``): the same tokens, greedy and with one
+    sampling seed per row, and each row's cache holds what it held without dropping (a continuation)."""
+    prompts = [[5, 17, 33, 2, 90], [7, 8, 9], [11, 12, 13, 14]]
+    probe = generate(both, prompts, GenerationConfig(max_new_tokens=6))
+    for temperature, seeds in ((0.0, None), (1.0, [3, 4, 5])):
+        config = GenerationConfig(max_new_tokens=6, eos_token_id=probe[0][1], temperature=temperature)
+        kept, dropped = GenerationCache(), GenerationCache()
+        want = generate(both, prompts, config, row_seeds=seeds, cache=kept)
+        config = config.model_copy(update={"drop_finished": True})
+        assert generate(both, prompts, config, row_seeds=seeds, cache=dropped) == want
+        assert dropped.ids == kept.ids
+        for a, b in zip(dropped.rows, kept.rows, strict=True):
+            torch.testing.assert_close(a.rows, b.rows)
+    with pytest.raises(ValueError, match="needs row_seeds"):
+        generate(both, prompts, config)

@@ -40,6 +40,11 @@ class GenerationConfig(BaseModel):
         description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA, off on CPU "
         "(a build of minutes); on = compile (one build per model, reused by later calls); off = eager.",
     )
+    drop_finished: bool = Field(
+        default=False,
+        description="A row that samples eos_token_id leaves the batch: later steps compute the live rows only "
+        "(same tokens up to the rounding of a smaller batch; sampling needs row_seeds).",
+    )
 
 
 class Constraint(Protocol):
@@ -168,31 +173,88 @@ def generate(
     ended: dict[int, dict[int, KDAState]] = {}  # row -> its KDA states when it sampled EOS
     tokens: list[torch.Tensor] = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)
+    batch = _LiveRows(
+        len(prompts), constraints, generator, config, cache is not None or prefix_cache is not None
+    )
     for step in range(config.max_new_tokens):
         if constraints is not None:
             logits = logits.float().clone()
-            for row, constraint in enumerate(constraints):
+            for row, constraint in enumerate(batch.constraints):
                 if constraint is not None and not bool(finished[row]):
                     constraint.mask(logits[row])
-        token = sample_next(logits, config, generator)
-        tokens.append(token)
+        token = sample_next(logits, config, batch.generator)
+        tokens.append(batch.place(token))
         if constraints is not None:
-            for row, constraint in enumerate(constraints):
+            for row, constraint in enumerate(batch.constraints):
                 if constraint is not None and not bool(finished[row]):
                     constraint.advance(int(token[row]))
         if config.eos_token_id is not None:
             newly = (token == config.eos_token_id) & ~finished
             if keep_states:
-                ended.update({row: latents.kda_row(row) for row in newly.nonzero()[:, 0].tolist()})
+                ended.update({batch.rows[r]: latents.kda_row(r) for r in newly.nonzero()[:, 0].tolist()})
             finished |= newly
             if bool(finished.all()):
                 break
+            if batch.compact and bool(newly.any()):
+                token, finished = batch.drop(latents, token, finished)
         if step < config.max_new_tokens - 1:
             logits = step_model(token[:, None], cache=latents).logits[:, -1]
     outputs = [_until_eos(row, config.eos_token_id) for row in torch.stack(tokens, 1).tolist()]
     if cache is not None or prefix_cache is not None:
-        _keep(latents, prompts, outputs, ended, cache, prefix_cache)
+        _keep(latents, prompts, outputs, ended, cache, prefix_cache, batch)
     return outputs
+
+
+class _LiveRows:
+    """The rows still in the running batch (``GenerationConfig.drop_finished``): ``rows[i]`` is the prompt
+    batch row i continues, with its constraint and generator; a dropped row's cache contents are kept in
+    ``dropped`` (for ``_keep``). Without ``drop_finished`` every row stays and nothing is copied."""
+
+    def __init__(
+        self,
+        size: int,
+        constraints: Sequence[Constraint | None] | None,
+        generator: torch.Generator | list[torch.Generator],
+        config: GenerationConfig,
+        keep: bool,
+    ) -> None:
+        self.compact = config.drop_finished and config.eos_token_id is not None
+        if self.compact and config.temperature > 0 and isinstance(generator, torch.Generator):
+            raise ValueError("drop_finished with sampling needs row_seeds (one generator per row)")
+        self.size, self.rows, self.keep = size, list(range(size)), keep
+        self.constraints = list(constraints) if constraints is not None else [None] * size
+        self.generator = generator
+        self.dropped: dict[int, RowState] = {}
+        self.index: torch.Tensor | None = None  # rows as a tensor once some were dropped
+
+    def place(self, token: torch.Tensor) -> torch.Tensor:
+        """This step's tokens [live] as a full row [size] (-1 for the rows that left: past their EOS)."""
+        if self.index is None:
+            return token
+        full = token.new_full((self.size,), -1)
+        return full.index_copy_(0, self.index, token)
+
+    def drop(
+        self, latents: LatentCache, token: torch.Tensor, finished: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove the finished rows from the batch (the cache in place); the live rows' tokens and flags."""
+        live = (~finished).nonzero()[:, 0].tolist()
+        if self.keep:
+            for i in finished.nonzero()[:, 0].tolist():
+                self.dropped[self.rows[i]] = latents.row(i)
+        latents.select(live)
+        self.rows = [self.rows[i] for i in live]
+        self.constraints = [self.constraints[i] for i in live]
+        if not isinstance(self.generator, torch.Generator):
+            self.generator = [self.generator[i] for i in live]
+        self.index = torch.tensor(self.rows, device=token.device)
+        return token[live], finished[live]
+
+    def state(self, latents: LatentCache, row: int) -> RowState:
+        """Prompt row ``row``'s cache contents: kept when it was dropped, else read from ``latents``."""
+        if row in self.dropped:
+            return self.dropped[row]
+        return latents.row(self.rows.index(row))
 
 
 def _keep(
@@ -202,13 +264,14 @@ def _keep(
     ended: dict[int, dict[int, KDAState]],
     cache: GenerationCache | None,
     prefix_cache: PrefixCache | None,
+    batch: _LiveRows,
 ) -> None:
     """Per row, the prompt and all generated tokens but the last (what was fed before it was sampled):
     into ``cache`` for a continuation, and (MLA-only models) their full blocks into ``prefix_cache``."""
     held = [list(p) + out[:-1] for p, out in zip(prompts, outputs, strict=True)]
     rows = []
     for row, ids in enumerate(held):
-        state = latents.row(row)
+        state = batch.state(latents, row)
         rows.append(RowState(state.rows[:, : len(ids)], ended.get(row, state.kda)))
     if cache is not None:
         cache.ids, cache.rows = held, rows

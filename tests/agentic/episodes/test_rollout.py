@@ -118,3 +118,21 @@ def test_prefix_cache_changes_no_rollout(model, small_tokenizer):
     assert episodes_of(play(cached)) == episodes_of(play(plain))
     assert plain.prefix_cache is None
     assert cached.prefix_cache.hit_tokens > 0
+
+
+def test_dropping_finished_rows_changes_no_rollout(model, small_tokenizer):
+    """Tool episodes whose rows leave the batched decode when their turn ends (``drop_finished``) and
+    episodes decoded with every row to the end: the same episodes, with the prefix cache in use."""
+    env = RecipeToolTasks(RecipeConfig(max_turns=3), 0.3)
+    kwargs = dict(temperature=1.0, max_new_tokens=24)
+    dropping = LocalPolicy(model, small_tokenizer, drop_finished=True, **kwargs)
+    full = LocalPolicy(model, small_tokenizer, **kwargs)
+
+    def play(policy):
+        rollouts = [Rollout(env.reset(s)) for s in (0, 0, 1, 2, 3, 4)]
+        return run_episodes(env, policy, rollouts, [5, 6, 7, 8, 9, 10], batch_size=6)
+
+    played = play(dropping)
+    assert episodes_of(played) == episodes_of(play(full))
+    lengths = [len(t.completion_ids) for r in played for t in r.turns]
+    assert min(lengths) < max(lengths)  # some rows ended before others: there was something to drop

@@ -126,7 +126,9 @@ class LocalPolicy:
 
     ``temperature`` and ``max_new_tokens`` may be changed between calls (the RL loop decays temperature).
     ``prefix_cache_bytes`` caps the automatic prefix cache (``k2lab.infer.prefix_cache``; 0: none), which
-    changes no output, only what is recomputed.
+    changes no output, only what is recomputed. ``drop_finished``: a row that ends its turn leaves the
+    batched decode (``GenerationConfig.drop_finished``), so a call no longer decodes every row until its
+    longest one ends; the tokens are the same up to the rounding of a smaller batch.
     """
 
     def __init__(
@@ -138,11 +140,12 @@ class LocalPolicy:
         top_p: float = 1.0,
         tool_format: str = "typescript",
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        drop_finished: bool = False,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.prefix_cache = PrefixCache.for_model(model, prefix_cache_bytes) if prefix_cache_bytes else None
         self.temperature, self.max_new_tokens, self.top_p = temperature, max_new_tokens, top_p
-        self.tool_format = tool_format
+        self.tool_format, self.drop_finished = tool_format, drop_finished
         self.im_end = tokenizer.special_tokens[IM_END]
         self._grammars: dict[str, Any] = {}
 
@@ -219,6 +222,7 @@ class LocalPolicy:
             temperature=self.temperature,
             top_p=self.top_p,
             eos_token_id=self.im_end,
+            drop_finished=self.drop_finished,
         )
         was_training = self.model.training
         self.model.eval()

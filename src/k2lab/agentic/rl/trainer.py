@@ -144,6 +144,10 @@ class RLConfig(BaseModel):
     rollout_batch: int = Field(
         default=16, ge=1, description="Rows per batched generate call of local rollouts (1: one at a time)."
     )
+    drop_finished: bool = Field(
+        default=True,
+        description="Local rollouts: a row that ends its turn leaves the batched decode (GenerationConfig).",
+    )
     seed: int = Field(default=0, description="Run seed (tasks and sampling).")
 
 
@@ -229,7 +233,13 @@ class RLTrainer(IterativeTrainer):
             [(build_env(name), w) for name, w in zip(config.envs, weights, strict=True)],
             config.step_timeout_s,
         )
-        self.policy = policy or LocalPolicy(model, tokenizer, config.temperature_start, config.max_new_tokens)
+        self.policy = policy or LocalPolicy(
+            model,
+            tokenizer,
+            config.temperature_start,
+            config.max_new_tokens,
+            drop_finished=config.drop_finished,
+        )
         self.optimizer = MuonClip(model, config.optimizer, verbose=False)
         self.ptx = self._ptx_stream()
         self.critic = RubricCritic(critic_model, tokenizer, lr=config.critic_lr) if critic_model else None
