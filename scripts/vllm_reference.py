@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -54,6 +55,9 @@ TOOLS = [
      "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}},
 ]  # fmt: skip
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome", "Seoul", "Dakar"]
+RAW_CALL = re.compile(
+    r"<\|tool_call_begin\|>(functions\.([\w-]+):\d+)<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>"
+)
 ZONES = ["UTC", "Europe/Berlin", "Asia/Tokyo", "America/Lima", "Africa/Cairo", "Asia/Seoul"]
 
 
@@ -169,12 +173,14 @@ def chat_greedy(export: Path, requests: list[dict], max_tokens: int) -> list[dic
         prompt = tokenizer.encode(render_chat(request["messages"], tools=request.get("tools")))
         text = tokenizer.decode(generate(model, [prompt], config)[0])
         try:
-            message = parse_assistant(text)
-        except ToolCallParseError as error:
-            message = {"content": text, "parse_error": str(error)}
-        calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                 for c in message.get("tool_calls") or []]  # fmt: skip
-        turns.append({"text": text, "content": message.get("content") or "", "tool_calls": calls})
+            message, problem = parse_assistant(text), None
+            calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in message.get("tool_calls") or []]  # fmt: skip
+        except ToolCallParseError as error:  # e.g. arguments that are not JSON: the calls as written
+            message, problem = {"content": text}, str(error)
+            calls = [{"id": m[1], "name": m[2], "arguments": m[3]} for m in RAW_CALL.finditer(text)]
+        turns.append({"text": text, "content": message.get("content") or "", "tool_calls": calls,
+                      "parse_error": problem})  # fmt: skip
     return turns
 
 
