@@ -181,7 +181,7 @@ def divergence(row: dict, theirs: list[int], tie: float) -> dict | None:
         "routing_margin": margin,
         "min_routing_margin_prefix": min(row["margins"][: position + 1]),
         "k2lab_logit_gap": gap,
-        "near_tie": min(margin, min(row["margins"][: position + 1])) < tie or gap < tie,
+        "near_tie": margin < tie or gap < tie,  # the prefix's smallest margin is reported, not excused
     }
 
 
