@@ -73,7 +73,8 @@ class ExportConfig(BaseModel):
 
     out: Path = Field(description="Directory to write the model repository to (replaced atomically).")
     format: Literal["hf", "gguf"] = Field(
-        default="hf", description="hf = transformers / vLLM model repository; gguf = one llama.cpp file at out."
+        default="hf",
+        description="hf = transformers / vLLM model repository; gguf = one llama.cpp file at out.",
     )
     max_shard_size: str = Field(
         default="5GB",
@@ -150,7 +151,9 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
         )
     check_tokenizer(tokenizer, model)
     if config.format == "gguf":
-        return write_gguf(model, tokenizer, config.out, chat_template(), DTYPES.get(config.dtype, torch.float32))
+        return write_gguf(
+            model, tokenizer, config.out, chat_template(), DTYPES.get(config.dtype, torch.float32)
+        )
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
     out = Path(config.out)
     if out.exists() and not out.is_dir():
