@@ -1,5 +1,7 @@
 """GGUF for llama.cpp: a K2-family decoder (MLA + DeepSeek MoE) as llama.cpp's ``deepseek2`` graph, written
-through the ``gguf`` package (``k2lab export --format gguf``), with the tokenizer llama.cpp needs.
+through the ``gguf`` package (``k2lab export --format gguf``), with the tokenizer llama.cpp needs. A model
+with KDA layers or NoPE MLA (Kimi Linear style) is written as llama.cpp's ``kimi-linear`` graph instead: the
+same globals, MLA, MoE and tokenizer, plus what ``k2lab.hf.gguf_kimi_linear`` adds and changes.
 
 Metadata (``deepseek2.*``, what llama.cpp's ``llama_model_deepseek2`` reads): block/context/embedding/FFN
 lengths, ``head_count`` H and ``head_count_kv`` 1 (MLA runs as MQA over the latent), ``attention.q_lora_rank``,
@@ -56,6 +58,7 @@ import torch
 from k2lab.config import ConfigError, ModelConfig
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
+from k2lab.hf import gguf_kimi_linear
 from k2lab.hf.io import model_state
 from k2lab.hf.mapping import config_to_hf, hf_model_type
 from k2lab.hf.mtp import main_state
@@ -106,20 +109,27 @@ def _name(kind: gguf.MODEL_TENSOR, layer: int | None = None) -> str:
 
 
 def check_gguf_config(config: ModelConfig) -> None:
-    """Refuse what llama.cpp's ``deepseek2`` graph cannot run (``ConfigError`` naming it)."""
-    if hf_model_type(config) != "deepseek_v3":
-        raise ConfigError(
-            "GGUF export writes the deepseek2 graph (MLA with RoPE in every layer); this model has KDA layers or "
-            "NoPE MLA (Kimi Linear). llama.cpp has a kimi-linear architecture, but k2lab does not write it yet: "
-            "export --format hf for transformers / vLLM"
-        )
+    """Refuse what llama.cpp's ``deepseek2`` (or, for KDA / NoPE MLA, ``kimi-linear``) graph cannot run
+    (``ConfigError`` naming it)."""
     config_to_hf(config)  # refuses K3-only features (gated MLA, SiTU-GLU, LatentMoE, Block AttnRes)
+    if _is_kimi_linear(config):
+        gguf_kimi_linear.check_kimi_linear_gguf(config)
+        return
     yarn = config.rope_scaling
     if yarn is not None and yarn.mscale != yarn.mscale_all_dim:
         raise ConfigError(
             f"YaRN with mscale {yarn.mscale} != mscale_all_dim {yarn.mscale_all_dim}: llama.cpp's deepseek2 "
             "takes a single yarn_log_multiplier (0.1·mscale_all_dim) and assumes mscale equals it"
         )
+
+
+def _is_kimi_linear(config: ModelConfig) -> bool:
+    return hf_model_type(config) != "deepseek_v3"
+
+
+def gguf_arch(config: ModelConfig) -> str:
+    """``deepseek2``, or ``kimi-linear`` for KDA layers / NoPE MLA (``k2lab.hf.gguf_kimi_linear``)."""
+    return gguf_kimi_linear.GGUF_ARCH if _is_kimi_linear(config) else GGUF_ARCH
 
 
 def split_kv_up(weight: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +151,12 @@ def gguf_tensors(config: ModelConfig, state: dict[str, torch.Tensor]) -> Iterato
             continue
         match = _LAYER_KEY.match(key)
         layer, rest = (int(match.group(1)), match.group(2)) if match else (-1, key)
-        if rest == _KV_UP and match:
+        kda = match is not None and layer < len(config.layer_types) and config.layer_types[layer] == "kda"
+        if kda and rest.startswith("attn."):
+            named = gguf_kimi_linear.kda_tensors(layer, rest.removeprefix("attn."), tensor)
+            yield from named
+            unknown += [] if named else [key]
+        elif rest == _KV_UP and match:
             k_b, v_b = split_kv_up(tensor, config)
             yield _name(T.ATTN_K_B, layer), k_b
             yield _name(T.ATTN_V_B, layer), v_b
@@ -195,6 +210,8 @@ def gguf_metadata(config: ModelConfig) -> dict[str, tuple[object, gguf.GGUFValue
         values["rope.scaling.yarn_beta_slow"] = (yarn.beta_slow, f32)
         if yarn.mscale_all_dim:
             values["rope.scaling.yarn_log_multiplier"] = (0.1 * yarn.mscale_all_dim, f32)
+    if _is_kimi_linear(config):
+        return gguf_kimi_linear.kimi_linear_metadata(config, values)
     return {f"{GGUF_ARCH}.{key}": value for key, value in values.items()}
 
 
@@ -275,7 +292,7 @@ def write_gguf(
     descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(descriptor)
     try:
-        writer = gguf.GGUFWriter(temporary, GGUF_ARCH)
+        writer = gguf.GGUFWriter(temporary, gguf_arch(config))
         writer.add_name(config.name)
         writer.add_file_type(int(_FILE_TYPES[dtype]))
         for key, (value, kind) in gguf_metadata(config).items():
@@ -283,7 +300,8 @@ def write_gguf(
         add_tokenizer(writer, tokenizer, config.vocab_size, chat_template)
         with torch.no_grad():
             for name, tensor in gguf_tensors(config, model_state(model)):
-                array, raw = _array(tensor, dtype)
+                fp32 = gguf_kimi_linear.keeps_fp32(name)
+                array, raw = _array(tensor, torch.float32 if fp32 else dtype)
                 writer.add_tensor(name, array, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
