@@ -25,6 +25,20 @@ same file (``reference`` and ``bench`` modes), which write JSON:
    ``generate`` eager and compiled (``compile="on"``) at batch 1 and 4, the same threads; ``uptime``'s load
    average is recorded before and after each side.
 
+Each prompt also reports max |Δ| between llama.cpp's and k2lab's logits at the last prompt position
+(``first_logits_max_abs_diff``); ``--kv-cache f32`` runs llama.cpp with an fp32 KV cache instead of its default
+fp16 one (which alone moves logits by ~1e-4 relative).
+
+A Kimi Linear (KDA + NoPE MLA, llama.cpp's ``kimi-linear`` graph) check needs a model: the ``tiny-kimi-linear``
+mode (k2lab's venv) writes a random one to ``--model``: k3-nano in Kimi Linear style (softplus forget gate,
+low-rank output gate, plain MLA without a q LoRA as in Kimi-Linear-48B, SwiGLU MoE; layers KDA, MLA, KDA,
+MLA) with the vocabulary of
+``--tokenizer``, every matrix re-drawn from N(0, 0.15²) (seed 0)::
+
+    .venv/bin/python scripts/llama_cpp_check.py tiny-kimi-linear --model /tmp/kl_tiny
+    ~/.cache/k2lab/llama-venv/bin/python scripts/llama_cpp_check.py --model /tmp/kl_tiny --gguf /tmp/kl.gguf \
+        --out /tmp/kl_check --bench-tokens 0
+
 Writes ``summary.json`` in ``--out``; exits 1 when tokenisation differs or a prompt diverges where no routing
 near-tie (margin < ``--tie``) or logit near-tie decides. Not part of ``make test``.
 """
@@ -103,6 +117,7 @@ def reference(args: argparse.Namespace) -> dict:
         for hook in hooks:
             hook.remove()
         top2 = logits.topk(2, dim=-1).values
+        first_logits = logits[len(ids) - 1].tolist()
         per_position = torch.stack(margins).min(dim=0).values  # [T]: the smallest over MoE layers
         rows.append(
             {
@@ -112,9 +127,40 @@ def reference(args: argparse.Namespace) -> dict:
                 "forward_greedy": logits.argmax(dim=-1)[len(ids) - 1 :].tolist(),
                 "margins": per_position.tolist(),
                 "logit_gaps": (top2[:, 0] - top2[:, 1]).tolist(),
+                "first_logits": first_logits,
             }
         )
     return {"prompts": rows}
+
+
+def tiny_kimi_linear(args: argparse.Namespace) -> dict:
+    """The random Kimi-Linear-style model directory of the module docstring, at ``--model``."""
+    import shutil
+
+    import torch
+
+    from k2lab import build_model, load_preset
+    from k2lab.data import load_tokenizer
+    from k2lab.model_dir import save_model
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    style = dict(kda_gate="softplus", kda_output_gate="low_rank", mla_output_gate=False)
+    style.update(mlp_activation="swiglu", moe_latent_size=None, attnres_block_size=None, q_lora_rank=None)
+    config = load_preset("k3-nano", **style).replace(
+        vocab_size=tokenizer.vocab_size,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+    model = build_model(config, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(0.15 * torch.randn(parameter.shape, generator=generator))
+    directory = save_model(model.eval(), args.model)
+    shutil.copy(args.tokenizer, directory / "tokenizer.json")
+    return {"model": str(directory), "layer_types": list(config.layer_types)}
 
 
 def bench_k2lab(args: argparse.Namespace) -> dict:
@@ -153,13 +199,17 @@ def last_logits(llm, index: int = -1):
     return np.ctypeslib.as_array(pointer, shape=(llm.n_vocab(),))
 
 
-def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:
+def llama_greedy(llm, ids: list[int], steps: int, first: list | None = None) -> list[int]:
+    """Greedy continuation of ``ids``; appends the logits after the prompt to ``first`` when given."""
     llm.reset()
     llm._ctx.kv_cache_clear()
     llm.eval(ids)
     out: list[int] = []
     for _ in range(steps):
-        token = int(last_logits(llm).argmax())
+        logits = last_logits(llm)
+        if first is not None and not out:
+            first.append(logits.copy())
+        token = int(logits.argmax())
         out.append(token)
         if len(out) < steps:
             llm.eval([token])
@@ -268,13 +318,22 @@ def check(args: argparse.Namespace) -> int:
         k2lab = str(Path(args.k2lab_python).parent / "k2lab")
         subprocess.run([k2lab, "export", args.model, "--format", "gguf", "-o", str(gguf)], check=True)
     ref = k2lab_json(args, "reference", out / "reference.json")
+    cache = {"type_k": 0, "type_v": 0} if args.kv_cache == "f32" else {}  # 0 = GGML_TYPE_F32
     llm = Llama(
-        str(gguf), n_ctx=512, n_batch=512, n_threads=args.threads, n_threads_batch=args.threads, verbose=False
+        str(gguf),
+        n_ctx=512,
+        n_batch=512,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        verbose=False,
+        **cache,
     )
     rows, failures = [], 0
     for row in ref["prompts"]:
         ids = llm.tokenize(row["text"].encode(), add_bos=False, special=True)
-        theirs = llama_greedy(llm, row["ids"], len(row["greedy"]))
+        first: list = []
+        theirs = llama_greedy(llm, row["ids"], len(row["greedy"]), first)
+        logit_diff = max(abs(float(a) - b) for a, b in zip(first[0], row["first_logits"], strict=True))
         diverged = divergence(row, theirs, args.tie)
         same_ids = ids == row["ids"]
         failures += (not same_ids) + (diverged is not None and not diverged["near_tie"])
@@ -285,20 +344,23 @@ def check(args: argparse.Namespace) -> int:
                 "k2lab": row["greedy"],
                 "llama_cpp": theirs,
                 "forward_equals_generate": row["forward_greedy"] == row["greedy"],
+                "first_logits_max_abs_diff": logit_diff,
                 "divergence": diverged,
             }
         )
         print(
-            f"{'=' if diverged is None else '≠'} ids {'ok' if same_ids else 'DIFFER'} {row['text'][:40]!r}"
-            + ("" if diverged is None else f"  {diverged}")
+            f"{'=' if diverged is None else '≠'} ids {'ok' if same_ids else 'DIFFER'} |Δlogit| {logit_diff:.2e}"
+            f" {row['text'][:40]!r}" + ("" if diverged is None else f"  {diverged}")
         )
     summary = {
         "llama_cpp_python": __version__,
         "gguf": str(gguf),
         "threads": args.threads,
+        "kv_cache": args.kv_cache,
         "same_ids": sum(r["same_ids"] for r in rows),
         "same_greedy": sum(r["divergence"] is None for r in rows),
         "prompts": len(rows),
+        "max_first_logits_abs_diff": max(r["first_logits_max_abs_diff"] for r in rows),
         "rows": rows,
     }
     if args.bench_tokens:
@@ -311,9 +373,12 @@ def check(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="check", choices=["check", "reference", "bench"])
+    parser.add_argument(
+        "mode", nargs="?", default="check", choices=["check", "reference", "bench", "tiny-kimi-linear"]
+    )
     parser.add_argument("--model", default="/tmp/spec/demo")
     parser.add_argument("--gguf", default="/tmp/g_demo.gguf")
+    parser.add_argument("--tokenizer", default="/tmp/spec/demo/tokenizer.json", help="(tiny-kimi-linear)")
     parser.add_argument("--out", default="/tmp/llama_cpp_check")
     parser.add_argument("--json", help="(reference / bench modes) where to write the result")
     parser.add_argument("--k2lab-python", default=str(ROOT / ".venv" / "bin" / "python"))
@@ -323,6 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench-tokens", type=int, default=64, help="0 skips the speed rows")
     parser.add_argument("--bench-prompt", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache", choices=["f16", "f32"], default="f16", help="llama.cpp's KV cache type")
     parser.add_argument("--reuse", action="store_true", help="reuse reference.json / bench.json in --out")
     parser.add_argument("--tie", type=float, default=1e-3, help="a margin below this is a near-tie")
     return parser.parse_args(argv)
@@ -332,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.mode == "check":
         return check(args)
+    if args.mode == "tiny-kimi-linear":
+        print(json.dumps(tiny_kimi_linear(args)))
+        return 0
     result = reference(args) if args.mode == "reference" else bench_k2lab(args)
     Path(args.json).write_text(json.dumps(result))
     return 0

@@ -23,8 +23,9 @@ from tests.hf.conftest import VOCAB
 
 
 def kimi_linear(tokenizer: Tokenizer, **overrides: object) -> CausalLM:
-    """k3-nano in Kimi Linear style (layers KDA, MLA, KDA, MLA) with the tokenizer's vocabulary."""
-    config = load_preset("k3-nano", **KIMI_LINEAR_STYLE, **overrides).replace(
+    """k3-nano in Kimi Linear style (layers KDA, MLA, KDA, MLA; no q LoRA, as Kimi-Linear-48B) with the
+    tokenizer's vocabulary."""
+    config = load_preset("k3-nano", **{**KIMI_LINEAR_STYLE, "q_lora_rank": None, **overrides}).replace(
         vocab_size=VOCAB,
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
@@ -67,7 +68,6 @@ def test_metadata_is_the_config(reader: gguf.GGUFReader, model: CausalLM):
         "attention.head_count_kv": [0, 1, 0, 1],  # 0 = KDA (recurrent), 1 = MLA as MQA over the latent
         "ssm.conv_kernel": 4,
         "kda.head_dim": 16,
-        "attention.q_lora_rank": 32,
         "attention.kv_lora_rank": 16,
         "attention.key_length": 16 + 8,  # latent + (unrotated) rope slice
         "attention.value_length": 16,
@@ -86,7 +86,7 @@ def test_metadata_is_the_config(reader: gguf.GGUFReader, model: CausalLM):
         assert value(reader, f"kimi-linear.{key}") == wanted, key
     assert value(reader, "kimi-linear.attention.layer_norm_rms_epsilon") == pytest.approx(config.rms_norm_eps)
     assert value(reader, "kimi-linear.expert_weights_scale") == pytest.approx(config.routed_scaling_factor)
-    assert not [name for name in reader.fields if name.startswith("deepseek2.")]
+    assert not [name for name in reader.fields if name.startswith("deepseek2.") or "q_lora" in name]
     assert value(reader, "tokenizer.ggml.pre") == "gpt-2" and value(reader, "tokenizer.chat_template")
 
 
@@ -107,7 +107,7 @@ def test_tensors_are_the_weights(reader: gguf.GGUFReader, model: CausalLM):
         "layers.0.attn.o_norm.weight": "blk.0.ssm_norm.weight",
         "layers.0.attn.o_proj.weight": "blk.0.attn_output.weight",
         "layers.1.attn.out_proj.weight": "blk.1.attn_output.weight",
-        "layers.1.attn.q_down.weight": "blk.1.attn_q_a.weight",
+        "layers.1.attn.q_proj.weight": "blk.1.attn_q.weight",
         "layers.3.attn.kv_down.weight": "blk.3.attn_kv_a_mqa.weight",
         "layers.1.mlp.router.e_score_correction_bias": "blk.1.exp_probs_b.bias",
         "layers.1.mlp.experts.gate_proj": "blk.1.ffn_gate_exps.weight",
@@ -145,6 +145,7 @@ def test_what_kimi_linear_cannot_run_is_refused(tmp_path: Path, tokenizer: Token
         "no equivalent for: mla_output_gate": build_model(load_preset("k3-nano")),  # K3 as it is
         "linear_num_heads 4 != num_attention_heads 2": kimi_linear(tokenizer, linear_num_heads=4),
         "norm_topk_prob=False": kimi_linear(tokenizer, norm_topk_prob=False),
+        "q_lora_rank=32": kimi_linear(tokenizer, q_lora_rank=32),
         "group-limited routing": kimi_linear(tokenizer, n_group=2, topk_group=1),
     }
     for message, candidate in cases.items():

@@ -29,7 +29,7 @@ The convolution taps and A stay fp32 in an fp16 / bf16 file (llama.cpp's ``ssm_c
 take fp32). Refused with a ``ConfigError`` naming the setting: what Kimi Linear checkpoints cannot express
 (K3's gated MLA, SiTU-GLU, LatentMoE, Block AttnRes, the lower-bounded gate, the full-rank output gate; RoPE
 MLA, YaRN, a tied head: ``k2lab.hf.kimi_linear.config_to_hf``), and what llama.cpp's graph does not do: KDA
-heads other than the attention heads, top-k weights left unnormalised (it always renormalises), and
+heads other than the attention heads, a q LoRA in the MLA (it reads no ``q_lora_rank``), top-k weights left unnormalised (it always renormalises), and
 group-limited routing (it routes over all experts).
 """
 
@@ -77,6 +77,11 @@ def check_kimi_linear_gguf(config: ModelConfig) -> None:
         problems.append(
             f"linear_num_heads {config.linear_num_heads} != num_attention_heads {config.num_attention_heads} "
             "(its KDA layers use attention.head_count heads)"
+        )
+    if config.q_lora_rank is not None and "mla" in config.layer_types:
+        problems.append(
+            f"q_lora_rank={config.q_lora_rank} (it reads no q LoRA rank, as Kimi Linear has none: llama-cpp-python "
+            "0.3.36 stops at \"tensor 'blk.1.attn_q_a_norm.weight' has wrong shape; expected 0\"); use q_lora_rank=None"
         )
     if not config.norm_topk_prob:
         problems.append("norm_topk_prob=False (it always renormalises the top-k expert weights)")
