@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-import time
 
 import torch
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    apply_smoke,
+    machine_line,
+    machine_report,
+    serve_concurrently,
+)
 
-from benchmarks.timing import add_smoke_argument, apply_smoke, machine_line, machine_report
 from k2lab import build_model, load_preset
-from k2lab.serve import Engine, Request, SamplingParams
+from k2lab.serve import Engine
 
 
 def chats(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -39,16 +43,9 @@ def chats(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 def serve_all(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace, cache: int):
     """(seconds, replies, cache counters) for every prompt submitted at once to a fresh engine."""
     engine = Engine(model, args.max_batch, prefix_cache_bytes=cache, block_size=args.block_size).start()
-    done = threading.Semaphore(0)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    start = time.perf_counter()
-    requests = [engine.submit(Request(p, params, on_finish=lambda _: done.release())) for p in prompts]
-    for _ in requests:
-        done.acquire()
-    seconds = time.perf_counter() - start
-    engine.shutdown()
+    seconds, replies = serve_concurrently(engine, prompts, args.max_tokens)
     stats = engine.prefix_cache.stats() if engine.prefix_cache is not None else None
-    return seconds, [r.tokens for r in requests], stats
+    return seconds, replies, stats
 
 
 def main() -> None:

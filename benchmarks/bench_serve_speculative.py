@@ -19,19 +19,23 @@ import argparse
 import json
 import os
 import random
-import threading
-import time
 
 import torch
+from timing import (  # benchmarks/timing.py
+    add_smoke_argument,
+    apply_smoke,
+    machine_line,
+    machine_report,
+    serve_concurrently,
+)
 
-from benchmarks.timing import add_smoke_argument, apply_smoke, machine_line, machine_report
 from k2lab import build_model, load_preset
 from k2lab.data import load_tokenizer
 from k2lab.data.corpus import load_corpus
 from k2lab.infer.draft import EagleDraft, find_draft
 from k2lab.model_dir import load_model
 from k2lab.runtime.chat import render_chat
-from k2lab.serve import Engine, Request, SamplingParams
+from k2lab.serve import Engine
 from k2lab.train.draft import corpus_windows
 
 SYSTEM = "You are a helpful assistant. Continue the user's text in the same style."
@@ -64,16 +68,9 @@ def setup(args: argparse.Namespace):
 def serve_all(model, draft, prompts: list[list[int]], args: argparse.Namespace, k: int):
     """(seconds, replies, speculation report) for every prompt submitted at once to a fresh engine."""
     engine = Engine(model, len(prompts), compile="off", draft=draft, draft_tokens=k).start()
-    done = threading.Semaphore(0)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    start = time.perf_counter()
-    requests = [engine.submit(Request(p, params, on_finish=lambda _: done.release())) for p in prompts]
-    for _ in requests:
-        done.acquire()
-    seconds = time.perf_counter() - start
-    engine.shutdown()
+    seconds, replies = serve_concurrently(engine, prompts, args.max_tokens)
     report = engine.speculation.report() if engine.speculation is not None else None
-    return seconds, [r.tokens for r in requests], report
+    return seconds, replies, report
 
 
 def measure(model, draft, prompts, args, k: int) -> dict:

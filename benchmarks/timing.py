@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -86,3 +87,19 @@ def apply_smoke(args: argparse.Namespace, **tiny: object) -> argparse.Namespace:
         for key, value in {"repeats": 1, **tiny}.items():
             setattr(args, key, value)
     return args
+
+
+def serve_concurrently(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once to a started ``k2lab.serve.Engine`` (greedy, ``max_tokens`` each), wait for
+    all of them, shut the engine down; returns (seconds, replies)."""
+    from k2lab.serve import Request, SamplingParams  # only the serve benchmarks need it
+
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    start = time.perf_counter()
+    requests = [engine.submit(Request(p, params, on_finish=lambda _: done.release())) for p in prompts]
+    for _ in requests:
+        done.acquire()
+    seconds = time.perf_counter() - start
+    engine.shutdown()
+    return seconds, [r.tokens for r in requests]

@@ -14,21 +14,28 @@ from typing import Any
 from k2lab.errors import CheckpointError
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling, fsync, then a rename: readers and crashes
-    never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+@contextmanager
+def staged_file(target: Path, suffix: str = "") -> Iterator[Path]:
+    """A temporary sibling of ``target`` to write into: renamed onto ``target`` (an ordinary 0644 file)
+    when the block succeeds, removed when it raises. Readers and crashes never see half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    os.close(descriptor)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; the result is an ordinary file
-        os.replace(temporary, path)
+        yield Path(temporary)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private
+        os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling, fsync, then a rename (``staged_file``)."""
+    with staged_file(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def staging_directory(target: Path) -> Path:
@@ -79,14 +86,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def save_figure_atomically(figure: Any, target: Path, dpi: int = 100) -> Path:
     """Write a matplotlib figure to ``target`` as PNG via a temporary sibling and a rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            figure.savefig(handle, format="png", dpi=dpi)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with staged_file(target, suffix=".png") as temporary:
+        figure.savefig(temporary, format="png", dpi=dpi)
     return target

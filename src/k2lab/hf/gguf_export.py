@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +57,7 @@ import torch
 from k2lab.config import ConfigError, ModelConfig
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
+from k2lab.fsutil import staged_file
 from k2lab.hf import gguf_kimi_linear
 from k2lab.hf.io import model_state
 from k2lab.hf.mapping import config_to_hf, hf_model_type
@@ -288,10 +288,7 @@ def write_gguf(
     if dtype not in _FILE_TYPES:
         raise ValueError(f"GGUF tensors are fp32, fp16 or bf16, got {dtype}")
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(descriptor)
-    try:
+    with staged_file(target) as temporary:
         writer = gguf.GGUFWriter(temporary, gguf_arch(config))
         writer.add_name(config.name)
         writer.add_file_type(int(_FILE_TYPES[dtype]))
@@ -307,9 +304,4 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
     return target
