@@ -46,14 +46,15 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat import ChatFormatError, render_chat
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
+from k2lab.serve.errors import APIError, check_model
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -174,17 +175,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-class CompletionError(Exception):
-    """An error answered with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``."""
+class CompletionError(APIError):
+    """``APIError`` with its type from the status (what every error of these endpoints is)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = "invalid_request_error" if status < 500 else "internal_server_error"
-
-    def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse(status_code=self.status, content={"error": error})
+        super().__init__(status, message, param=param, code=code)
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------
@@ -461,12 +456,6 @@ class _Completion:
 
 
 # ---- routes ----------------------------------------------------------------------------------------------
-def _check_model(state: ServedModel, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise CompletionError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'.",
-                              "model", "model_not_found")  # fmt: skip
-
-
 def _tokenize(state: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
     if body.messages is not None:
         try:
@@ -499,16 +488,13 @@ def _tokenizer_info(state: ServedModel) -> dict[str, Any]:
 
 def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
     """Serve ``/v1/completions``, ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` on ``app`` (whose
-    ``RequestValidationError`` handler turns a malformed body into a 400)."""
+    ``RequestValidationError`` handler turns a malformed body into a 400 and whose ``APIError`` handler
+    answers a ``CompletionError``)."""
     scorer = _Scorer(state.engine.model)
-
-    @app.exception_handler(CompletionError)
-    async def completion_error(_: Request, error: CompletionError) -> JSONResponse:
-        return error.response()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        _check_model(state, body.model)
+        check_model(state.model_name, body.model)
         completion = _Completion(state, scorer, body)
         if body.stream:
             return StreamingResponse(completion.stream(), media_type="text/event-stream")
@@ -516,12 +502,12 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        _check_model(state, body.model)
+        check_model(state.model_name, body.model)
         return _tokenize(state, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        _check_model(state, body.model)
+        check_model(state.model_name, body.model)
         vocab = state.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

@@ -38,6 +38,7 @@ from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.completions import add_completion_routes
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
+from k2lab.serve.errors import APIError, check_model, error_body
 
 __all__ = ["ChatCompletionRequest", "build_app"]
 
@@ -66,19 +67,6 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model samples
-
-
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-
-def _error_body(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
-    error = {"message": message, "type": kind, "param": param, "code": code}
-    return JSONResponse(status_code=status, content={"error": error})
 
 
 def _validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -219,18 +207,18 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error_body(error.status, error.message, error.kind, error.param, error.code)
+        return error.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)
-        return _error_body(400, message, "invalid_request_error", param)
+        return error_body(400, message, "invalid_request_error", param)
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         protected = state.api_key and request.url.path.startswith("/v1/")
         if protected and request.headers.get("authorization") != f"Bearer {state.api_key}":
-            return _error_body(401, "Incorrect or missing API key (Authorization: Bearer ...).",
+            return error_body(401, "Incorrect or missing API key (Authorization: Bearer ...).",
                                "invalid_request_error", None, "invalid_api_key")  # fmt: skip
         return await call_next(request)
 
@@ -253,9 +241,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse_body(request)
-        if body.model != state.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                           f"'{state.model_name}'.", "invalid_request_error", "model", "model_not_found")  # fmt: skip
+        check_model(state.model_name, body.model)
         try:
             completion = _Completion(state, body)
         except (ToolSpecError, GrammarError) as error:
