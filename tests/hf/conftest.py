@@ -27,9 +27,10 @@ def tokenizer() -> Tokenizer:
     return Tokenizer(train_bpe(TEXTS, VOCAB))
 
 
-def nano_for(tokenizer: Tokenizer) -> CausalLM:
-    """k2-nano with the tokenizer's vocabulary and special ids, weights re-drawn (std 0.15)."""
-    config = load_preset("k2-nano").replace(
+def nano_for(tokenizer: Tokenizer, preset: str = "k2-nano", **overrides: object) -> CausalLM:
+    """``preset`` (with ``overrides``) at the tokenizer's vocabulary and special ids, weights re-drawn
+    (std 0.15)."""
+    config = load_preset(preset, **overrides).replace(
         vocab_size=VOCAB,
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,

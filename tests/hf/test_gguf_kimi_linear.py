@@ -18,20 +18,14 @@ from k2lab.data.tokenizer import Tokenizer
 from k2lab.hf.chat_template import chat_template
 from k2lab.hf.gguf_export import write_gguf
 from k2lab.models import CausalLM
-from tests.conftest import KIMI_LINEAR_STYLE, randomize
-from tests.hf.conftest import VOCAB
+from tests.conftest import KIMI_LINEAR_STYLE
+from tests.hf.conftest import VOCAB, nano_for
 
 
 def kimi_linear(tokenizer: Tokenizer, **overrides: object) -> CausalLM:
     """k3-nano in Kimi Linear style (layers KDA, MLA, KDA, MLA; no q LoRA, as Kimi-Linear-48B) with the
     tokenizer's vocabulary."""
-    config = load_preset("k3-nano", **{**KIMI_LINEAR_STYLE, "q_lora_rank": None, **overrides}).replace(
-        vocab_size=VOCAB,
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-    )
-    return randomize(build_model(config, seed=0))
+    return nano_for(tokenizer, "k3-nano", **{**KIMI_LINEAR_STYLE, "q_lora_rank": None, **overrides})
 
 
 @pytest.fixture(scope="module")
