@@ -295,6 +295,13 @@ class _Choice:
         return self.prompt + self.tokens if echo else self.tokens
 
 
+def _check_vocabulary(ids: Sequence[int], vocab: int, param: str, where: str = "") -> None:
+    """400 naming the first id outside [0, vocab)."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise CompletionError(400, f"{where}token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
+
+
 def _plan(state: ServedModel, body: CompletionRequest) -> list[_Choice]:
     """Every prompt as ids and text, checked against the vocabulary and the context; ``n`` choices each."""
     tokenizer, vocab = state.tokenizer, state.engine.config.vocab_size
@@ -308,10 +315,7 @@ def _plan(state: ServedModel, body: CompletionRequest) -> list[_Choice]:
             if not prompts[-1][0]:
                 raise CompletionError(400, f"prompt {i} is empty", "prompt")
             continue
-        bad = [t for t in prompt if t >= vocab]
-        if bad:
-            raise CompletionError(400, f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                  "prompt")  # fmt: skip
+        _check_vocabulary(prompt, vocab, "prompt", f"prompt {i}: ")
         prompts.append((list(prompt), tokenizer.decode(prompt)))
     budget = body.max_tokens or 0
     for ids, _ in prompts:
@@ -509,9 +513,7 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(state.model_name, body.model)
         vocab = state.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise CompletionError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        _check_vocabulary(body.tokens, vocab, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
