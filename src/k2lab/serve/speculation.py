@@ -71,19 +71,26 @@ def prefill_for_draft(
     is prefilled on: (cache with ``room`` free slots, last-position logits [B, V], that forward); see the
     module docstring."""
     param = next(model.parameters())
-    ids, valid = left_pad(prompts, model.config.pad_token_id or 0)
-    ids, valid = ids.to(param.device), valid.to(param.device)
+    shortest = min(len(p) for p in prompts)
+    if uses_hidden and prefix_cache is not None and shortest >= 2 and tail >= 1:
+        return _prefill_tail(model, prompts, room, prefix_cache, min(tail, shortest - 1))
+    ids, valid = (t.to(param.device) for t in left_pad(prompts, model.config.pad_token_id or 0))
     if not uses_hidden:
         cache, logits = prefill(model, prompts, room, prefix_cache=prefix_cache)
         return cache, logits, DraftForward(ids, valid, None)
-    shortest = min(len(p) for p in prompts)
-    if prefix_cache is None or shortest < 2 or tail < 1:
-        cache = LatentCache(
-            model.config, len(prompts), ids.shape[1] + room, dtype=param.dtype, device=param.device
-        )
-        out = model(ids, attention_mask=valid, cache=cache, output_hidden=True)
-        return cache, out.logits[:, -1], DraftForward(ids, valid, out.hidden)
-    w = min(tail, shortest - 1)
+    cache = LatentCache(
+        model.config, len(prompts), ids.shape[1] + room, dtype=param.dtype, device=param.device
+    )
+    out = model(ids, attention_mask=valid, cache=cache, output_hidden=True)
+    return cache, out.logits[:, -1], DraftForward(ids, valid, out.hidden)
+
+
+def _prefill_tail(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], room: int, prefix_cache: PrefixCache, w: int
+) -> tuple[LatentCache, torch.Tensor, DraftForward]:
+    """All but each prompt's last w tokens through the prefix cache, then those w in one forward whose
+    hidden states the draft is prefilled on."""
+    param = next(model.parameters())
     cache, _ = prefill(model, [p[:-w] for p in prompts], room + w, prefix_cache=prefix_cache)
     ids = torch.tensor([list(p[-w:]) for p in prompts], device=param.device)
     out = model(ids, cache=cache, output_hidden=True)
