@@ -93,6 +93,10 @@ class ModelConfig(BaseModel):
     situ_beta2: float = Field(default=25.0, gt=0)
     # Stable LatentMoE (K3): routed experts work at this width between a down- and an up-projection
     moe_latent_size: int | None = Field(default=None, gt=0, description="None: experts on full width.")
+    moe_latent_norm: bool = Field(
+        default=True,
+        description="RMSNorm on the latent routed sum before W_up (released latent_moe_use_norm).",
+    )
 
     # Hybrid sequence mixing (Kimi Linear, K3): 1-based indices of the MLA layers, every other one is KDA
     mla_layers: tuple[int, ...] | None = Field(default=None, description="None: every layer is MLA.")

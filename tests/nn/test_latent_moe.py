@@ -143,6 +143,21 @@ def test_latent_moe_matches_per_token_reference_and_gradients_flow():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_latent_moe_without_norm_is_the_plain_up_projection():
+    """``moe_latent_norm`` False (released ``latent_moe_use_norm: false``): y = E_shared(x) + W_up u."""
+    normed = latent_moe()
+    plain = latent_moe(moe_latent_norm=False)
+    assert plain.latent_norm is None and "latent_norm.weight" not in dict(plain.named_parameters())
+    plain.load_state_dict({k: v for k, v in normed.state_dict().items() if "latent_norm" not in k})
+    x = torch.randn(2, 4, normed.router.weight.shape[1])
+    x_ND = x.reshape(-1, x.shape[-1])
+    routing = plain.router(x_ND)
+    u = plain.experts(plain.latent_down(x_ND), routing.indices, routing.weights)
+    want = (plain.latent_up(u) + plain.shared_experts(x_ND)).view_as(x)
+    torch.testing.assert_close(plain(x), want, rtol=1e-5, atol=1e-6)
+    assert (plain(x) - normed(x)).abs().max() > 1e-3  # the norm is really gone
+
+
 def test_routed_sum_is_fp32_in_latent_path():
     torch.manual_seed(0)
     experts = RoutedExperts(4, 8, 16)

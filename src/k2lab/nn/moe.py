@@ -6,6 +6,7 @@ K2 (``moe_latent_size`` None), x [N, D]:
 Stable LatentMoE (``moe_latent_size`` = L), the router still reads the full x:
     u = Σ_{i∈TopK(x)} p_i E_i(W_down x)          W_down [L, D], E_i: L -> F -> L, sum in fp32     u [N, L]
     y = E_shared(x) + W_up RMSNorm(u)            W_up [D, L]                                     y [N, D]
+(``moe_latent_norm`` False, the released ``latent_moe_use_norm: false``: y = E_shared(x) + W_up u.)
 
 Shared experts: one gated MLP of width ``moe_intermediate_size · n_shared_experts`` on the full x. Routed and
 shared experts use the configured activation (SwiGLU, or SiTU-GLU for K3).
@@ -44,7 +45,8 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(
             config.n_routed_experts, expert_width, config.moe_intermediate_size, activation
         )
-        self.latent_norm = None if latent is None else RMSNorm(latent, config.rms_norm_eps)
+        use_norm = latent is not None and config.moe_latent_norm
+        self.latent_norm = RMSNorm(latent, config.rms_norm_eps) if use_norm else None
         self.latent_up = None if latent is None else nn.Linear(latent, config.hidden_size, bias=False)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, activation)
@@ -74,7 +76,9 @@ class MoE(nn.Module):
             u_NL = self.experts(
                 self.latent_down(x_ND), routing.indices, routing.weights, counts_E, out_dtype=torch.float32
             )
-            y = self.latent_up(self.latent_norm(u_NL).to(x.dtype)).view_as(x)
+            if self.latent_norm is not None:
+                u_NL = self.latent_norm(u_NL)
+            y = self.latent_up(u_NL.to(x.dtype)).view_as(x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
