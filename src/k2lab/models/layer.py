@@ -6,7 +6,11 @@ Layer ``i < num_hidden_layers`` mixes tokens as ``config.layer_types[i]`` says a
 ``config.is_moe_layer(i)``. Indices from ``num_hidden_layers`` on are the multi-token-prediction blocks
 (DeepSeek-V3's layer 61, ``k2lab.models.mtp``): always MLA (with or without RoPE as the config says, so a
 KDA hybrid's MTP block is its MLA kind), the MoE by the same ``is_moe_layer`` rule (as in the checkpoint
-layout), and plain residuals even under Block AttnRes (the MTP block runs on its own stream).
+layout), and plain residuals even under Block AttnRes (the MTP block runs on its own stream; vLLM's K3 MTP
+builds its block with ``attn_res_block_size = None`` likewise).
+
+``forward_attnres`` is the released K3 layer (mlx-lm / vLLM ``kimi_k3``): AttnRes read -> ``input_layernorm``
+-> attention, added to the partial block sum; AttnRes read -> ``post_attention_layernorm`` -> MLP, added too.
 """
 
 from __future__ import annotations

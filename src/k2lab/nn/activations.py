@@ -5,6 +5,9 @@
 
 g = W_gate x and u = W_up x, both [..., F]. SiTU-GLU caps the gate branch in (−β1, β1)·σ(g) and the up branch in
 (−β2, β2), so |h| ≤ β1·β2 (= 100) for any input; it is computed in fp32 and cast back to the input dtype.
+Released K3 names: ``hidden_act: "situ"``, β1 = ``activation_situ_beta``, β2 = ``activation_situ_linear_beta``, on
+the dense MLP, the shared experts and the routed experts alike (mlx-lm / vLLM ``kimi_k3``; the released code also
+allows no β2, an uncapped up branch, which these configs cannot express).
 """
 
 from __future__ import annotations

@@ -17,6 +17,20 @@ and one before the MLP (own query and key norm each), both followed by the usual
 applies a last one before the final norm. So layer 0's attention sees only the embedding (h = embedding), and
 the storage is O(blocks · D) per token instead of O(layers · D). This is flash-linear-attention's RetNet
 ``attnres_block_size`` with its sub-layer count = 2·B.
+
+Checked against the released code (mlx-lm 0.32.2 ``kimi_k3``, vLLM's portable K3; tests/hf/test_kimi_k3_mlx.py
+compares logits): there the block list starts empty and layer l first reads ``AttnRes(blocks, partial)`` (the
+embedding alone at l = 0), *then*, when l % B == 0, pushes the partial sum as a block and starts a new one with
+the attention output. The read before a block-opening layer's attention therefore sees the block that layer
+closes as its last source, exactly the sources ``start_layer`` gives it here (same values, same order). Each
+source's logit is ``(v_i · (norm.weight ⊙ proj.weight)) · rsqrt(mean(v_i²) + rms_norm_eps)`` (checkpoint names
+``*_res_proj.weight`` [1, D] = ``query``, ``*_res_norm.weight`` = ``key_norm``; ε = ``rms_norm_eps``); the
+softmax runs over sources in fp32 and mixes the raw v_i. So for K3 (B = 12, 93 layers) the output AttnRes reads
+the embedding, 7 completed 12-layer blocks and the partial block of layers 84-92.
+Where the report differs, this follows the code: the report writes one AttnRes per layer over the embedding and
+earlier layer/block outputs ("eight 12-layer blocks plus a partial block"); the code has two per layer (before
+attention and before the MLP, each with its own query and norm) plus one before the final norm, and each reads
+the current block's partial sum too.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ A cache view with ``record_steps`` (``StepRecorder``) gets the states after ever
 instead (speculative decoding's verify step, which then keeps those after the last accepted token).
 Padding tokens (``valid`` False) are zeroed before the projections; with left padding the state is still
 zero when the first real token arrives, so padded and unpadded prompts give the same outputs.
+
+As in the released code (mlx-lm / vLLM ``kimi_k3``, checked by tests/hf/test_kimi_k3_mlx.py): the SiLU follows the
+convolution of each of q, k, v (``{q,k,v}_conv1d`` [C, 1, W] in the checkpoint); the L2 norm adds its 1e-6 to
+Σx² (not to the mean); the K^-0.5 read-out scale multiplies the normalised q; the output norm's ε is
+``rms_norm_eps`` (1e-5 in K3) with its weight, and the gate is sigmoid(W_g x) of the layer input x (full rank
+[H·K, D], ``g_proj``, in K3). The report writes o_t = S_tᵀ q_t; the code scales q by K^-0.5 first.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ The K3 form replaces the activation (it is not a clamp): every 16-token tile the
 (16·g_min, 0] = (−80, 0], so the reciprocal decays of a chunked kernel stay inside bf16 range.
 Init (flash-linear-attention / Kimi Linear): A_log = log U(1, 16); dt_bias = softplus⁻¹(dt) with dt
 log-uniform in [1e-3, 0.1]. Both parameters stay fp32.
+
+The report writes K3's gate as g_min·sigmoid(e^{A_h} z); in the released code (mlx-lm / vLLM ``kimi_k3``) z
+already includes ``dt_bias`` (z = W_fb W_fa x + dt_bias, then scaled by e^{A_h} inside the sigmoid), which is
+what ``lower_bounded_decay`` computes here.
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@ Variants (Kimi Linear, K3): ``mla_rope=False`` is NoPE MLA: the same projections
 nothing is rotated (position comes from the KDA layers), scale stays qk_head_dim^-0.5 = 192^-0.5.
 ``mla_output_gate=True`` is gated MLA (K3): ``y = W_O (o ⊙ sigmoid(W_G x))`` elementwise over H·v, no bias.
 
+Released K3 (mlx-lm / vLLM ``kimi_k3``, checked by tests/hf/test_kimi_k3_mlx.py): MLA is NoPE with the r rope
+channels kept (q_R·k_R enters the score unrotated), scale (n + r)^-0.5 with no YaRN factor, and the output gate
+reads the same normed layer input as the projections. The report says only "every MLA layer uses NoPE"; the
+code keeps the 64-wide shared k_R. The q/kv latent norms use ε = 1e-6 here, as DeepSeek-V3's public code and
+mlx-lm's ``kimi_k3`` (hard-coded there); vLLM's K3 builds them with ``rms_norm_eps`` (1e-5). On the tiny random
+model of the mlx-lm test, switching to 1e-5 moves the logits by 2.6e-5 (about the fp32 noise there).
+
 Weight layout (matches the public checkpoints): ``q_up`` rows per head are n nope then r rope;
 ``kv_up`` rows per head are n key then v value; ``kv_down`` rows are C latent then r rope.
 """

@@ -8,6 +8,9 @@ Stable LatentMoE (``moe_latent_size`` = L), the router still reads the full x:
     y = E_shared(x) + W_up RMSNorm(u)            W_up [D, L]                                     y [N, D]
 (``moe_latent_norm`` False, the released ``latent_moe_use_norm: false``: y = E_shared(x) + W_up u.)
 
+As in the released code (mlx-lm / vLLM ``kimi_k3``): the weighted routed sum u is formed, then normalised
+(``latent_moe_use_norm``, true in K3, ε = ``rms_norm_eps``), then projected up, then the shared experts are added.
+
 Shared experts: one gated MLP of width ``moe_intermediate_size · n_shared_experts`` on the full x. Routed and
 shared experts use the configured activation (SwiGLU, or SiTU-GLU for K3).
 """

@@ -7,6 +7,12 @@ weights:             w_i = s_i / (Σ_{j∈top-k} s_j + 1e-20) · routed_scaling_
 
 The correction bias ``b`` (``e_score_correction_bias``) is a buffer: it gets no gradient and is moved by a
 load balancer between steps. Shapes: x [N, D] -> weights [N, k] fp32, indices [N, k] int64.
+
+Released K3 (mlx-lm / vLLM ``kimi_k3``; k = 16, one group) computes the same. Two corners differ between
+references and are left as transformers' DeepseekV3 does them (the K2 parity tests): with k = 1 the weight is
+still renormalised (to 1; DeepSeek's, mlx-lm's and vLLM's code keep the raw score when k = 1), and experts of
+dropped groups are masked with −inf (as vLLM; mlx-lm zeroes them, which differs only when biased scores go
+negative). Neither arises for K2 or K3 (k ≥ 8; K3 has one group).
 """
 
 from __future__ import annotations
