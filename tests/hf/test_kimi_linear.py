@@ -400,28 +400,19 @@ def test_unsupported_config_is_a_checkpoint_error(tmp_path: Path):
 @pytest.mark.parametrize(
     ("overrides", "fields"),
     [
+        ({**KIMI_LINEAR_STYLE, "mla_rope": True}, ["kimi_linear", "mla_rope=True"]),
+        ({**KIMI_LINEAR_STYLE, "tie_word_embeddings": True}, ["kimi_linear", "tie_word_embeddings"]),
+        # K3's features are written as kimi_k3 (tests/hf/test_kimi_k3.py), whose MLA is NoPE without YaRN
+        ({"mla_rope": True}, ["kimi_k3", "mla_rope=True"]),
         (
-            {},
-            [
-                "mla_output_gate",
-                "mlp_activation",
-                "moe_latent_size",
-                "attnres_block_size",
-                "kda_gate",
-                "kda_output_gate",
-            ],
+            {"mla_rope": True, "rope_scaling": {"factor": 2.0, "original_max_position_embeddings": 128}},
+            ["kimi_k3", "mla_rope=True", "rope_scaling"],
         ),
-        ({**KIMI_LINEAR_STYLE, "kda_gate": "lower_bound"}, ["kda_gate='lower_bound'"]),
-        ({**KIMI_LINEAR_STYLE, "mla_rope": True}, ["mla_rope=True"]),
-        ({**KIMI_LINEAR_STYLE, "tie_word_embeddings": True}, ["tie_word_embeddings"]),
-        # all-MLA with RoPE is a DeepseekV3 checkpoint, which has no K3 features either
-        (
-            {"mla_layers": None, "mla_rope": True, "mla_output_gate": False},
-            ["mlp_activation", "moe_latent_size"],
-        ),
+        # all-MLA with RoPE and K3 features: neither DeepseekV3 nor kimi_k3 holds it
+        ({"mla_layers": None, "mla_rope": True, "mla_output_gate": False}, ["kimi_k3", "mla_rope=True"]),
     ],
 )
-def test_k3_features_are_refused_not_written(overrides: dict, fields: list[str], tmp_path: Path):
+def test_what_no_format_holds_is_refused_not_written(overrides: dict, fields: list[str], tmp_path: Path):
     model = build_model(load_preset("k3-nano", **overrides))
     with pytest.raises(ConfigError, match="cannot write") as error:
         to_hf(model, tmp_path / "ckpt")

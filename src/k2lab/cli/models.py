@@ -122,7 +122,10 @@ def init(
     preset: PresetOption,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the checkpoint to.")],
     seed: Annotated[int, typer.Option(help="Random seed for the initial weights.")] = 0,
-    hf: Annotated[bool, typer.Option("--hf", help="Write Hugging Face DeepseekV3 format instead.")] = False,
+    hf: Annotated[
+        bool,
+        typer.Option("--hf", help="Write Hugging Face format instead (DeepseekV3, Kimi Linear or kimi_k3)."),
+    ] = False,
 ) -> None:
     """Write a randomly initialised checkpoint of a preset (k2lab format, or HF format with --hf)."""
     from k2lab.model_dir import save_model

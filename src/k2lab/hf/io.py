@@ -41,9 +41,9 @@ from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.hf import kimi_k25
+from k2lab.hf.formats import MODEL_TYPES, read_format, write_format
 from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
-from k2lab.hf.mapping import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf, weight_groups
-from k2lab.hf.mtp import is_shared_copy, mtp_layer_index, present_mtp_layers, shared_copies
+from k2lab.hf.mtp import is_skipped, mtp_layer_index, present_mtp_layers
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
@@ -88,7 +88,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``config.json`` of checkpoint directory ``path`` as a dict; ``CheckpointError`` if unusable.
 
     Checks that the directory and file exist, that the file is a JSON object and that ``model_type`` is a
-    supported decoder (``deepseek_v3``, ``kimi_k2`` or ``kimi_linear``).
+    supported one (``deepseek_v3``, ``kimi_k2``, ``kimi_linear``, ``kimi_k3`` or ``kimi_k25``).
     """
     root = Path(path)
     if not root.is_dir():
@@ -98,10 +98,10 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{root} has no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
     data = read_json_object(config_path)
     model_type = data.get("model_type")
-    if model_type not in (*SUPPORTED_MODEL_TYPES, kimi_k25.MODEL_TYPE):
+    if model_type not in (*MODEL_TYPES, kimi_k25.MODEL_TYPE):
         raise CheckpointError(
             f"{config_path}: model_type {model_type!r} is not supported "
-            f"(expected one of {[*SUPPORTED_MODEL_TYPES, kimi_k25.MODEL_TYPE]})"
+            f"(expected one of {[*MODEL_TYPES, kimi_k25.MODEL_TYPE]})"
         )
     return data
 
@@ -112,8 +112,9 @@ def from_hf(
     device: torch.device | str = "cpu",
     mtp: bool = True,
 ) -> CausalLM | VisionLanguageModel:
-    """Load a DeepseekV3 / Kimi-K2 or Kimi Linear checkpoint directory as a ``CausalLM``, or a Kimi K2.5
-    (``kimi_k25``) one as a ``VisionLanguageModel`` (any of the namings in ``k2lab.hf.kimi_k25``).
+    """Load a DeepseekV3 / Kimi-K2, Kimi Linear or Kimi K3 (text-only ``kimi_k3``, ``k2lab.hf.kimi_k3``)
+    checkpoint directory as a ``CausalLM``, or a Kimi K2.5 (``kimi_k25``) one as a ``VisionLanguageModel`` (any
+    of the namings in ``k2lab.hf.kimi_k25``). The decoder formats are listed in ``k2lab.hf.formats``.
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` or sharded safetensors plus
@@ -151,13 +152,15 @@ def from_hf(
             vlm_config.text, headers, raw.get("text_config") or {}, kimi_k25.decoder_name
         )
     else:
-        config = _parse_config(config_from_hf, raw, root)
-        held = present_mtp_layers(list(headers), config.num_hidden_layers, config.num_nextn_predict_layers)
+        fmt = read_format(raw["model_type"])
+        config = _parse_config(fmt.config_from_hf, raw, root)
+        names = [fmt.decoder_name(key) for key in headers]
+        held = present_mtp_layers(names, config.num_hidden_layers, config.num_nextn_predict_layers)
         config = config.replace(num_nextn_predict_layers=held if mtp else 0)
         model = build_model(config, device="meta")
         cast_model(model, dtype)
-        groups = weight_groups(config, model_state(model))
-        ignored = decoder_ignored(config, headers, raw)
+        groups = fmt.weight_groups(config, model_state(model))
+        ignored = decoder_ignored(config, headers, fmt.text_config(raw), fmt.decoder_name)
     plan = _LoadPlan.build(groups, headers, ignored, block, root)
     materialize(model, device)
     load_tensors(model, plan, files)
@@ -208,7 +211,7 @@ class _LoadPlan:
                 if disk.shape != want:
                     misshaped.append(f"{key} {disk.shape} (expected {want} for block size {list(block)})")
             elif key in expected:
-                if disk.shape != expected[key].shape:
+                if not expected[key].accepts(disk.shape):
                     misshaped.append(f"{key} {disk.shape} (expected {expected[key].shape})")
             elif not ignored(key):
                 unexpected.append(key)
@@ -256,8 +259,8 @@ def decoder_ignored(
     def ignored(key: str) -> bool:
         name = decoder_name(key)
         index = mtp_layer_index(name, config.num_hidden_layers)
-        if index is not None and (held <= index < declared or (index < held and is_shared_copy(name))):
-            return True  # multi-token-prediction layers not loaded; the shared embedding / head copies
+        if index is not None and (held <= index < declared or (index < held and is_skipped(name))):
+            return True  # MTP layers not loaded; the shared embedding / head copies, AttnRes leftovers
         if ".shared_experts." in key and config.n_shared_experts == 0 and not math.prod(headers[key].shape):
             return True  # transformers saves the empty shared expert of an MoE without shared experts
         return name.endswith("rotary_emb.inv_freq") or (
@@ -425,10 +428,11 @@ def to_hf(
 ) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory; returns its path.
 
-    The format is DeepseekV3, or Kimi Linear for a model with KDA layers or NoPE MLA (``hf_model_type``).
-    Writes ``config.json`` (``config_to_hf``), safetensors with one tensor per expert and projection, and
-    ``generation_config.json`` when the config has token ids. The result loads with
-    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` (no remote code) and with ``from_hf``.
+    The format is DeepseekV3, Kimi Linear for a model with KDA layers or NoPE MLA, or Kimi K3 (``kimi_k3``,
+    vLLM's and mlx-lm's layout) for a model with K3-only features (``k2lab.hf.formats.write_format``).
+    Writes ``config.json``, safetensors with one tensor per expert and projection, and
+    ``generation_config.json`` when the config has token ids. The result loads with ``from_hf`` and, but
+    for kimi_k3, with ``transformers.AutoModelForCausalLM.from_pretrained(path)`` (no remote code).
 
     Args:
         model: the model to export.
@@ -446,8 +450,8 @@ def to_hf(
     Tensors are streamed to disk one at a time (no second copy of the model in memory).
 
     Raises:
-        ConfigError: the model has settings the format cannot express (K3's gated MLA, SiTU-GLU, LatentMoE,
-            Block AttnRes, lower-bounded or full-rank KDA gates ...); nothing is written.
+        ConfigError: the model has settings the format cannot express (RoPE MLA or YaRN with K3's features,
+            a tied head in Kimi Linear ...); nothing is written.
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -456,15 +460,15 @@ def to_hf(
         config, state = model.config.text, model_state(model)
         groups = kimi_k25.weight_groups(model.config, state)
         head = model.language_model.lm_head.weight
+        copies: list[HFTensor] = []
     else:
-        config = model.config
-        hf_config = config_to_hf(config)
+        config, fmt = model.config, write_format(model.config)
+        hf_config = fmt.config_to_hf(config)
         state = model_state(model)
-        groups = weight_groups(config, state)
+        groups = fmt.weight_groups(config, state)
         head = model.lm_head.weight
-    written = [tensor for group in groups for tensor in group.canonical()]
-    if not isinstance(model, VisionLanguageModel):
-        written += shared_copies(config, state)  # MTP layers' embed_tokens / shared_head.head (k2lab.hf.mtp)
+        copies = fmt.shared_copies(config, state)  # MTP layers' embed_tokens / shared_head.head (hf.mtp)
+    written = [tensor for group in groups for tensor in group.canonical()] + copies
     tensors = [(tensor.name, gather(state, tensor)) for tensor in written]
 
     def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:

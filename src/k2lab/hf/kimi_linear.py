@@ -36,9 +36,22 @@ Also read: transformers' in-memory names (``self_attn.conv1d``, ``self_attn.forg
 for a dense layer, which transformers 5.24's ``save_pretrained`` writes (its ``mlp.`` -> ``block_sparse_moe.``
 renaming reversed onto every layer).
 
-MTP modules: this format has no published MTP weight names, so they are written and read in DeepSeek-V3's
-layout (``k2lab.hf.mtp``: layers ``num_hidden_layers …``, ``enorm`` / ``hnorm`` / ``eh_proj`` /
-``shared_head.*``), the block's MLA and MoE named as above; transformers' KimiLinear ignores them.
+MTP modules: written and read in DeepSeek-V3's layout (``k2lab.hf.mtp``: layers ``num_hidden_layers …``,
+``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.*``), the block's MLA and MoE named as above, which is
+K3's released layout too; transformers' KimiLinear ignores them.
+
+K3 (``k2lab.hf.kimi_k3``: its ``text_config`` is this format's config): the K3 fields are read here
+(``k3_fields_from_hf``; ``config_to_hf(config, k3=True)`` writes them) and K3's tensors have names here:
+
+    KDA full-rank output gate   self_attn.g_proj (ours attn.g_proj)
+    gated MLA                   self_attn.g_proj (ours attn.gate_proj)
+    LatentMoE                   block_sparse_moe.routed_expert_{down_proj, up_proj, norm} (ours latent_*)
+    Block AttnRes               self_attention_res_{proj [1, D], norm}, mlp_res_{proj, norm} per layer,
+                                model.output_attn_res_{proj, norm} (ours attn_res / mlp_res / final_res:
+                                query [D], key_norm.weight [D]); mlx-lm's ``{stem}.proj_weight`` / ``.norm_weight``
+                                read too
+
+A plain Kimi Linear checkpoint (``config_to_hf`` without ``k3``) refuses every K3 feature (``k3_features``).
 """
 
 from __future__ import annotations
@@ -133,6 +146,9 @@ _DEFAULTS: dict[str, Any] = {
     "linear_conv_kernel_dim": 4,
 }
 _DEFAULT_FIRST_K_DENSE = 1  # KimiLinearConfig reads kwargs.get("first_k_dense_replace", 1)
+SITU = "situ"
+_ACTIVATIONS = {"silu": "swiglu", SITU: "situ_glu"}  # hidden_act -> our mlp_activation
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,13 +156,16 @@ _DEFAULT_FIRST_K_DENSE = 1  # KimiLinearConfig reads kwargs.get("first_k_dense_r
 # ---------------------------------------------------------------------------------------------------------
 
 
-def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
-    """A validated ``ModelConfig`` from a Kimi Linear ``config.json`` dict (either vocabulary).
+def config_from_hf(
+    data: Mapping[str, Any], name: str = "hf", defaults: Mapping[str, Any] | None = None
+) -> ModelConfig:
+    """A validated ``ModelConfig`` from a Kimi Linear ``config.json`` dict (either vocabulary), K3's fields
+    included (``k3_fields_from_hf``); ``defaults`` replaces some of transformers' defaults for absent fields.
 
-    Raises ``ConfigError`` naming the field for what our decoder cannot represent (non-SiLU activation, a
-    softmax router, attention biases, grouped key/value heads, RoPE MLA (``mla_use_nope: false``), MoE
-    layers that are not every layer after a dense prefix, layer lists that do not cover every layer once),
-    and pydantic's ``ValidationError`` for invalid values.
+    Raises ``ConfigError`` naming the field for what our decoder cannot represent (an activation other than
+    SiLU / SiTU, a softmax router, attention biases, grouped key/value heads, RoPE MLA (``mla_use_nope:
+    false``), MoE layers that are not every layer after a dense prefix, layer lists that do not cover every
+    layer once, K3 fields of the wrong type), and pydantic's ``ValidationError`` for invalid values.
     """
     if data.get("model_type") != MODEL_TYPE:
         raise ConfigError(f"model_type {data.get('model_type')!r} is not {MODEL_TYPE!r}")
@@ -155,7 +174,7 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
         raise ConfigError(f"linear_attn_config should be a JSON object, got {linear!r}")
     _check_supported(data)
 
-    fields: dict[str, Any] = dict(_DEFAULTS)
+    fields: dict[str, Any] = {**_DEFAULTS, **(defaults or {})}
     fields.update({key: data[key] for key in _PLAIN_FIELDS if key in data})
     for ours, names in _ALIASES.items():
         given = {key: data[key] for key in names if key in data}
@@ -178,7 +197,9 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     if not isinstance(layers, int) or layers <= 0:
         raise ConfigError(f"num_hidden_layers: {layers!r} should be a positive integer")
     fields["mla_layers"] = _mla_layers(data, linear, layers)
-    fields["first_k_dense_replace"] = _first_k_dense(data, layers)
+    fields["first_k_dense_replace"] = _first_k_dense(
+        data, layers, fields.get("first_k_dense_replace", _DEFAULT_FIRST_K_DENSE)
+    )
 
     for token_field in ("bos_token_id", "eos_token_id", "pad_token_id"):
         token = data.get(token_field)
@@ -187,23 +208,77 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
         name=name,
         tie_word_embeddings=False,
         mla_rope=False,
-        mla_output_gate=False,
-        kda_gate="softplus",
-        kda_output_gate="low_rank",
-        mlp_activation="swiglu",
-        moe_latent_size=None,
-        attnres_block_size=None,
         num_nextn_predict_layers=data.get("num_nextn_predict_layers") or 0,
+        **k3_fields_from_hf(data, linear),
     )
     return ModelConfig.model_validate(fields)
 
 
+def k3_fields_from_hf(data: Mapping[str, Any], linear: Mapping[str, Any]) -> dict[str, Any]:
+    """Our K3 settings from the K3 fields of a Kimi Linear text config (``linear``: its
+    ``linear_attn_config``), as mlx-lm's ``kimi_k3.TextArgs`` and vLLM's ``KimiLinearConfig`` read them:
+
+        hidden_act "situ" -> mlp_activation situ_glu: h = β1·tanh(g/β1)·σ(g) ⊙ β2·tanh(u/β2) with
+            β1 = activation_situ_beta (null: 1.0), β2 = activation_situ_linear_beta;  "silu" -> swiglu
+        mla_use_output_gate -> mla_output_gate;  attn_res_block_size -> attnres_block_size
+        routed_expert_hidden_size -> moe_latent_size;  latent_moe_use_norm -> moe_latent_norm
+        linear_attn_config.gate_lower_bound -> kda_gate "lower_bound" + kda_gate_lower_bound (null: softplus)
+        linear_attn_config.use_full_rank_gate -> kda_output_gate "full_rank" (false: "low_rank")
+
+    An absent (or null) field means the feature is off, as in those engines; ``latent_moe_use_norm`` is
+    false when absent (their default). Raises ``ConfigError`` naming the field for a value of the wrong type
+    or one our model cannot represent (another activation, an uncapped SiTU up branch, a bound >= 0).
+    """
+    activation = _typed(data, "hidden_act", str, "silu")
+    if activation not in _ACTIVATIONS:
+        raise ConfigError(f"hidden_act {activation!r} is not supported (only {list(_ACTIVATIONS)})")
+    fields: dict[str, Any] = {
+        "mlp_activation": _ACTIVATIONS[activation],
+        "mla_output_gate": _typed(data, "mla_use_output_gate", bool, False),
+        "attnres_block_size": _typed(data, "attn_res_block_size", int, None),
+        "moe_latent_size": _typed(data, "routed_expert_hidden_size", int, None),
+    }
+    if activation == SITU:
+        linear_beta = _typed(data, "activation_situ_linear_beta", float, None)
+        if linear_beta is None:
+            raise ConfigError(
+                "activation_situ_linear_beta null (an uncapped SiTU up branch) is not supported: "
+                "k2lab's SiTU-GLU caps it at β2·tanh(u/β2)"
+            )
+        fields.update(situ_beta1=_typed(data, "activation_situ_beta", float, 1.0), situ_beta2=linear_beta)
+    # absent: off (the engines' default) for a latent MoE; our default (unused) otherwise
+    fields["moe_latent_norm"] = _typed(data, "latent_moe_use_norm", bool, fields["moe_latent_size"] is None)
+    bound = _typed(linear, "gate_lower_bound", float, None, where="linear_attn_config.")
+    if bound is not None and bound >= 0:
+        raise ConfigError(f"linear_attn_config.gate_lower_bound {bound!r} should be negative")
+    fields["kda_gate"] = "softplus" if bound is None else "lower_bound"
+    if bound is not None:
+        fields["kda_gate_lower_bound"] = bound
+    full_rank = _typed(linear, "use_full_rank_gate", bool, False, where="linear_attn_config.")
+    fields["kda_output_gate"] = "full_rank" if full_rank else "low_rank"
+    return fields
+
+
+def _typed(data: Mapping[str, Any], key: str, kind: type, default: Any, where: str = "") -> Any:
+    """``data[key]`` (``default`` when absent or null), checked to be a ``kind`` (float: any number)."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if kind in (int, float):
+        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{where}{key}: {value!r} should be {_KIND_NAMES[kind]}")
+    return float(value) if kind is float else value
+
+
 def _check_supported(data: Mapping[str, Any]) -> None:
     unsupported = {
-        "hidden_act": (data.get("hidden_act", "silu"), "silu"),
         "moe_router_activation_func": (data.get("moe_router_activation_func", "sigmoid"), "sigmoid"),
         "attention_bias": (data.get("attention_bias", False), False),
         "mla_use_nope": (data.get("mla_use_nope", True), True),
+        "topk_method": (data.get("topk_method", "noaux_tc"), "noaux_tc"),
     }
     for key, (value, supported) in unsupported.items():
         if value != supported:
@@ -245,12 +320,12 @@ def _mla_layers(data: Mapping[str, Any], linear: Mapping[str, Any], layers: int)
     return tuple(i + 1 for i in range(layers) if i and i % 4 == 0)
 
 
-def _first_k_dense(data: Mapping[str, Any], layers: int) -> int:
+def _first_k_dense(data: Mapping[str, Any], layers: int, default: int = _DEFAULT_FIRST_K_DENSE) -> int:
     """The dense-prefix length from ``mlp_layer_types`` (which must be dense* sparse*) or ``first_k_dense_replace``."""
     types = data.get("mlp_layer_types")
     if types is None:
-        first = data.get("first_k_dense_replace", _DEFAULT_FIRST_K_DENSE)
-        return _DEFAULT_FIRST_K_DENSE if first is None else first
+        first = data.get("first_k_dense_replace", default)
+        return default if first is None else first
     if not isinstance(types, list) or len(types) != layers:
         raise ConfigError(f"mlp_layer_types: should list {layers} layer types, got {types!r}")
     first = next((i for i, kind in enumerate(types) if kind != DENSE), layers)
@@ -281,25 +356,59 @@ def k3_features(config: ModelConfig) -> list[str]:
     return problems
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+def config_to_hf(config: ModelConfig, k3: bool = False) -> dict[str, Any]:
     """A Kimi Linear ``config.json`` dict in both vocabularies (original ``linear_attn_config`` and
     transformers' ``layer_types`` ...), loadable by ``KimiLinearForCausalLM`` without remote code.
 
-    Raises ``ConfigError`` listing every setting with no Kimi Linear equivalent.
+    ``k3``: K3's text config instead (``kimi_k3``'s ``text_config``): the same fields plus K3's
+    (``k3_fields_to_hf``), a tied head allowed; transformers has no such model.
+
+    Raises ``ConfigError`` listing every setting with no equivalent in the format.
     """
-    problems = k3_features(config)
+    problems = [] if k3 else k3_features(config)
+    nope = "K3's" if k3 else "Kimi Linear's"
     if config.mla_rope and "mla" in config.layer_types:
-        problems.append("mla_rope=True (Kimi Linear's MLA is NoPE)")
+        problems.append(f"mla_rope=True ({nope} MLA is NoPE)")
     if config.rope_scaling is not None:
-        problems.append(
-            "rope_scaling (YaRN changes our MLA softmax scale; Kimi Linear's is qk_head_dim^-0.5)"
-        )
-    if config.tie_word_embeddings:
+        problems.append(f"rope_scaling (YaRN changes our MLA softmax scale; {nope} is qk_head_dim^-0.5)")
+    if config.tie_word_embeddings and not k3:
         problems.append("tie_word_embeddings=True (transformers' KimiLinear never ties the LM head)")
     if problems:
-        raise ConfigError(
-            f"cannot write a {MODEL_TYPE} checkpoint, no equivalent for: " + "; ".join(problems)
-        )
+        written = "kimi_k3" if k3 else MODEL_TYPE
+        raise ConfigError(f"cannot write a {written} checkpoint, no equivalent for: " + "; ".join(problems))
+    data = _config_dict(config)
+    if k3:
+        data.update(k3_fields_to_hf(config))
+        data["linear_attn_config"].update(k3_linear_attn_fields(config))
+    return data
+
+
+def k3_fields_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """K3's text-config fields for ``config`` (the inverse of ``k3_fields_from_hf``), every one written."""
+    situ = config.mlp_activation == "situ_glu"
+    return {
+        "hidden_act": SITU if situ else "silu",
+        "activation_situ_beta": config.situ_beta1 if situ else None,
+        "activation_situ_linear_beta": config.situ_beta2 if situ else None,
+        "mla_use_output_gate": config.mla_output_gate,
+        "attn_res_block_size": config.attnres_block_size,
+        "routed_expert_hidden_size": config.moe_latent_size,
+        "latent_moe_use_norm": config.moe_latent_norm,
+        "topk_method": "noaux_tc",
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
+
+
+def k3_linear_attn_fields(config: ModelConfig) -> dict[str, Any]:
+    """K3's ``linear_attn_config`` additions: the KDA gate's lower bound (null: softplus) and full-rank gate."""
+    return {
+        "gate_lower_bound": config.kda_gate_lower_bound if config.kda_gate == "lower_bound" else None,
+        "use_full_rank_gate": config.kda_output_gate == "full_rank",
+    }
+
+
+def _config_dict(config: ModelConfig) -> dict[str, Any]:
     types = config.layer_types
     L = config.num_hidden_layers
     return {
@@ -364,8 +473,16 @@ _EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _MOE_RENAMES = {  # ours after ``mlp.`` -> theirs after ``block_sparse_moe.`` / ``mlp.``
     "router.weight": "gate.weight",
     "router.e_score_correction_bias": "gate.e_score_correction_bias",
+    "latent_down.weight": "routed_expert_down_proj.weight",  # K3's LatentMoE
+    "latent_up.weight": "routed_expert_up_proj.weight",
+    "latent_norm.weight": "routed_expert_norm.weight",
 }
-_KDA_PLAIN = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj")
+_KDA_PLAIN = ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "g_proj", "o_norm", "o_proj")
+_MLA_RENAMES = {**MLA_RENAMES, "attn.gate_proj.weight": "self_attn.g_proj.weight"}  # K3's gated MLA
+# Block AttnRes (K3): our module -> the checkpoint's stem (``{stem}_proj.weight`` [1, D] = our query,
+# ``{stem}_norm.weight`` [D] = our key norm); mlx-lm also reads ``{stem}.proj_weight`` / ``{stem}.norm_weight``.
+_ATTNRES_STEMS = {"attn_res": "self_attention_res", "mlp_res": "mlp_res", "final_res": "output_attn_res"}
+MLX = "mlx"
 _SAVE_PRETRAINED = "save_pretrained"  # transformers 5.24's name for a dense MLP written by save_pretrained
 
 
@@ -377,12 +494,17 @@ def weight_groups(config: ModelConfig, state: Mapping[str, torch.Tensor]) -> lis
         if key in GLOBAL_RENAMES:
             groups.append(single(GLOBAL_RENAMES[key], key, shape))
             continue
+        if key.startswith("final_res."):
+            groups.append(_attnres_group(key, "model.", key, shape))
+            continue
         match = _LAYER_KEY.match(key)
         if match is None:
             raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
         index, rest = int(match.group(1)), match.group(2)
         prefix = f"model.layers.{index}."
-        if rest in NORM_RENAMES:
+        if rest.split(".")[0] in _ATTNRES_STEMS:
+            groups.append(_attnres_group(key, prefix, rest, shape))
+        elif rest in NORM_RENAMES:
             groups.append(single(prefix + NORM_RENAMES[rest], key, shape))
         elif rest.startswith("attn."):
             groups.extend(_attention_groups(config, state, key, index, rest.removeprefix("attn.")))
@@ -404,20 +526,44 @@ def _attention_groups(
     shape = tuple(state[key].shape)
     if index >= config.num_hidden_layers or config.layer_types[index] == "mla":  # MTP blocks are MLA
         rest = "attn." + name
-        if rest not in MLA_RENAMES:
+        if rest not in _MLA_RENAMES:
             raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
-        return [single(f"model.layers.{index}." + MLA_RENAMES[rest], key, shape)]
+        return [single(f"model.layers.{index}." + _MLA_RENAMES[rest], key, shape)]
     if name == "conv1d.weight":
         return [_conv_group(key, prefix, shape)]
     if name.startswith("forget_gate."):
         short = name.removeprefix("forget_gate.")
         names = {CHECKPOINT: prefix + short, TRANSFORMERS: f"{prefix}forget_gate.{short}"}
-        if short == "A_log":  # ours [H], theirs [1, 1, H, 1] (broadcast over batch, time and channel)
-            return [renamed(names, key, (1, 1, shape[0], 1))]
+        if short == "A_log":  # ours [H], theirs [1, 1, H, 1] (broadcast over batch, time and channel) or [H]
+            return [a_log_group(names, key, shape[0])]
         return [renamed(names, key, shape)]
     if name.removesuffix(".weight") in _KDA_PLAIN:
         return [single(prefix + name, key, shape)]
     raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+
+
+def _attnres_group(key: str, prefix: str, name: str, shape: tuple[int, ...]) -> WeightGroup:
+    """One AttnRes tensor (``name``: ``{attn_res,mlp_res,final_res}.{query,key_norm.weight}``) under ``prefix``.
+
+    The checkpoint's ``{stem}_proj`` is a Linear(D, 1): weight [1, D] = our query [D]."""
+    module, leaf = name.split(".", 1)
+    stem = prefix + _ATTNRES_STEMS[module]
+    if leaf == "query":
+        return renamed({CHECKPOINT: f"{stem}_proj.weight", MLX: f"{stem}.proj_weight"}, key, (1, *shape))
+    if leaf == "key_norm.weight":
+        return renamed({CHECKPOINT: f"{stem}_norm.weight", MLX: f"{stem}.norm_weight"}, key, shape)
+    raise KeyError(f"no {MODEL_TYPE} checkpoint name for parameter {key!r}")
+
+
+def a_log_group(names: Mapping[str, str], key: str, heads: int) -> WeightGroup:
+    """A_log (ours [H]) written [1, 1, H, 1] as Kimi Linear and transformers store it; [H] (vLLM's "current
+    1D" form, which ``k2lab.hf.kimi_k3`` writes) is read too."""
+    return WeightGroup(
+        {
+            label: (HFTensor(name, (1, 1, heads, 1), (Slot(key),), also_shapes=((heads,),)),)
+            for label, name in names.items()
+        }
+    )
 
 
 def _conv_group(key: str, prefix: str, shape: tuple[int, ...]) -> WeightGroup:

@@ -42,13 +42,19 @@ class HFTensor:
 
     ``row_order`` (optional) permutes the row dimension: disk row r holds row ``row_order[r]`` of the
     slots' concatenation (e.g. a fused q/k/v with the q and k rows of each head interleaved for a
-    complex-pair rope, where we keep the rotate-half order).
+    complex-pair rope, where we keep the rotate-half order). ``also_shapes``: other disk shapes read as the
+    same tensor (same elements in the same order, reshaped; e.g. K3's A_log [H] or the older [1, 1, H, 1]).
     """
 
     name: str
     shape: tuple[int, ...]
     slots: tuple[Slot, ...]
     row_order: tuple[int, ...] | None = None
+    also_shapes: tuple[tuple[int, ...], ...] = ()
+
+    def accepts(self, shape: tuple[int, ...]) -> bool:
+        """Whether a disk tensor of ``shape`` can be read as this tensor."""
+        return shape == self.shape or shape in self.also_shapes
 
     def to_ours(self, disk: torch.Tensor) -> torch.Tensor:
         """The disk tensor with its rows in our (concatenated slots') order."""

@@ -15,16 +15,17 @@ MTP module k (``mtp.{k-1}`` here, ``k2lab.models.mtp``) is checkpoint layer ``L 
 DeepSeek-V3 checkpoints hold them); loading skips them, since our modules share the main embedding and head
 (the DeepSeek-V3 report §2.2; the checkpoints' copies equal the main tensors).
 
-Kimi Linear (``kimi_linear``) has no published MTP weight names (K3's config declares
-``num_nextn_predict_layers`` but its layer names are not public): we write and read the same DeepSeek-style
-keys there, the block's tensors in the Kimi Linear per-layer names (``block_sparse_moe.*`` for the MoE), and
-say so here rather than invent another convention.
+Kimi Linear (``kimi_linear``) and Kimi K3 (``kimi_k3``, under ``language_model.``) use the same keys, the
+block's tensors in the Kimi Linear per-layer names (``block_sparse_moe.*`` for the MoE); that is K3's released
+layout (vLLM's kimi_k3 MTP loader). K3's MTP block has plain residuals: attention-residual tensors
+(``self_attention_res_*``, ``mlp_res_*``) in an MTP layer are skipped on load (``is_skipped``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 
@@ -42,6 +43,7 @@ MTP_RENAMES = {
 # Shared with the main model: written as copies, skipped when loading (ours -> the main tensor).
 SHARED_COPIES = {"embed_tokens.weight": "embed.weight", "shared_head.head.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_RESIDUAL_STEMS = ("self_attention_res", "mlp_res")
 
 
 def main_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -83,8 +85,7 @@ def _rekeyed(group: WeightGroup, keys: Mapping[str, str]) -> WeightGroup:
     """``group`` with every slot's key renamed by ``keys``."""
 
     def tensor(t: HFTensor) -> HFTensor:
-        slots = tuple(Slot(keys[s.key], s.expert, s.rows, s.disk_rows) for s in t.slots)
-        return HFTensor(t.name, t.shape, slots, t.row_order)
+        return replace(t, slots=tuple(replace(s, key=keys[s.key]) for s in t.slots))
 
     return WeightGroup({label: tuple(tensor(t) for t in layout) for label, layout in group.layouts.items()})
 
@@ -113,6 +114,14 @@ def mtp_layer_index(name: str, num_hidden_layers: int) -> int | None:
 def is_shared_copy(name: str) -> bool:
     """Whether an MTP layer's tensor ``name`` is one of the shared copies (skipped when loading)."""
     return any(name.endswith("." + theirs) for theirs in SHARED_COPIES)
+
+
+def is_skipped(name: str) -> bool:
+    """Whether an MTP layer's tensor ``name`` is skipped when loading: a shared copy, or an attention-residual
+    weight (``self_attention_res_*``, ``mlp_res_*``), which K3 checkpoints may carry for their MTP layers
+    though the MTP block uses plain residuals (vLLM's kimi_k3 MTP loader skips them too)."""
+    leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    return is_shared_copy(name) or leaf.startswith(_RESIDUAL_STEMS)
 
 
 def present_mtp_layers(names: list[str], num_hidden_layers: int, declared: int) -> int:
