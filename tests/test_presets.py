@@ -15,7 +15,7 @@ from k2lab.vision.vlm import VLMConfig
 def test_registry_holds_both_kinds():
     text, vision = available_presets("text"), available_presets("vision-language")
     assert {"k2", "k2-mini", "k3", "kimi-linear-48b-a3b"} <= set(text)
-    assert set(vision) == {"k25", "k25-mini", "k25-nano", "k3-vl-mini", "k3-vl-nano"}
+    assert set(vision) == {"k25", "k25-mini", "k25-nano", "k3-vl", "k3-vl-mini", "k3-vl-nano"}
     assert sorted(text + vision) == available_presets()
 
 

@@ -1,5 +1,5 @@
-"""MoonViT-V2 (Kimi K3): RMSNorm, bias-free, 2×2 pixel shuffle — token counts, structure, size, packing,
-and that a tiny one trains from scratch."""
+"""MoonViT-V2 (Kimi K3 as released): RMSNorm, bias-free, q/k/v wider than the tower, 2×2 pixel shuffle and
+the post-norm projector — token counts, structure, size, packing, and that a tiny one trains from scratch."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import torch
 from torch import nn
 
 from k2lab.nn.norm import RMSNorm
+from k2lab.params import count_parameters
+from k2lab.presets import load_preset
+from k2lab.presets.vision_language import load_vlm_preset, vlm_parameter_counts
 from k2lab.vision import MoonViT3D, VisionConfig, num_parameters, pixel_shuffle, vision_token_counts
 from k2lab.vision.moonvit import temporal_merge
 
 TINY = dict(
     patch_size=4, pos_emb_height=8, pos_emb_width=8, num_attention_heads=2, num_hidden_layers=2,
-    hidden_size=32, intermediate_size=64, text_hidden_size=24,
+    hidden_size=32, qkv_hidden_size=48, intermediate_size=64, text_hidden_size=24,
 )  # fmt: skip
 
 
@@ -71,7 +74,12 @@ def test_no_bias_no_layernorm() -> None:
     assert not [m for m in v2.modules() if isinstance(m, nn.LayerNorm)]
     norms = [m for m in v2.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 2 * 27 + 1 + 1  # two per block, final, projector
-    assert v2.projector.norm.weight.shape == (4 * 1152,)  # the projector norms the shuffled 4D token
+    assert all(norm.eps == 2.0**-23 for norm in norms[:-1])  # nn.RMSNorm's default: fp32 machine epsilon
+    assert v2.projector.post_norm.eps == 1e-5  # projector_ln_eps
+    assert v2.projector.post_norm.weight.shape == (7168,)  # patchmergerv2 norms its D_text-wide output
+    assert not hasattr(v2.projector, "norm")
+    attn = v2.encoder.blocks[0].attn
+    assert attn.q.weight.shape == (1536, 1024) and attn.o.weight.shape == (1024, 1536)  # 12 heads × 128
     k25 = full_size(VisionConfig.moonvit_3d())
     assert not [m for m in k25.modules() if isinstance(m, RMSNorm)]
     assert k25.projector.norm.weight.shape == (1152,)
@@ -89,8 +97,10 @@ def test_parameter_count() -> None:
         tower = sum(p.numel() for p in model.encoder.parameters())
         assert num_parameters(config, include_projector=False) == tower
     tower = num_parameters(VisionConfig.moonvit_v2(), include_projector=False)
-    assert tower == 400_604_544  # "401M-parameter MoonViT-V2"
-    assert abs(tower - 401e6) < 1e6
+    # patch 3·14²·1024 + grid 64·64·1024 + 27 · (q, k, v 3·1024·1536 + wo 1536·1024 + MLP 2·1024·4096
+    # + 2 norms 2·1024) + final norm 1024: the released tower, the report's "401M-parameter MoonViT-V2"
+    assert tower == 602_112 + 4_194_304 + 27 * (4_718_592 + 1_572_864 + 8_388_608 + 2_048) + 1_024
+    assert tower == 401_214_464
 
 
 def test_presets_and_hf_export() -> None:
@@ -99,6 +109,13 @@ def test_presets_and_hf_export() -> None:
     assert (v2.num_hidden_layers, v2.merge_kernel_size, v2.norm, v2.bias, v2.merge) == (
         27, (2, 2), "rmsnorm", False, "pixel_shuffle",
     )  # fmt: skip
+    assert (v2.hidden_size, v2.num_attention_heads, v2.head_dim, v2.intermediate_size) == (
+        1024,
+        12,
+        128,
+        4096,
+    )
+    assert v2.pos_emb_interpolation == "bilinear"
     assert VisionConfig.moonvit_v2(hidden_size=64, num_attention_heads=4).hidden_size == 64
     hf = VisionConfig.moonvit_3d().to_hf()
     assert not {"norm", "bias", "merge"} & set(hf)
@@ -107,6 +124,8 @@ def test_presets_and_hf_export() -> None:
         VisionConfig(norm="rmsnorm"),
         VisionConfig(bias=False),
         VisionConfig(merge="pixel_shuffle"),
+        VisionConfig(qkv_hidden_size=1536),
+        VisionConfig(pos_emb_interpolation="bilinear"),
     ):
         with pytest.raises(ValueError, match="kimi_k25 has only the K2.5"):
             config.to_hf()
@@ -176,3 +195,37 @@ def test_trains_from_scratch() -> None:
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first / 5, (first, last)
     assert elapsed < 10, elapsed
+
+
+def test_k3_vl_preset_full_size() -> None:
+    """``k3-vl`` = the k3 decoder + the released tower, built on the meta device; counts derived by hand."""
+    config = load_vlm_preset("k3-vl")
+    assert config.vision == VisionConfig.moonvit_v2(text_hidden_size=7168)
+    assert config.text == load_preset("k3") and config.image_token_id == 163605  # media_placeholder_token_id
+    d, a, f, k, t = 1024, 1536, 4096, 4, 7168
+    tower = 3 * 14 * 14 * d + 64 * 64 * d + 27 * (3 * a * d + d * a + 2 * d * f + 2 * d) + d
+    projector = (k * d) * (k * d) + t * (k * d) + t  # proj.0, proj.2, post_norm
+    assert (tower, projector) == (401_214_464, 46_144_512)
+    counts = vlm_parameter_counts(config)  # the VLM built on the meta device, its modules counted
+    text = count_parameters(config.text).total  # the decoder as ``k2lab params`` counts it
+    assert counts == {
+        "language_model": text,
+        "vision_tower": tower,
+        "projector": projector,
+        "total": text + tower + projector,
+    }
+
+
+def test_attention_width_and_bilinear_positions() -> None:
+    config = tiny_v2()
+    assert (config.attention_width, config.head_dim) == (48, 24)
+    with pytest.raises(ValueError, match="qkv_hidden_size=49 must be divisible by num_attention_heads=2"):
+        tiny_v2(qkv_hidden_size=49)
+    with pytest.raises(ValueError, match="head dim 10 must be divisible by 4"):
+        tiny_v2(qkv_hidden_size=20)
+    # bilinear 2 -> 4, align_corners=False: output centres at -0.25, 0.25, 0.75, 1.25 (clamped): P0, ¾P0 + ¼P1, ...
+    pos = MoonViT3D(tiny_v2(pos_emb_height=2, pos_emb_width=2)).encoder.pos_embed
+    with torch.no_grad():
+        pos.weight.copy_(torch.tensor([[0.0, 4.0], [8.0, 12.0]])[..., None].expand(2, 2, 32))
+        row = pos.resample(4, 4)[:4, 0]  # first output row (= input row 0): 0, 1, 3, 4
+    assert row.tolist() == [0.0, 1.0, 3.0, 4.0]

@@ -44,6 +44,7 @@ from k2lab.hf import kimi_k25
 from k2lab.hf.formats import MODEL_TYPES, read_format, write_format
 from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
 from k2lab.hf.mtp import is_skipped, mtp_layer_index, present_mtp_layers
+from k2lab.hf.vlm_formats import read_vlm_format, write_vlm_format
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
@@ -143,13 +144,13 @@ def from_hf(
     files = _weight_files(root)
     headers = _read_headers(files)
 
-    if raw["model_type"] == kimi_k25.MODEL_TYPE:
-        vlm_config = _parse_config(kimi_k25.config_from_hf, raw, root)
+    if (vlm_format := read_vlm_format(raw)) is not None:  # k2lab.hf.vlm_formats
+        vlm_config = _parse_config(vlm_format.config_from_hf, raw, root)
         model = build_vlm(vlm_config, device="meta")
         cast_model(model, dtype)
-        groups = kimi_k25.weight_groups(vlm_config, model_state(model))
+        groups = vlm_format.weight_groups(vlm_config, model_state(model))
         ignored = decoder_ignored(
-            vlm_config.text, headers, raw.get("text_config") or {}, kimi_k25.decoder_name
+            vlm_config.text, headers, vlm_format.text_config(raw), vlm_format.decoder_name
         )
     else:
         fmt = read_format(raw["model_type"])
@@ -456,9 +457,10 @@ def to_hf(
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if isinstance(model, VisionLanguageModel):
-        hf_config = kimi_k25.config_to_hf(model.config)  # first: refuses what the format cannot express
+        vlm_format = write_vlm_format(model.config)  # kimi_k3 for a MoonViT-V2 tower, else kimi_k25
+        hf_config = vlm_format.config_to_hf(model.config)  # first: refuses what the format cannot express
         config, state = model.config.text, model_state(model)
-        groups = kimi_k25.weight_groups(model.config, state)
+        groups = vlm_format.weight_groups(model.config, state)
         head = model.language_model.lm_head.weight
         copies: list[HFTensor] = []
     else:

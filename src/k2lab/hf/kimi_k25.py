@@ -178,13 +178,14 @@ def rope_row_order(heads: int, head_dim: int) -> tuple[int, ...]:
     return tuple(h * head_dim + (r % 2) * half + r // 2 for h in range(heads) for r in range(head_dim))
 
 
-def _fused_qkv(layer: int, leaf: str, vision: VisionConfig) -> HFTensor:
-    d = vision.hidden_size
+def fused_qkv(layer: int, leaf: str, vision: VisionConfig) -> HFTensor:
+    """``vision_tower.encoder.blocks.{layer}.wqkv.{leaf}`` [3A, D] / [3A]: q, k, v rows (A = attention width)."""
+    d, a = vision.hidden_size, vision.attention_width
     q_order = rope_row_order(vision.num_attention_heads, vision.head_dim)
-    order = (*q_order, *(d + r for r in q_order), *range(2 * d, 3 * d))
-    shape = (3 * d, d) if leaf == "weight" else (3 * d,)
+    order = (*q_order, *(a + r for r in q_order), *range(2 * a, 3 * a))
+    shape = (3 * a, d) if leaf == "weight" else (3 * a,)
     slots = tuple(
-        Slot(f"{VISION_PREFIX}encoder.blocks.{layer}.attn.{p}.{leaf}", disk_rows=(i * d, (i + 1) * d))
+        Slot(f"{VISION_PREFIX}encoder.blocks.{layer}.attn.{p}.{leaf}", disk_rows=(i * a, (i + 1) * a))
         for i, p in enumerate("qkv")
     )
     return HFTensor(f"vision_tower.encoder.blocks.{layer}.wqkv.{leaf}", shape, slots, order)
@@ -212,10 +213,10 @@ def _vision_groups(config: VLMConfig, state: Mapping[str, torch.Tensor]) -> list
                 for p in "qkv"
             )
             groups.append(
-                WeightGroup({CHECKPOINT: (_fused_qkv(layer, leaf, config.vision),), TRANSFORMERS: unfused})
+                WeightGroup({CHECKPOINT: (fused_qkv(layer, leaf, config.vision),), TRANSFORMERS: unfused})
             )
             continue
-        original = HFTensor(_original_vision_name(ours), shape, (Slot(key),))
+        original = HFTensor(original_vision_name(ours), shape, (Slot(key),))
         groups.append(
             WeightGroup(
                 {
@@ -228,7 +229,7 @@ def _vision_groups(config: VLMConfig, state: Mapping[str, torch.Tensor]) -> list
     return groups
 
 
-def _original_vision_name(ours: str) -> str:
+def original_vision_name(ours: str) -> str:
     if ours == "encoder.pos_embed.weight":
         return _ORIGINAL_POS
     module, leaf = ours.rsplit(".", 1)

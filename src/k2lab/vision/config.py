@@ -2,11 +2,15 @@
 
 Two named variants of one tower (see ``VisionConfig.moonvit_3d`` / ``VisionConfig.moonvit_v2``):
 
-* **MoonViT-3D** (Kimi K2.5, the defaults): LayerNorms and biased projections; the projector LayerNorms each
-  of the kh·kw patch vectors of a merge block before concatenating them (``merge="in_projector"``).
-* **MoonViT-V2** (Kimi K3, trained from scratch): RMSNorm (``norm="rmsnorm"``), no bias anywhere
-  (``bias=False``), and a 2×2 pixel shuffle (space-to-depth) before the projector, whose RMSNorm then acts
-  on the whole shuffled kh·kw·D token (``merge="pixel_shuffle"``). Only these three fields differ.
+* **MoonViT-3D** (Kimi K2.5, the defaults): LayerNorms and biased projections, q/k/v as wide as the tower,
+  bicubic resampling of the position grid; the projector LayerNorms each of the kh·kw patch vectors of a
+  merge block before concatenating them (``merge="in_projector"``, vLLM's ``mm_projector_type`` "patchmerger").
+* **MoonViT-V2** (Kimi K3, as released in the ``kimi_k3`` checkpoint's ``vision_config``): RMSNorm
+  (``norm="rmsnorm"``, eps = fp32 machine epsilon), no bias anywhere (``bias=False``), an attention width
+  ``qkv_hidden_size`` = 12 heads × 128 = 1536 apart from the 1024-wide residual stream, bilinear position
+  resampling, and the 2×2 pixel shuffle before a projector without a pre-norm whose RMSNorm acts on its
+  D_text-wide *output* (``merge="pixel_shuffle"``, "patchmergerv2"). ``k2lab.hf.kimi_k3_vision`` reads and
+  writes the released field names.
 
 Field names follow transformers' ``Kimi_K25VisionConfig`` (``patch_size``, ``pos_emb_height``,
 ``pos_emb_width``, ``pos_emb_time``, ``merge_kernel_size`` ...). The projector lives on the parent
@@ -22,18 +26,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["VisionConfig"]
+__all__ = ["FP32_EPS", "VisionConfig"]
 
-_VARIANT_FIELDS = frozenset({"norm", "bias", "merge"})
+# fields transformers' kimi_k25 vision_config does not have (K2.5's values are the defaults)
+_VARIANT_FIELDS = frozenset({"norm", "bias", "merge", "qkv_hidden_size", "pos_emb_interpolation"})
+# torch.nn.RMSNorm(dim) without eps (the released MoonViT-V2's norms) uses the machine epsilon of the
+# statistics' dtype, fp32 for fp32 / bf16 / fp16 inputs alike: torch.finfo(torch.float32).eps
+FP32_EPS = 2.0**-23
 
 
 class VisionConfig(BaseModel):
     """MoonViT tower + MLP projector (K2.5's MoonViT-3D by default; ``moonvit_v2()`` for K3's).
 
     ``layer_norm_eps`` / ``projection_layer_norm_eps`` are the eps of whichever norm ``norm`` selects.
+    ``qkv_hidden_size`` (None: ``hidden_size``) is the width of q, k and v, heads × head dim.
 
     Invariants checked at construction (each error names the field and the reason):
-    ``hidden_size % num_attention_heads == 0``; head dim divisible by 4 (2-D axial rope gives each of
+    attention width divisible by ``num_attention_heads``; head dim divisible by 4 (2-D axial rope gives each of
     the h and w axes ``head_dim / 4`` frequencies); ``hidden_size`` even (sin/cos time embedding);
     a square learned position grid (``pos_emb_height == pos_emb_width``, as the reference resamples it).
     """
@@ -48,6 +57,7 @@ class VisionConfig(BaseModel):
     num_hidden_layers: int = Field(default=27, ge=0)
     hidden_size: int = Field(default=1152, gt=0)
     intermediate_size: int = Field(default=4304, gt=0)
+    qkv_hidden_size: int | None = Field(default=None, gt=0)
     hidden_act: Literal["gelu_pytorch_tanh", "gelu"] = "gelu_pytorch_tanh"
     merge_kernel_size: tuple[int, int] = (2, 2)
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -59,12 +69,14 @@ class VisionConfig(BaseModel):
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     bias: bool = True
     merge: Literal["in_projector", "pixel_shuffle"] = "in_projector"
+    pos_emb_interpolation: Literal["bicubic", "bilinear"] = "bicubic"
 
     @model_validator(mode="after")
     def _check(self) -> VisionConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.attention_width % self.num_attention_heads:
+            width = "hidden_size" if self.qkv_hidden_size is None else "qkv_hidden_size"
             raise ValueError(
-                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads="
+                f"{width}={self.attention_width} must be divisible by num_attention_heads="
                 f"{self.num_attention_heads}"
             )
         if self.head_dim % 4:
@@ -90,31 +102,53 @@ class VisionConfig(BaseModel):
 
     @classmethod
     def moonvit_v2(cls, **overrides: Any) -> VisionConfig:
-        """Kimi K3's MoonViT-V2 (sizes beyond "27 layers, 401M parameters" are unpublished; our choices).
+        """Kimi K3's MoonViT-V2 with the released ``vision_config`` values (vLLM's ``KimiK3VisionConfig``).
 
-        Kept from K2.5: patch 14, D = 1152, 16 heads (head dim 72), 64×64 learned position grid + sin/cos
-        frame embedding + 2-D axial rope, volumes of ≤ 4 frames, tanh-GELU MLPs, eps 1e-5, one set of
-        weights for images and videos. Changed: RMSNorm, no biases, 2×2 pixel shuffle before the projector,
-        and F = 4048 (a multiple of 16) so that the tower (patch embedding, positions, 27 blocks, final norm)
-        has 400,604,544 ≈ 401M parameters; the projector (whose output width is K3's unpublished text
-        width, here ``text_hidden_size``) is counted apart: ``num_parameters(c, include_projector=False)``.
+        Patch 14, D = 1024, 27 layers, 12 heads of 128 (q/k/v 1536 wide, ``wo`` 1536 -> 1024), F = 4096,
+        tanh-GELU MLPs, 64×64 learned position grid resampled bilinearly + sin/cos frame embedding + 2-D axial
+        rope (θ = 10⁴), volumes of ≤ 4 frames, RMSNorm with fp32-epsilon eps (``nn.RMSNorm`` without eps),
+        no biases, 2×2 pixel shuffle and the "patchmergerv2" projector (post-norm eps 1e-5). The tower
+        (patch embedding, positions, 27 blocks, final norm) has 401,214,464 parameters, the report's "401M";
+        the projector, whose output is K3's text width ``text_hidden_size``, is counted apart
+        (``num_parameters(c, include_projector=False)``).
+
+        Where the report and the release differ: before the release we kept K2.5's D = 1152 / 16 heads with
+        F = 4048 and an RMSNorm *before* the projector over the shuffled kh·kw·D token; the release has
+        D = 1024 with a wider attention and the projector's RMSNorm on its output.
         """
         fields: dict[str, Any] = {
-            "intermediate_size": 4048,
+            "hidden_size": 1024,
+            "num_attention_heads": 12,
+            "qkv_hidden_size": 1536,
+            "intermediate_size": 4096,
+            "layer_norm_eps": FP32_EPS,
             "norm": "rmsnorm",
             "bias": False,
             "merge": "pixel_shuffle",
+            "pos_emb_interpolation": "bilinear",
         }
         return cls(**{**fields, **overrides})
 
     @property
     def is_moonvit_3d_family(self) -> bool:
-        """True when the architecture is K2.5's (LayerNorm, biases, merge in the projector): HF-exportable."""
-        return self.norm == "layernorm" and self.bias and self.merge == "in_projector"
+        """True when the architecture is K2.5's (LayerNorm, biases, merge in the projector, q/k/v as wide as
+        the tower, bicubic positions): what transformers' ``kimi_k25`` can hold."""
+        return (
+            self.norm == "layernorm"
+            and self.bias
+            and self.merge == "in_projector"
+            and self.attention_width == self.hidden_size
+            and self.pos_emb_interpolation == "bicubic"
+        )
+
+    @property
+    def attention_width(self) -> int:
+        """Width of q, k, v (and of ``wo``'s input): ``qkv_hidden_size``, else ``hidden_size``."""
+        return self.hidden_size if self.qkv_hidden_size is None else self.qkv_hidden_size
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_width // self.num_attention_heads
 
     @property
     def merge_area(self) -> int:
@@ -145,14 +179,16 @@ class VisionConfig(BaseModel):
     def to_hf(self) -> dict[str, Any]:
         """The HF ``vision_config`` dict (projector fields go on the parent, see ``from_hf``).
 
-        Raises ``ValueError`` for MoonViT-V2 (or any RMSNorm / bias-free / pixel-shuffle config):
-        transformers' ``kimi_k25`` implements only the K2.5 tower.
+        Raises ``ValueError`` for MoonViT-V2 (or any RMSNorm / bias-free / pixel-shuffle / narrow-or-wide
+        attention / bilinear config): transformers' ``kimi_k25`` implements only the K2.5 tower; K3's goes
+        to the ``kimi_k3`` format (``k2lab.hf.kimi_k3_vision``).
         """
         if not self.is_moonvit_3d_family:
             raise ValueError(
                 f"to_hf: transformers' kimi_k25 has only the K2.5 MoonViT-3D tower (LayerNorm, biases, merge in "
-                f"the projector); this config (norm={self.norm!r}, bias={self.bias}, merge={self.merge!r}) is "
-                "MoonViT-V2-like and has no HF equivalent"
+                f"the projector); this config (norm={self.norm!r}, bias={self.bias}, merge={self.merge!r}, "
+                f"qkv_hidden_size={self.qkv_hidden_size}, pos_emb_interpolation={self.pos_emb_interpolation!r}) "
+                "is MoonViT-V2-like: write it as kimi_k3 (k2lab.hf.kimi_k3_vision)"
             )
         exclude = {"projection_layer_norm_eps", "text_hidden_size", "rope_theta", *_VARIANT_FIELDS}
         data = self.model_dump(exclude=exclude)

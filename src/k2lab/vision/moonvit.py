@@ -6,26 +6,28 @@ of every image / video volume back to back (per entry frame-major, then raster o
 Images have t = 1; a video is cut into volumes of at most ``pos_emb_time`` (4) consecutive frames, each
 one entry, encoded with the same weights as images.
 
-Pipeline (N patches, E entries, D = hidden_size, M merged tokens):
+Pipeline (N patches, E entries, D = hidden_size, A = attention width, M merged tokens):
 
 1. patch embedding   x_n = W_p · vec(patch_n) + b_p                                      [N, D]
-2. positions         x_n += P̃_e[r_n, c_n] + τ(f_n)  — the learned [H, W, D] grid P bicubically resampled
-   to (h_e, w_e), and for t_e > 1 a sin/cos frame embedding τ(f) = [sin(f·ω), cos(f·ω)],
-   ω_k = 10000^(-2k/D)
-3. L pre-norm blocks  x += Attn(LN₁ x);  x += MLP(LN₂ x)  with attention confined to each entry
-   (block-diagonal over the packed sequence; a volume's frames attend to each other) and 2-D axial
-   rope on q, k
+2. positions         x_n += P̃_e[r_n, c_n] + τ(f_n)  — the learned [H, W, D] grid P bicubically (K2.5) or
+   bilinearly (K3) resampled to (h_e, w_e), and for t_e > 1 a sin/cos frame embedding
+   τ(f) = [sin(f·ω), cos(f·ω)], ω_k = 10000^(-2k/D)
+3. L pre-norm blocks  x += W_o Attn(LN₁ x);  x += MLP(LN₂ x)  with q, k, v [N, A] (A = D for K2.5,
+   A = 1536 > D = 1024 for K3), attention confined to each entry (block-diagonal over the packed sequence;
+   a volume's frames attend to each other) and 2-D axial rope on q, k
 4. final LayerNorm, then temporal pooling + spatial grouping: for each entry the mean over its t frames
    of each kh×kw block, kept as kh·kw vectors                                            [M, kh·kw, D]
    with M = Σ_e (h_e / kh)(w_e / kw) — a 4-frame volume yields as many tokens as one frame
 5. projector         y = W₂ · GELU(W₁ · concat(LN(z_1..z_{kh·kw})) + b₁) + b₂             [M, D_text]
 
-MoonViT-V2 (``VisionConfig.moonvit_v2()``) is the same code with three switches: every LayerNorm becomes
-RMSNorm (``norm="rmsnorm"``), every projection (patch conv, q/k/v/o, MLPs, projector) loses its bias
-(``bias=False``), and the 2×2 merge happens before the projector as a pixel shuffle (``merge="pixel_shuffle"``):
+MoonViT-V2 (``VisionConfig.moonvit_v2()``, the released K3 tower that vLLM builds with its K2.5
+``MoonViT3dPretrainedModel`` driven by K3's ``vision_config``) is the same code with these switches: every
+LayerNorm becomes RMSNorm (``norm="rmsnorm"``, eps 2⁻²³: torch's ``nn.RMSNorm`` default), every projection
+(patch conv, q/k/v/o, MLPs, projector) loses its bias (``bias=False``), q/k/v are ``qkv_hidden_size`` wide,
+the position grid is resampled bilinearly, and the projector is "patchmergerv2" (``merge="pixel_shuffle"``):
 step 4 is ``mean_t pixel_shuffle(x)`` [M, kh·kw·D] — the same numbers as K2.5's grouping, flattened — and
-step 5 becomes y = W₂ · GELU(W₁ · RMSNorm(z)), the norm acting on the whole shuffled kh·kw·D token instead of
-on each D-wide patch vector.
+step 5 becomes y = RMSNorm(W₂ · GELU(W₁ · z)) [M, D_text]: no norm before, one on the output. (Before the
+release we had the RMSNorm in front of W₁, over the kh·kw·D token; the released code has it after W₂.)
 """
 
 from __future__ import annotations
@@ -117,18 +119,21 @@ def time_embedding(num_frames: int, dim: int) -> torch.Tensor:
 
 
 class PositionEmbedding(nn.Module):
-    """Learned [H, W, D] grid, bicubically resampled per entry, plus τ(f) for multi-frame volumes."""
+    """Learned [H, W, D] grid, bicubically / bilinearly resampled per entry, plus τ(f) for multi-frame volumes."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
+        self.mode = config.pos_emb_interpolation
         self.weight = nn.Parameter(
             torch.zeros(config.pos_emb_height, config.pos_emb_width, config.hidden_size)
         )
 
     def resample(self, h: int, w: int) -> torch.Tensor:
-        """P̃ = bicubic(P → h×w), align_corners=False, border-clamped taps (a = -0.75). [h·w, D]."""
+        """P̃ = bicubic (border-clamped taps, a = -0.75) or bilinear (P → h×w), align_corners=False. [h·w, D].
+
+        At h×w = H×W both are the identity (pixel centres coincide), as vLLM's shortcut to P itself."""
         grid = self.weight.permute(2, 0, 1).unsqueeze(0)  # [1, D, H, W]
-        out = F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)
+        out = F.interpolate(grid, size=(h, w), mode=self.mode, align_corners=False)
         return out[0].flatten(1).transpose(0, 1)
 
     def forward(self, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -183,20 +188,23 @@ def make_norm(config: VisionConfig, dim: int, eps: float) -> nn.Module:
 class VisionAttention(nn.Module):
     """Multi-head self-attention (q/k/v/o biased iff ``config.bias``) confined to each packed segment.
 
-    softmax(q_s k_sᵀ / √d) v_s per segment s = [cu[s], cu[s+1]) — exactly block-diagonal attention over the
-    packed sequence, computed as one SDPA call per segment so no [N, N] mask is materialised.
+    q, k, v = W_{q,k,v} x [N, A] with A = heads × d (``attention_width``; 1536 = 12 × 128 for K3's D = 1024),
+    then W_o [D, A] back to D. softmax(q_s k_sᵀ / √d) v_s per segment s = [cu[s], cu[s+1]) — exactly
+    block-diagonal attention over the packed sequence, computed as one SDPA call per segment so no [N, N]
+    mask is materialised.
     """
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
-        d = config.hidden_size
+        d, a = config.hidden_size, config.attention_width
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=config.bias) for _ in range(4))
+        self.q, self.k, self.v = (nn.Linear(d, a, bias=config.bias) for _ in range(3))
+        self.o = nn.Linear(a, d, bias=config.bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]
     ) -> torch.Tensor:
-        """x [N, D], cos/sin [N, head_dim], lengths: tokens per segment (sum N). -> [N, D]."""
+        """x [N, D], cos/sin [N, head_dim], lengths: tokens per segment (sum N). -> [N, D] (via [N, A])."""
         n = x.shape[0]
         q = apply_rope(self.q(x).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_rope(self.k(x).view(n, self.heads, self.head_dim), cos, sin)
@@ -259,7 +267,8 @@ def temporal_merge(
     """Pixel-shuffle every frame, then mean over frames: [N, D] -> [M, kh·kw, D].
 
     For entry (t, h, w): z[m, (a·kw + b)] = (1/t) Σ_f x[f, i·kh + a, j·kw + b] with m = i·(w/kw) + j, i.e.
-    z = mean_f pixel_shuffle(x_f) viewed as kh·kw vectors of D. The mean is taken in fp32.
+    z = mean_f pixel_shuffle(x_f) viewed as kh·kw vectors of D. The mean is taken in fp32 (vLLM's
+    ``tpool_patch_merger`` takes it in the activation dtype: the same in fp32, ≤ 1 ulp apart in bf16).
     """
     kh, kw = merge_kernel_size
     d = x.shape[-1]
@@ -307,25 +316,29 @@ class MoonViTEncoder(nn.Module):
 
 
 class VisionProjector(nn.Module):
-    """Norm, then fc_out(GELU(fc_in ·)): [M, kh·kw, D] -> [M, D_text]; where the merge happens differs.
+    """fc_out(GELU(fc_in ·)) with a norm before (K2.5) or after (K3): [M, kh·kw, D] -> [M, D_text].
 
-    ``merge="in_projector"`` (K2.5): y = W₂ GELU(W₁ concat(LN(z_1), …, LN(z_{kh·kw})) + b₁) + b₂ — the norm
-    is D wide and acts on each patch vector. ``merge="pixel_shuffle"`` (V2): y = W₂ GELU(W₁ RMSNorm(z)) with
-    z = flatten(pooled) the shuffled kh·kw·D token — the norm is kh·kw·D wide.
+    ``merge="in_projector"`` (K2.5's "patchmerger"): y = W₂ GELU(W₁ concat(LN(z_1), …, LN(z_{kh·kw})) + b₁) + b₂,
+    the norm (``norm``) D wide acting on each patch vector. ``merge="pixel_shuffle"`` (K3's "patchmergerv2"):
+    y = RMSNorm(W₂ GELU(W₁ z)) with z = flatten(pooled) the shuffled kh·kw·D token and the norm
+    (``post_norm``) D_text wide, eps ``projection_layer_norm_eps``. GELU is the exact (erf) one in both.
     """
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         width = config.hidden_size * config.merge_area
         self.shuffled = config.merge == "pixel_shuffle"
-        norm_width = width if self.shuffled else config.hidden_size
-        self.norm = make_norm(config, norm_width, config.projection_layer_norm_eps)
+        if self.shuffled:
+            self.post_norm = make_norm(config, config.text_hidden_size, config.projection_layer_norm_eps)
+        else:
+            self.norm = make_norm(config, config.hidden_size, config.projection_layer_norm_eps)
         self.fc_in = nn.Linear(width, width, bias=config.bias)
         self.fc_out = nn.Linear(width, config.text_hidden_size, bias=config.bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        x = self.norm(pooled.flatten(1)) if self.shuffled else self.norm(pooled).flatten(1)
-        return self.fc_out(F.gelu(self.fc_in(x)))
+        if self.shuffled:
+            return self.post_norm(self.fc_out(F.gelu(self.fc_in(pooled.flatten(1)))))
+        return self.fc_out(F.gelu(self.fc_in(self.norm(pooled).flatten(1))))
 
 
 @dataclass
@@ -377,9 +390,10 @@ MoonViTV2 = MoonViT3D  # K3's tower: build with ``VisionConfig.moonvit_v2()``
 def num_parameters(config: VisionConfig, include_projector: bool = True) -> int:
     """Exact parameter count of ``MoonViT3D(config)`` by formula (tower, plus the projector by default).
 
-    With b = 1 if biased else 0 and n(w) = w·(1 + b) for LayerNorm, w for RMSNorm:
-    tower = 3p²D + bD + H·W·D + L·(4D² + 4bD + 2DF + b(F + D) + 2n(D)) + n(D);
-    projector = n(D or kD) + (kD)² + bkD + kD·D_text + bD_text, k = kh·kw.
+    With b = 1 if biased else 0, n(w) = w·(1 + b) for LayerNorm, w for RMSNorm, A the attention width:
+    tower = 3p²D + bD + H·W·D + L·(3DA + 3bA + AD + bD + 2DF + b(F + D) + 2n(D)) + n(D);
+    projector = (kD)² + bkD + kD·D_text + bD_text + n(D) (K2.5, pre-norm) or n(D_text) (K3, post-norm),
+    k = kh·kw.
     """
     d, f, p, k, t = (
         config.hidden_size,
@@ -393,10 +407,11 @@ def num_parameters(config: VisionConfig, include_projector: bool = True) -> int:
     def n(width: int) -> int:
         return width * (1 + b) if config.norm == "layernorm" else width
 
-    block = 4 * d * d + 4 * b * d + 2 * d * f + b * (f + d) + 2 * n(d)
+    a = config.attention_width
+    block = 4 * d * a + 3 * b * a + b * d + 2 * d * f + b * (f + d) + 2 * n(d)
     tower = 3 * p * p * d + b * d + config.pos_emb_height * config.pos_emb_width * d
     tower += config.num_hidden_layers * block + n(d)
     if not include_projector:
         return tower
-    norm_width = k * d if config.merge == "pixel_shuffle" else d
+    norm_width = t if config.merge == "pixel_shuffle" else d
     return tower + n(norm_width) + (k * d) ** 2 + b * k * d + k * d * t + b * t
