@@ -241,6 +241,22 @@ def test_the_read_variants(tmp_path: Path):
     assert from_hf(root, mtp=False).config.num_nextn_predict_layers == 0
 
 
+def test_a_flat_kimi_linear_config_with_k3_fields_reads_unprefixed(tmp_path: Path):
+    """The text config alone (model_type kimi_linear, K3 fields) with the names without ``language_model.``,
+    as mlx-lm's kimi_k3 also loads a config without text_config."""
+    ours = _model(num_nextn_predict_layers=1)
+    root = to_hf(ours, tmp_path / "ckpt")
+    data = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps(data["text_config"]))
+
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        for key in list(tensors):
+            tensors[key.removeprefix("language_model.")] = tensors.pop(key)
+
+    _rewrite(root, change)
+    _assert_same(ours, from_hf(root))
+
+
 def test_bad_checkpoints_list_what_is_wrong(tmp_path: Path):
     root = to_hf(_model(), tmp_path / "ckpt")
 

@@ -1,8 +1,10 @@
 """Names at the edge: our module names <-> the public checkpoint names.
 
-Two checkpoint formats: DeepseekV3 / Kimi-K2 (this module) and Kimi Linear (``k2lab.hf.kimi_linear``).
-``config_from_hf`` reads either by ``model_type``; ``hf_model_type`` says which one a model is written as
-(Kimi Linear when it has KDA layers or NoPE MLA) and ``config_to_hf`` / ``weight_groups`` dispatch on it.
+The two formats transformers loads: DeepseekV3 / Kimi-K2 (this module) and Kimi Linear
+(``k2lab.hf.kimi_linear``). ``config_from_hf`` reads either by ``model_type``; ``hf_model_type`` says which one
+a model is written as (Kimi Linear when it has KDA layers or NoPE MLA) and ``config_to_hf`` / ``weight_groups``
+dispatch on it. K3's released ``kimi_k3`` (``k2lab.hf.kimi_k3``) nests the Kimi Linear names; which format
+``to_hf`` writes is chosen in ``k2lab.hf.formats``.
 
 DeepseekV3 config: ``ModelConfig`` <-> ``config.json`` (legacy ``rope_theta`` + ``rope_scaling`` as real
 checkpoints write it; transformers 5 ``rope_parameters`` is read too). Weights: our fused 3-D expert tensors
