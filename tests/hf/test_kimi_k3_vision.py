@@ -328,3 +328,11 @@ def test_k25_vlm_stays_kimi_k25(tmp_path: Path) -> None:
     assert raw["model_type"] == "kimi_k25" and "mm_projector.pre_norm.weight" in load_file(
         tmp_path / "k25" / "model.safetensors"
     )
+
+
+def test_sharded_round_trip(k3_vlm: VisionLanguageModel, tmp_path: Path) -> None:
+    out = to_hf(k3_vlm, tmp_path / "sharded", max_shard_bytes=64_000)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2 and "mm_projector.post_norm.weight" in weight_map
+    loaded = from_hf(out).state_dict()
+    assert all(torch.equal(value, loaded[key]) for key, value in k3_vlm.state_dict().items())
