@@ -219,8 +219,8 @@ def test_sharded_round_trip(tmp_path: Path):
 
 
 def test_the_read_variants(tmp_path: Path):
-    """``language_model.layers.{i}``, mlx-lm's ``*_res.proj_weight`` / ``.norm_weight``, A_log [1, 1, H, 1], and
-    AttnRes tensors a K3 checkpoint carries for its MTP layer (skipped)."""
+    """``language_model.layers.{i}``, mlx-lm's ``*_res.proj_weight`` / ``.norm_weight``, A_log [1, 1, H, 1],
+    {q,k,v}_conv1d [H·K, W], and AttnRes tensors a K3 checkpoint carries for its MTP layer (skipped)."""
     ours = _model(num_nextn_predict_layers=1)
     root = to_hf(ours, tmp_path / "ckpt")
 
@@ -231,7 +231,11 @@ def test_the_read_variants(tmp_path: Path):
                 "_res_norm.weight", "_res.norm_weight"
             )
             value = tensors.pop(key)
-            tensors[new] = value.reshape(1, 1, -1, 1) if key.endswith("A_log") else value
+            if key.endswith("A_log"):
+                value = value.reshape(1, 1, -1, 1)
+            elif key.endswith("_conv1d.weight"):
+                value = value.squeeze(1)  # [H·K, W]
+            tensors[new] = value
         tensors[f"{P}layers.4.self_attention_res_proj.weight"] = torch.zeros(1, 64)
         tensors[f"{P}layers.4.mlp_res_norm.weight"] = torch.ones(64)
 

@@ -567,13 +567,16 @@ def a_log_group(names: Mapping[str, str], key: str, heads: int) -> WeightGroup:
 
 
 def _conv_group(key: str, prefix: str, shape: tuple[int, ...]) -> WeightGroup:
-    """Our conv1d [3·H·K, 1, W] (q | k | v channels) = checkpoint {q,k,v}_conv1d [H·K, 1, W] = transformers' conv1d."""
+    """Our conv1d [3·H·K, 1, W] (q | k | v channels) = checkpoint {q,k,v}_conv1d [H·K, 1, W] = transformers' conv1d.
+
+    The per-part tensors are read as [H·K, W] too (vLLM's Kimi Linear / K3 loaders accept that form)."""
     width = shape[0] // 3
     split = tuple(
         HFTensor(
             f"{prefix}{part}_conv1d.weight",
             (width, *shape[1:]),
             (Slot(key, rows=(i * width, (i + 1) * width)),),
+            also_shapes=((width, shape[-1]),),
         )
         for i, part in enumerate("qkv")
     )
