@@ -214,7 +214,7 @@ def test_bad_sources_are_clear_errors(tmp_path: Path, model_dir: Path, tokenizer
     cases = [
         (tmp_path / "missing", {}, "does not exist"),
         (tmp_path / "empty", {}, "is not a run directory"),
-        (model_dir, {"quantize": "int8"}, "--quantize is not implemented yet"),
+        (model_dir, {"quantize": "fp8", "format": "gguf"}, "--quantize applies to --format hf"),
         (model_dir, {"tokenizer": tmp_path / "none.json"}, "tokenizer file"),
     ]
     for source, options, message in cases:

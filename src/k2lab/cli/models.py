@@ -173,7 +173,9 @@ def export(
     ],
 ) -> None:
     """Write a complete Hugging Face model repository: config, safetensors (sharded), tokenizer files with the
-    special tokens, the chat template and generation_config.json; it loads in transformers and vLLM."""
+    special tokens, the chat template and generation_config.json; it loads in transformers and vLLM.
+    --quantize mxfp4 stores the routed experts as compressed-tensors MXFP4 (Kimi K3's format), --quantize fp8
+    a DeepseekV3 / Kimi-K2 model as block FP8 (the DeepSeek-V3 / Kimi-K2 release format)."""
     out = hf_export.export(
         config, source, log=lambda line: console.print(line, markup=False, highlight=False)
     )

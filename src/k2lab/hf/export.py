@@ -16,7 +16,10 @@ directory or the new one) holds:
 
 The result loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (no
 remote code) and with ``k2lab.hf.from_hf``. ``format="gguf"`` writes one llama.cpp file at ``out`` instead
-(``k2lab.hf.gguf_export``). ``quantize`` is not implemented yet and says so.
+(``k2lab.hf.gguf_export``). ``quantize`` writes quantised weights (``k2lab.hf.quantize``): ``mxfp4`` routed
+experts as compressed-tensors MXFP4 (the Kimi K3 release format), ``fp8`` block FP8 for a DeepseekV3 /
+Kimi-K2 model (the DeepSeek-V3 / Kimi-K2 release format); a model that cannot take the format is refused
+before anything is written.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from k2lab.hf.chat_template import chat_template
 from k2lab.hf.export_source import Choice, find_source
 from k2lab.hf.gguf_export import write_gguf
 from k2lab.hf.io import GENERATION_CONFIG_FILE, to_hf
+from k2lab.hf.quantize import Quantize
 from k2lab.hf.tokenizer_files import tokenizer_files
 from k2lab.infer.generate import GenerationConfig
 from k2lab.models import CausalLM
@@ -93,7 +97,12 @@ class ExportConfig(BaseModel):
     tokenizer: Path | None = Field(
         default=None, description="tokenizer.json to export (default: the one found beside the weights)."
     )
-    quantize: str | None = Field(default=None, description="Quantised weights (not implemented yet).")
+    quantize: Quantize | None = Field(
+        default=None,
+        description="Quantised weights: mxfp4 = routed experts as compressed-tensors MXFP4 (Kimi K3's release "
+        "format; MoE models); fp8 = block FP8 e4m3 with 128x128 weight_scale_inv (DeepSeek-V3 / Kimi-K2 "
+        "release format; deepseek_v3 checkpoints).",
+    )
 
     @field_validator("max_shard_size")
     @classmethod
@@ -139,8 +148,8 @@ def check_tokenizer(tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel)
 
 def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     """Write the model repository of ``source`` (run, checkpoint or model directory) to ``config.out``."""
-    if config.quantize is not None:
-        raise K2LabError("--quantize is not implemented yet; export full-precision weights (--dtype)")
+    if config.quantize is not None and config.format == "gguf":
+        raise K2LabError("--quantize applies to --format hf; a GGUF file is written unquantised (--dtype)")
     found = find_source(source, config.checkpoint, config.tokenizer, log)
     log(f"exporting {found.description}")
     model, tokenizer = found.load(log)
@@ -162,7 +171,13 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     files[GENERATION_CONFIG_FILE] = json.dumps(generation_config(tokenizer), indent=2) + "\n"
     with staged_directory(out) as staging:
         dtype = DTYPES.get(config.dtype)
-        to_hf(model, staging, max_shard_bytes=parse_size(config.max_shard_size), dtype=dtype)
+        to_hf(
+            model,
+            staging,
+            max_shard_bytes=parse_size(config.max_shard_size),
+            dtype=dtype,
+            quantize=config.quantize,
+        )
         for name, text in files.items():
             (staging / name).write_text(text, encoding="utf-8")
     return out

@@ -11,7 +11,9 @@ alternative layouts accepted for each, come from ``k2lab.hf.mapping.weight_group
 FP8 (the public DeepSeek-V3 / Kimi-K2 release format): a quantised weight is ``float8_e4m3fn`` with a sibling
 ``<name>_scale_inv`` (fp32, ``[ceil(out/128), ceil(in/128)]``), and the dequantised weight is
 ``w[i, j] = w_fp8[i, j] · scale_inv[i // 128, j // 128]`` (block size from
-``quantization_config.weight_block_size``). Weights are dequantised as they are loaded.
+``quantization_config.weight_block_size``; ``k2lab.hf.fp8``). Weights are dequantised as they are loaded, and so
+are compressed-tensors MXFP4 pairs (``weight_packed`` + ``weight_scale``, Kimi K3's routed experts) when the
+config declares them (``k2lab.hf.mxfp4_load``). ``to_hf(quantize=...)`` writes either (``k2lab.hf.quantize``).
 
 Loading checks every tensor header against the model's expected names and shapes before reading any data,
 and raises ``CheckpointError`` listing missing, unexpected and mis-shaped tensors. MTP layers
@@ -42,8 +44,12 @@ from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.hf import kimi_k25
 from k2lab.hf.formats import MODEL_TYPES, read_format, write_format
+from k2lab.hf.fp8 import DEFAULT_FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8
 from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
 from k2lab.hf.mtp import is_skipped, mtp_layer_index, present_mtp_layers
+from k2lab.hf.mxfp4 import declared_mxfp4
+from k2lab.hf.mxfp4_load import PackedPair, match_packed
+from k2lab.hf.quantize import Quantize, quantize_checkpoint
 from k2lab.hf.vlm_formats import read_vlm_format, write_vlm_format
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
@@ -55,13 +61,13 @@ CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SCALE_SUFFIX = "_scale_inv"
-DEFAULT_FP8_BLOCK = (128, 128)
 
 _LIST_LIMIT = 10
 _FP8_DTYPES = {"F8_E4M3"}
 # Written in fp32 whatever ``to_hf``'s dtype: the router bias and KDA's decay parameters.
-_FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")
+_FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias", SCALE_SUFFIX)
+# Floating-point dtypes kept whatever ``to_hf``'s dtype: quantised (FP8) weights.
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn,)
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format section).
 _ST_DTYPES = {
@@ -162,7 +168,7 @@ def from_hf(
         cast_model(model, dtype)
         groups = fmt.weight_groups(config, model_state(model))
         ignored = decoder_ignored(config, headers, fmt.text_config(raw), fmt.decoder_name)
-    plan = _LoadPlan.build(groups, headers, ignored, block, root)
+    plan = _LoadPlan.build(groups, headers, ignored, block, root, mxfp4=declared_mxfp4(raw, root))
     materialize(model, device)
     load_tensors(model, plan, files)
     return model
@@ -180,6 +186,7 @@ class _LoadPlan:
     targets: dict[str, HFTensor] = field(default_factory=dict)  # disk key -> what it holds
     scales: dict[str, str] = field(default_factory=dict)  # disk weight key -> its scale_inv key
     block: tuple[int, int] = DEFAULT_FP8_BLOCK
+    packed: dict[str, PackedPair] = field(default_factory=dict)  # disk weight_packed key -> its MXFP4 scale
 
     @classmethod
     def build(
@@ -189,10 +196,12 @@ class _LoadPlan:
         ignored: Callable[[str], bool],
         block: tuple[int, int],
         root: Path,
+        mxfp4: bool = False,
     ) -> _LoadPlan:
         """Match disk keys to the model's weight groups; raise ``CheckpointError`` listing every mismatch.
 
-        ``ignored(key)`` says which disk keys are not part of the model (MTP layers, a tied head ...).
+        ``ignored(key)`` says which disk keys are not part of the model (MTP layers, a tied head ...);
+        with ``mxfp4`` a weight may be on disk as an MXFP4 pair (``k2lab.hf.mxfp4_load``).
         """
         expected: dict[str, HFTensor] = {}
         # Per group of our tensors, the layout found on disk (e.g. per-expert or transformers-5 fused experts).
@@ -200,11 +209,17 @@ class _LoadPlan:
             for tensor in group.choose(headers):
                 expected[tensor.name] = tensor
 
-        missing = sorted(set(expected) - set(headers))
+        packed = match_packed(
+            {key: tensor.shape for key, tensor in expected.items()}, headers if mxfp4 else {}
+        )
+        accounted = packed.disk_keys
+        missing = sorted(set(expected) - set(headers) - set(packed.weights)) + packed.missing
         unexpected: list[str] = []
-        misshaped: list[str] = []
+        misshaped: list[str] = list(packed.misshaped)
         scales: dict[str, str] = {}
         for key, disk in headers.items():
+            if key in accounted:
+                continue
             if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in expected:
                 weight_key = key.removesuffix(SCALE_SUFFIX)
                 scales[weight_key] = key
@@ -231,7 +246,8 @@ class _LoadPlan:
         ]
         if problems:
             raise CheckpointError(f"{root} does not match its {CONFIG_FILE}: " + "; ".join(problems))
-        return cls(targets=expected, scales=scales, block=block)
+        targets = expected | {disk_key: expected[key] for key, disk_key in packed.weights.items()}
+        return cls(targets=targets, scales=scales, block=block, packed=packed.pairs)
 
     def renamed(self, disk_names: Mapping[str, str]) -> _LoadPlan:
         """The plan keyed by the names actually on disk (``disk_names``: planned name -> disk name)."""
@@ -239,6 +255,7 @@ class _LoadPlan:
             targets={disk_names.get(k, k): v for k, v in self.targets.items()},
             scales={disk_names.get(k, k): disk_names.get(v, v) for k, v in self.scales.items()},
             block=self.block,
+            packed=self.packed,
         )
 
 
@@ -293,21 +310,6 @@ def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, .
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
-def dequantize_fp8(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: Sequence[int] = DEFAULT_FP8_BLOCK
-) -> torch.Tensor:
-    """Block-wise FP8 dequantisation: ``w[..., i, j] = weight[..., i, j] · scale_inv[..., i // b0, j // b1]``.
-
-    ``weight`` [..., out, in] (float8_e4m3fn or any float dtype), ``scale_inv`` [..., ceil(out/b0),
-    ceil(in/b1)]; the last row/column blocks may be partial. Returns fp32.
-    """
-    rows, cols = weight.shape[-2:]
-    b0, b1 = block_size
-    scale = scale_inv.float().repeat_interleave(b0, dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(b1, dim=-1)[..., :cols]
-    return weight.float() * scale
-
-
 def load_tensors(model: torch.nn.Module, plan: _LoadPlan, files: Sequence[Path]) -> None:
     """Copy every planned tensor into the (materialised) model, one file at a time."""
     state = model.state_dict()
@@ -328,6 +330,8 @@ def load_tensors(model: torch.nn.Module, plan: _LoadPlan, files: Sequence[Path])
                     tensor = handle.get_tensor(key)
                     if key in plan.scales:
                         tensor = dequantize_fp8(tensor, scale_values[plan.scales[key]], plan.block)
+                    elif key in plan.packed:
+                        tensor = plan.packed[key].dequantize(tensor, handle, file)
                     tensor = target.to_ours(tensor)
                     for slot in target.slots:
                         destination = slot_view(state, slot)
@@ -354,7 +358,7 @@ def _parse_config(parse: Callable[..., Any], raw: Mapping[str, Any], root: Path)
 def _fp8_block_size(raw: Mapping[str, Any], root: Path) -> tuple[int, int]:
     """The FP8 block size from ``quantization_config`` (128x128 when absent); reject other quantisations."""
     quant = raw.get("quantization_config")
-    if not quant:
+    if not quant or declared_mxfp4(raw, root):  # MXFP4: k2lab.hf.mxfp4_load
         return DEFAULT_FP8_BLOCK
     where = f"{root / CONFIG_FILE}: quantization_config"
     if not isinstance(quant, dict):
@@ -426,6 +430,7 @@ def to_hf(
     path: str | os.PathLike[str],
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
+    quantize: Quantize | None = None,
 ) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory; returns its path.
 
@@ -447,8 +452,12 @@ def to_hf(
         dtype: cast floating-point weights to this dtype (default: keep each tensor's dtype). The router's
             ``e_score_correction_bias`` and KDA's ``A_log`` / ``dt_bias`` always stay fp32, as in the public
             checkpoints.
+        quantize: ``"mxfp4"`` (routed experts as compressed-tensors MXFP4, as Kimi K3 is released) or
+            ``"fp8"`` (block FP8, the DeepSeek-V3 / Kimi-K2 release format): ``k2lab.hf.quantize``. The
+            quantised tensors and their scales keep their dtypes whatever ``dtype`` says.
 
-    Tensors are streamed to disk one at a time (no second copy of the model in memory).
+    Tensors are streamed to disk one at a time (no second copy of the model in memory; with ``quantize``,
+    the quantised tensors are made first, at most a quarter of the model's fp32 size).
 
     Raises:
         ConfigError: the model has settings the format cannot express (RoPE MLA or YaRN with K3's features,
@@ -472,9 +481,12 @@ def to_hf(
         copies = fmt.shared_copies(config, state)  # MTP layers' embed_tokens / shared_head.head (hf.mtp)
     written = [tensor for group in groups for tensor in group.canonical()] + copies
     tensors = [(tensor.name, gather(state, tensor)) for tensor in written]
+    if quantize is not None:
+        tensors = quantize_checkpoint(quantize, hf_config, tensors)  # adds its quantization_config
 
     def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:
-        if dtype is None or not tensor.is_floating_point() or key.endswith(_FP32_SUFFIXES):
+        kept = not tensor.is_floating_point() or tensor.dtype in _QUANTIZED_DTYPES
+        if dtype is None or kept or key.endswith(_FP32_SUFFIXES):
             return tensor.dtype
         return dtype
 
