@@ -33,12 +33,20 @@ may only open while a whole shortest call still fits.
 ``tool_choice`` (OpenAI): ``"auto"`` leaves text free until the model opens a section; ``"required"``
 and ``{"type": "function", "function": {"name": ...}}`` force a section from the first token (the latter
 with that tool only); ``"none"`` forbids opening one. ``parallel_tool_calls=False`` allows one call.
+
+**Markup.** The section's syntax is a ``Markup``: K2's (``K2_MARKUP``, the grammar above; its trigger is
+the one token ``<|tool_calls_section_begin|>``) or K3's XTML tools channel (``k2lab.runtime.tool_grammar_k3``),
+whose trigger ``<|open|>tools<|sep|>`` is several tokens: in ``"auto"`` mode the grammar starts once the
+sampled tokens end with the trigger's tokens (the ones the tokenizer gives its text), and ``"none"`` (or a
+budget too short for a whole call) masks the trigger's last token when the ones before it were just sampled.
+A forced K3 section starts with the channels before it (closed, empty). Schemas compile the same way for
+both (``tool_schema``: closed objects, bounded numbers, then llguidance's ``%json``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -53,11 +61,17 @@ from k2lab.runtime.budget import CompletionSearch
 from k2lab.runtime.schema_bounds import bounded_numbers
 
 __all__ = [
+    "JSON_OPTIONS",
+    "K2_MARKUP",
     "GrammarError",
+    "Markup",
     "ToolCallConstraint",
     "ToolCallGrammar",
+    "lark_string",
     "ll_tokenizer",
     "pack_token_mask",
+    "tool_name",
+    "tool_schema",
     "unpack_token_mask",
 ]
 
@@ -71,7 +85,7 @@ TURN_END = "<|im_end|>"
 STEER_CANDIDATES = 8  # allowed tokens (most likely first) tested per step when the budget is tight ...
 STEER_MASS = 0.95  # ... until they hold this much of the masked distribution (softmax of the logits)
 # compact JSON as K2 writes it (json.dumps separators), no free whitespace between tokens
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def pack_token_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -102,11 +116,12 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
     return _ll_tokenizer(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_id)
 
 
-def _tool_name(tool: Mapping[str, Any]) -> str:
+def tool_name(tool: Mapping[str, Any]) -> str:
     return tool["function"]["name"] if "function" in tool else tool["name"]
 
 
-def _tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+def tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The tool's parameters schema as the grammar compiles it: closed objects, bounded numbers."""
     function = tool.get("function", tool)
     schema = function.get("parameters") or {"type": "object", "properties": {}}
     return bounded_numbers(closed_objects(schema))
@@ -130,7 +145,7 @@ def closed_objects(schema: Any) -> Any:
     return closed
 
 
-def _lark_string(text: str) -> str:
+def lark_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a valid Lark string literal
 
 
@@ -140,9 +155,9 @@ def tool_calls_lark(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -
         raise GrammarError("a tool-call grammar needs at least one tool")
     alternatives = []
     for i, tool in enumerate(tools):
-        schema = {**_tool_schema(tool), "x-guidance": _JSON_OPTIONS}
+        schema = {**tool_schema(tool), "x-guidance": JSON_OPTIONS}
         alternatives.append(
-            f"tool_{i}: {_lark_string('functions.' + _tool_name(tool) + ':')} IDX {ARGUMENT_BEGIN} "
+            f"tool_{i}: {lark_string('functions.' + tool_name(tool) + ':')} IDX {ARGUMENT_BEGIN} "
             f"%json {json.dumps(schema)}"
         )
     repeat = "+" if parallel else ""
@@ -157,6 +172,29 @@ def tool_calls_lark(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -
 
 
 @dataclass(frozen=True)
+class Markup:
+    """A tool-call syntax: what opens a section (``trigger``, text), the special token that ends its grammar
+    (``section_end``, accepted only when the grammar is complete), the token that then ends the turn, the
+    special tokens that close a piece of it (most final first; ``k2lab.runtime.budget``) and its Lark
+    grammar ``lark(tools, parallel, forced)`` (``forced``: from the first generated token on)."""
+
+    trigger: str
+    section_end: str
+    turn_end: str
+    closers: tuple[str, ...]
+    lark: Callable[[Sequence[Mapping[str, Any]], bool, bool], str]
+
+
+K2_MARKUP = Markup(
+    SECTION_BEGIN,
+    SECTION_END,
+    TURN_END,
+    (SECTION_END, CALL_END, ARGUMENT_BEGIN),
+    lambda tools, parallel, forced: tool_calls_lark(tools, parallel),
+)
+
+
+@dataclass(frozen=True)
 class ToolCallGrammar:
     """A compiled grammar for one request: tools, tool_choice and parallel_tool_calls."""
 
@@ -164,11 +202,16 @@ class ToolCallGrammar:
     tokenizer: LLTokenizer
     forced: bool  # a section must start at the first generated token
     allowed: bool  # the model may open a section at all
-    section_begin: int
+    trigger: tuple[int, ...]  # the tokens that open a section (K2: one)
     section_end: int
     turn_end: int
     vocab_size: int
     closers: tuple[int, ...]  # special tokens that end a piece of the section, most final first
+
+    @property
+    def section_begin(self) -> int:
+        """The trigger's last token: the one ``"none"`` masks."""
+        return self.trigger[-1]
 
     @classmethod
     def build(
@@ -178,12 +221,13 @@ class ToolCallGrammar:
         tools: Sequence[Mapping[str, Any]] | None,
         tool_choice: str | Mapping[str, Any] = "auto",
         parallel_tool_calls: bool = True,
+        markup: Markup = K2_MARKUP,
     ) -> ToolCallGrammar:
         tools = list(tools or [])
         forced, allowed = False, bool(tools)
         if isinstance(tool_choice, Mapping):
             name = (tool_choice.get("function") or {}).get("name")
-            tools = [t for t in tools if _tool_name(t) == name]
+            tools = [t for t in tools if tool_name(t) == name]
             if not tools:
                 raise GrammarError(f"tool_choice names the function {name!r}, which is not among the tools")
             forced = True
@@ -198,10 +242,13 @@ class ToolCallGrammar:
                 f'tool_choice must be "auto", "none", "required" or a function, not {tool_choice!r}'
             )
         special = tokenizer.special_tokens
+        missing = [t for t in (markup.section_end, markup.turn_end, *markup.closers) if t not in special]
+        if missing:
+            raise GrammarError(f"the tokenizer lacks the tool-call tokens {', '.join(missing)}")
         grammar = ""
         ll = ll_tokenizer(tokenizer, vocab_size)
         if allowed:
-            grammar = LLMatcher.grammar_from_lark(tool_calls_lark(tools, parallel_tool_calls))
+            grammar = LLMatcher.grammar_from_lark(markup.lark(tools, parallel_tool_calls, forced))
             problem = LLMatcher.validate_grammar(grammar, ll)
             if problem:
                 raise GrammarError(
@@ -212,11 +259,11 @@ class ToolCallGrammar:
             ll,
             forced,
             allowed,
-            special[SECTION_BEGIN],
-            special[SECTION_END],
-            special[TURN_END],
+            tuple(tokenizer.encode(markup.trigger)),
+            special[markup.section_end],
+            special[markup.turn_end],
             vocab_size,
-            (special[SECTION_END], special[CALL_END], special[ARGUMENT_BEGIN]),
+            tuple(special[t] for t in markup.closers),
         )
 
     def constraint(self, max_tokens: int | None = None) -> ToolCallConstraint:
@@ -266,6 +313,7 @@ class ToolCallConstraint:
         self.hopeless = False  # no completion fits the budget left
         self.reused = False  # ``path`` was carried over from an earlier state (maybe not the shortest)
         self._after: dict[int, tuple[list[int], bool]] = {}  # tested token -> (completion after it, reused)
+        self.recent: list[int] = []  # the last len(trigger) − 1 tokens sampled outside a section
         if grammar.forced:
             self._open()
 
@@ -283,6 +331,16 @@ class ToolCallConstraint:
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
 
+    def _trigger_next(self) -> bool:
+        """Whether the trigger's last token would complete it now (the ones before it were just sampled)."""
+        before = self.grammar.trigger[:-1]
+        return not self.finished_section and tuple(self.recent[len(self.recent) - len(before) :]) == before
+
+    def _without_trigger(self) -> torch.Tensor:
+        allowed = torch.ones(self.grammar.vocab_size, dtype=torch.bool)
+        allowed[self.grammar.section_begin] = False
+        return allowed
+
     def allowed_tokens(self) -> torch.Tensor | None:
         """Bool [V] of the tokens the grammar allows next, or None when any token may."""
         g = self.grammar
@@ -291,11 +349,7 @@ class ToolCallConstraint:
             allowed[g.turn_end] = True
             return allowed
         if self.matcher is None:
-            if g.allowed:
-                return None
-            allowed = torch.ones(g.vocab_size, dtype=torch.bool)
-            allowed[g.section_begin] = False
-            return allowed
+            return None if g.allowed or not self._trigger_next() else self._without_trigger()
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(words, bitorder="little")[: g.vocab_size]
         return torch.from_numpy(bits.astype(bool))
@@ -311,9 +365,9 @@ class ToolCallConstraint:
         """``allowed`` narrowed to the tokens after which the section can still close in budget."""
         g, left = self.grammar, self.left
         if self.matcher is None:
-            if allowed is None and len(g.shortest_call) > left:  # a whole call no longer fits
-                allowed = torch.ones(g.vocab_size, dtype=torch.bool)
-                allowed[g.section_begin] = False
+            rest = len(g.shortest_call) - (len(g.trigger) - 1)  # a whole call from the trigger's last token
+            if allowed is None and rest > left and self._trigger_next():  # ... no longer fits
+                allowed = self._without_trigger()
             return allowed
         if self.path is None and not self.hopeless:
             self.path = g.search.shortest(self.matcher, left)
@@ -360,9 +414,12 @@ class ToolCallConstraint:
         g = self.grammar
         self.used += 1
         if self.matcher is None:
-            if token == g.section_begin and g.allowed and not self.finished_section:
+            if token == g.section_begin and g.allowed and self._trigger_next():
                 self._open()
-                self._consume(token)
+                for piece in g.trigger:
+                    self._consume(piece)
+                return
+            self.recent = [*self.recent, token][max(0, len(self.recent) + 2 - len(g.trigger)) :]
             return
         self._consume(token)
         if token == g.section_end and self.matcher.is_accepting():

@@ -51,7 +51,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k2lab.data.tokenizer import Tokenizer
-from k2lab.runtime.chat import ChatFormatError, render_chat
+from k2lab.runtime.chat import ChatFormatError
+from k2lab.runtime.chat_format import ChatFormat
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model
@@ -82,6 +83,7 @@ class ServedModel(Protocol):
     model_name: str
     max_context: int
     stop_ids: tuple[int, ...]
+    chat_format: ChatFormat
 
 
 class StreamOptions(BaseModel):
@@ -463,7 +465,7 @@ class _Completion:
 def _tokenize(state: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
     if body.messages is not None:
         try:
-            text = render_chat(
+            text = state.chat_format.render_chat(
                 body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
             )
         except ChatFormatError as error:

@@ -1,0 +1,207 @@
+"""A model family's chat format, chosen by its config: K2's (``k2lab.runtime.chat``) or K3's XTML
+(``k2lab.runtime.chat_k3``).
+
+``chat_format_for(config)`` is the one place that decides: a config with any K3-only feature (Block
+AttnRes, the lower-bounded KDA gate, the gated MLA output, the stable latent MoE, SiTU-GLU MLPs — what
+``k3`` / ``k3-nano`` and a ``kimi_k3`` checkpoint have) speaks K3; K2, K2.5, Kimi Linear and DeepSeek-V3
+configs speak K2. Serving, rollouts and anything else that renders for a model asks it rather than
+calling ``render_chat`` directly.
+
+A ``ChatFormat`` renders (``render_chat``), normalises (``normalize_messages``) and parses
+(``parse_assistant`` for a generated turn, ``parse_chat`` for a conversation); ``visible_content`` is
+the content of a partly generated turn (before any tool call, reasoning left out) for streaming;
+``turn_end`` is the special token that ends an assistant turn (the serving stop token) and ``markup``
+the tool-call syntax for the decoding enforcer (``ToolCallGrammar.build(..., markup=fmt.markup)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from k2lab.config import ModelConfig
+from k2lab.runtime import chat
+from k2lab.runtime.chat_k3 import (
+    CLOSE,
+    END_OF_MSG,
+    K3_TOKENS,
+    OPEN,
+    RESPONSE_OPEN,
+    THINK_CLOSE,
+    generation_prompt,
+    normalize_messages_k3,
+    render_chat_k3,
+)
+from k2lab.runtime.chat_k3_parse import parse_assistant_k3, parse_chat_k3
+from k2lab.runtime.enforcer import K2_MARKUP, Markup
+from k2lab.runtime.tool_grammar_k3 import k3_markup
+
+__all__ = ["ChatFormat", "K2ChatFormat", "K3ChatFormat", "chat_format_for", "is_k3_family"]
+
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
+
+
+def is_k3_family(config: ModelConfig) -> bool:
+    """Whether ``config`` has a K3-only feature (module doc)."""
+    return (
+        config.attnres_block_size is not None
+        or config.kda_gate == "lower_bound"
+        or config.mla_output_gate
+        or config.moe_latent_size is not None
+        or config.mlp_activation == "situ_glu"
+    )
+
+
+class ChatFormat:
+    """The interface (module doc); ``K2ChatFormat`` and ``K3ChatFormat`` implement it."""
+
+    family: str
+    turn_end: str
+    generation_prompt: str
+    required_tokens: tuple[str, ...]
+
+    @property
+    def markup(self) -> Markup:
+        raise NotImplementedError
+
+    def render_chat(
+        self,
+        messages: Messages,
+        tools: Tools = None,
+        add_generation_prompt: bool = True,
+        tool_choice: object = None,
+    ) -> str:
+        raise NotImplementedError
+
+    def normalize_messages(self, messages: Messages) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def parse_assistant(self, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse_chat(self, text: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def visible_content(self, text: str) -> str:
+        raise NotImplementedError
+
+    def text_before_calls(self, text: str) -> str:
+        """What stop strings are matched in, and the content of a turn that does not parse."""
+        raise NotImplementedError
+
+    def missing_tokens(self, special: Mapping[str, int]) -> list[str]:
+        """The format's special tokens that a tokenizer (its ``special_tokens``) lacks."""
+        return [token for token in self.required_tokens if token not in special]
+
+
+@dataclass(frozen=True)
+class K2ChatFormat(ChatFormat):
+    """K2's format (``k2lab.runtime.chat``); ``tool_format``: ``typescript`` or ``json`` declarations."""
+
+    tool_format: str = "typescript"
+    family = "k2"
+    turn_end = chat.IM_END
+    generation_prompt = chat.GENERATION_PROMPT
+    required_tokens = (
+        chat.IM_SYSTEM,
+        chat.IM_USER,
+        chat.IM_ASSISTANT,
+        chat.IM_MIDDLE,
+        chat.IM_END,
+        *chat.CALL_MARKERS,
+    )
+
+    @property
+    def markup(self) -> Markup:
+        return K2_MARKUP
+
+    def render_chat(
+        self,
+        messages: Messages,
+        tools: Tools = None,
+        add_generation_prompt: bool = True,
+        tool_choice: object = None,
+    ) -> str:
+        """K2's rendering (``tool_choice`` is not rendered: K2's template has no note for it)."""
+        return chat.render_chat(messages, tools, self.tool_format, add_generation_prompt)
+
+    def normalize_messages(self, messages: Messages) -> list[dict[str, Any]]:
+        return chat.normalize_messages(messages)
+
+    def parse_assistant(self, text: str) -> dict[str, Any]:
+        return chat.parse_assistant(text)
+
+    def parse_chat(self, text: str) -> list[dict[str, Any]]:
+        return chat.parse_chat(text)
+
+    def text_before_calls(self, text: str) -> str:
+        """Text before any tool-call section (thinking included)."""
+        return text.split(chat.SECTION_BEGIN, 1)[0]
+
+    def visible_content(self, text: str) -> str:
+        """Text before any tool-call section, a leading ``<think>...</think>`` left out."""
+        text = self.text_before_calls(text)
+        if text.startswith(chat.THINK_BEGIN):
+            text = text.split(chat.THINK_END, 1)[1] if chat.THINK_END in text else ""
+        return text
+
+
+@dataclass(frozen=True)
+class K3ChatFormat(ChatFormat):
+    """K3's XTML format; ``thinking``: the generation prompt opens the think channel (K3's default) and
+    assistant turns carry one; ``thinking_effort``: the released effort note (None: none)."""
+
+    thinking: bool = True
+    thinking_effort: str | None = None
+    family = "k3"
+    turn_end = END_OF_MSG
+    required_tokens = K3_TOKENS
+
+    @property
+    def generation_prompt(self) -> str:  # type: ignore[override]
+        return generation_prompt(self.thinking)
+
+    @property
+    def markup(self) -> Markup:
+        return k3_markup(self.thinking)
+
+    def render_chat(
+        self,
+        messages: Messages,
+        tools: Tools = None,
+        add_generation_prompt: bool = True,
+        tool_choice: object = None,
+    ) -> str:
+        return render_chat_k3(
+            messages, tools, add_generation_prompt, self.thinking, self.thinking_effort, tool_choice
+        )
+
+    def normalize_messages(self, messages: Messages) -> list[dict[str, Any]]:
+        return normalize_messages_k3(messages, self.thinking)
+
+    def parse_assistant(self, text: str) -> dict[str, Any]:
+        return parse_assistant_k3(text, self.thinking)
+
+    def parse_chat(self, text: str) -> list[dict[str, Any]]:
+        return parse_chat_k3(text, self.thinking)
+
+    def text_before_calls(self, text: str) -> str:
+        """The response channel's text (markup words such as ``response`` are not text)."""
+        return self.visible_content(text)
+
+    def visible_content(self, text: str) -> str:
+        """The response channel's text so far (after the think channel closes; up to its close)."""
+        if self.thinking:
+            if THINK_CLOSE not in text:
+                return ""
+            text = text.split(THINK_CLOSE, 1)[1]
+            text = text[len(RESPONSE_OPEN) :] if text.startswith(RESPONSE_OPEN) else ""
+        cut = [i for i in (text.find(CLOSE), text.find(OPEN)) if i >= 0]
+        return text[: min(cut)] if cut else text
+
+
+def chat_format_for(config: ModelConfig) -> ChatFormat:
+    """The chat format a model of ``config`` speaks (module doc)."""
+    return K3ChatFormat() if is_k3_family(config) else K2ChatFormat()
