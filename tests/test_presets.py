@@ -69,3 +69,60 @@ def test_text_only_commands_refuse_a_vlm_preset_with_the_reason(command):
     result = _k2lab(*command, "--preset", "k25-nano")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "vision-language preset" in result.stderr and "k2-nano" in result.stderr
+
+
+# K3's released text_config (vLLM's and mlx-lm's kimi_k3 config classes and the engines' fixtures,
+# ../shared/spec/facts.md "K3 as released"): the values the k3 preset must write.
+RELEASED_K3_TEXT = {
+    "model_type": "kimi_linear",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "num_hidden_layers": 93,
+    "num_attention_heads": 96,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "num_shared_experts": 2,
+    "routed_expert_hidden_size": 3584,
+    "moe_intermediate_size": 3072,
+    "intermediate_size": 33792,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "attn_res_block_size": 12,
+    "latent_moe_use_norm": True,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "routed_scaling_factor": 1.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 1048576,
+}
+RELEASED_K3_LINEAR_ATTN = {
+    "full_attn_layers": [*range(4, 93, 4), 93],
+    "num_heads": 96,
+    "head_dim": 128,
+    "short_conv_kernel_size": 4,
+    "gate_lower_bound": -5.0,
+    "use_full_rank_gate": True,
+}
+
+
+def test_k3_preset_takes_the_released_values():
+    from k2lab.hf import kimi_k3
+
+    written = kimi_k3.config_to_hf(load_preset("k3"))
+    assert written["model_type"] == "kimi_k3"
+    text = written["text_config"]
+    assert {key: text.get(key) for key in RELEASED_K3_TEXT} == RELEASED_K3_TEXT
+    linear = text["linear_attn_config"]
+    assert {key: linear.get(key) for key in RELEASED_K3_LINEAR_ATTN} == RELEASED_K3_LINEAR_ATTN
+    mla = set(RELEASED_K3_LINEAR_ATTN["full_attn_layers"])
+    assert linear["kda_layers"] == [i for i in range(1, 94) if i not in mla]
+    # and the released dict reads back as the preset (name aside)
+    read = kimi_k3.config_from_hf(written)
+    assert read.replace(name="k3") == load_preset("k3")
