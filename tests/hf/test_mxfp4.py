@@ -281,3 +281,42 @@ def test_the_config_may_sit_in_text_config(exported: Path, tmp_path: Path):
         loaded.state_dict()["layers.1.mlp.experts.up_proj"],
         from_hf(exported).state_dict()["layers.1.mlp.experts.up_proj"],
     )
+
+
+# ---- kimi_k3: the released layout, read by mlx-lm ---------------------------------------------------------
+
+
+def test_mxfp4_kimi_k3_export_loads_in_mlx_lm_with_our_logits(tmp_path: Path):
+    """mlx-lm's loader maps the same codes and scales to MLX's own mxfp4 kernels (``QuantizedSwitchLinear``,
+    MLX CPU): its fp32 logits must match our from_hf of the same export (both use the dequantised codes)."""
+    pytest.importorskip("mlx_lm.models.kimi_k3")  # optional: the independent reference
+    from tests.hf import mlx_k3
+    from tests.hf.test_kimi_k3_mlx import TOLERANCE, tiny_config, token_ids
+
+    config = tiny_config(num_nextn_predict_layers=1)
+    model = randomize(build_model(config), std=0.1)
+    out = to_hf(model, tmp_path / "k3", quantize="mxfp4")
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "kimi_k3" and "quantization_config" not in written
+    assert written["text_config"]["quantization_config"] == quantization_config()
+    disk = load_file(out / SINGLE_FILE)
+    expert = "language_model.model.layers.1.block_sparse_moe.experts.0.w2."
+    assert disk[expert + "weight_packed"].shape == (config.moe_latent_size, config.moe_intermediate_size // 2)
+    assert disk[expert + "weight_scale"].shape == (config.moe_latent_size, config.moe_intermediate_size // 32)
+    mtp_expert = f"language_model.model.layers.{config.num_hidden_layers}.block_sparse_moe.experts.0.w1."
+    assert mtp_expert + "weight_packed" in disk  # the MTP layer's routed experts too
+
+    loaded = from_hf(out).eval()
+    reference = mlx_k3.load(out)
+    switch = reference.language_model.model.layers[1].mlp.switch_mlp.down_proj
+    assert type(switch).__name__ == "QuantizedSwitchLinear" and switch.mode == "mxfp4"
+    ids = token_ids(config)
+    with torch.no_grad():
+        ours = loaded(torch.from_numpy(ids)).logits.numpy()
+        exact = model(torch.from_numpy(ids)).logits
+    diff = float(abs(ours - mlx_k3.logits(reference, ids)).max())
+    assert torch.equal(torch.from_numpy(ours), _fake_quantized(model)(torch.from_numpy(ids)).logits.detach())
+    print(
+        f"\nMXFP4 kimi_k3: |our from_hf - mlx-lm| max {diff:.3g}; vs unquantised {logit_error(exact, torch.from_numpy(ours))}"
+    )
+    assert diff <= TOLERANCE and abs(ours).max() > 1.0
