@@ -42,6 +42,8 @@ from k2lab.config import ModelConfig  # noqa: E402
 from k2lab.hf import from_hf, to_hf  # noqa: E402
 from k2lab.infer.cache import LatentCache  # noqa: E402
 from k2lab.models import CausalLM  # noqa: E402
+from k2lab.presets.vision_language import load_vlm_preset  # noqa: E402
+from k2lab.vision.vlm import build_vlm  # noqa: E402
 from tests.conftest import randomize  # noqa: E402
 from tests.hf import mlx_k3  # noqa: E402
 
@@ -165,3 +167,16 @@ def test_the_comparison_notices_a_changed_semantic(mlx_checkpoint: tuple[object,
     changed.load_state_dict(loaded.state_dict())
     ids = token_ids(loaded.config)
     assert np.abs(our_logits(changed.eval(), ids) - mlx_k3.logits(model, ids)).max() > 10 * TOLERANCE
+
+
+def test_a_k3_vlm_export_gives_mlx_the_same_text_model(tmp_path: Path) -> None:
+    """A K3 vision-language model is written as kimi_k3 with a vision_config; mlx-lm (text only) drops the
+    tower and projector and must read the language model it holds: equal text-only logits."""
+    vlm = build_vlm(load_vlm_preset("k3-vl-nano", **K3_TINY))
+    randomize(vlm, std=0.1)
+    to_hf(vlm, tmp_path / "k3-vl")
+    written = json.loads((tmp_path / "k3-vl" / "config.json").read_text())
+    assert written["model_type"] == "kimi_k3" and "vision_config" in written
+    reference = mlx_k3.load(tmp_path / "k3-vl")
+    ids = token_ids(vlm.config.text)
+    assert_close(our_logits(vlm.language_model, ids), mlx_k3.logits(reference, ids))
