@@ -7,6 +7,7 @@ language model preset and its tower, with the tower's sizes:
 | preset     | language model | vision tower                                                         |
 |------------|----------------|----------------------------------------------------------------------|
 | ``k25``    | ``k2``         | MoonViT-3D (Kimi K2.5: patch 14, 1152 wide, 27 layers, 2×2 merge)    |
+| ``k3-vl``  | ``k3``         | MoonViT-V2 as released (K3: patch 14, 1024 wide, 27 layers, 12×128 heads) |
 | ``k25-mini`` | ``k2-mini``  | a 2-layer, 128-wide MoonViT-3D (patch 14, 2×2 merge) for CPU runs    |
 | ``k3-vl-mini`` | ``k3-mini`` | a 2-layer, 128-wide MoonViT-V2 (RMSNorm, no biases, 2×2 shuffle)   |
 | ``k25-nano`` / ``k3-vl-nano`` | ``k2-nano`` / ``k3-nano`` | 1-layer, 32-wide towers (tests)         |
