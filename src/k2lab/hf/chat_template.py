@@ -21,17 +21,41 @@ strings in text, ``</think>`` inside reasoning, an invalid tool spec, a missing 
 template renders them anyway (it validates nothing), so equality holds on the inputs ``render_chat``
 accepts. There is no thinking switch: like ``render_chat``, a turn shows ``<think>`` exactly when it has
 ``reasoning_content``.
+
+K3-family models (``k2lab.runtime.chat_format.is_k3_family``) get ``chat_template_k3.jinja`` instead, the
+twin of ``k2lab.runtime.chat_k3.render_chat_k3`` (K3's XTML format; byte-identical on the conversations it
+accepts whose tool-call arguments are objects and whose results name their call by its client id, or by its
+K2 id when it has none; template variables ``thinking``, ``thinking_effort``, ``tool_choice``).
+``chat_template_for(config)`` picks by the model's family.
 """
 
 from __future__ import annotations
 
 from importlib import resources
 
-__all__ = ["TEMPLATE_FILE", "chat_template"]
+from k2lab.config import ModelConfig
+from k2lab.runtime.chat_format import is_k3_family
+
+__all__ = ["TEMPLATE_FILE", "TEMPLATE_FILE_K3", "chat_template", "chat_template_for", "chat_template_k3"]
 
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_FILE_K3 = "chat_template_k3.jinja"
+
+
+def _packaged(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
 def chat_template() -> str:
-    """The template's text (read from the installed package's data)."""
-    return resources.files(__package__).joinpath(TEMPLATE_FILE).read_text(encoding="utf-8")
+    """K2's template's text (read from the installed package's data)."""
+    return _packaged(TEMPLATE_FILE)
+
+
+def chat_template_k3() -> str:
+    """K3's template's text."""
+    return _packaged(TEMPLATE_FILE_K3)
+
+
+def chat_template_for(config: ModelConfig) -> str:
+    """The template of the chat format a model of ``config`` speaks."""
+    return chat_template_k3() if is_k3_family(config) else chat_template()

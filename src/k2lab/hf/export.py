@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import staged_directory
-from k2lab.hf.chat_template import chat_template
+from k2lab.hf.chat_template import chat_template_for
 from k2lab.hf.export_source import Choice, find_source
 from k2lab.hf.gguf_export import write_gguf
 from k2lab.hf.io import GENERATION_CONFIG_FILE, to_hf
@@ -159,15 +159,14 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
             "tokenizer setting); pass --tokenizer FILE"
         )
     check_tokenizer(tokenizer, model)
+    template = chat_template_for(_text_config(model))  # K3-family models get K3's XTML template
     if config.format == "gguf":
-        return write_gguf(
-            model, tokenizer, config.out, chat_template(), DTYPES.get(config.dtype, torch.float32)
-        )
+        return write_gguf(model, tokenizer, config.out, template, DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
-    files = tokenizer_files(tokenizer, chat_template(), _text_config(model).max_position_embeddings)
+    files = tokenizer_files(tokenizer, template, _text_config(model).max_position_embeddings)
     files[GENERATION_CONFIG_FILE] = json.dumps(generation_config(tokenizer), indent=2) + "\n"
     with staged_directory(out) as staging:
         dtype = DTYPES.get(config.dtype)
