@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from k2lab import load_preset
+from k2lab.errors import K2LabError
 from k2lab.runtime.chat import ChatFormatError, ToolCallParseError, normalize_messages
 from k2lab.runtime.chat_format import K2ChatFormat, K3ChatFormat, chat_format_for, is_k3_family
 from k2lab.runtime.chat_k3 import (
@@ -250,3 +251,23 @@ def test_visible_content_streams_the_response_channel_only():
     assert fmt.visible_content(f"r{C}think{S}{O}response{S}Hel") == "Hel"
     assert fmt.visible_content(f"r{C}think{S}{O}response{S}Hello{C}resp") == "Hello"
     assert fmt.visible_content(f"r{C}think{S}{O}response{S}Hi{C}response{S}{O}tools{S}{O}call") == "Hi"
+
+
+def test_encode_chat_k3_ids_and_assistant_mask(small_tokenizer):
+    """The ids are the tokenizer's encoding of the rendered text; the mask covers exactly what the model
+    writes after each assistant generation prompt (through <|end_of_msg|>)."""
+    tokenizer, fmt = with_k3_tokens(small_tokenizer), K3ChatFormat()
+    encoding = fmt.encode_chat(tokenizer, CONVERSATION, [WEATHER])
+    assert encoding.ids == tokenizer.encode(
+        render_chat_k3(CONVERSATION, [WEATHER], add_generation_prompt=False)
+    )
+    masked = tokenizer.decode([i for i, m in zip(encoding.ids, encoding.assistant_mask, strict=True) if m])
+    bodies = [
+        render_assistant_body_k3(m)[len(THINK_OPEN) :] + MESSAGE_CLOSE + END_OF_MSG
+        for m in normalize_messages_k3(CONVERSATION)
+        if m["role"] == "assistant"
+    ]
+    assert masked == "".join(bodies)
+    assert not any(fmt.encode_chat(tokenizer, CONVERSATION[:2], add_generation_prompt=True).assistant_mask)
+    with pytest.raises(K2LabError, match="lacks K3's chat tokens"):
+        fmt.encode_chat(small_tokenizer, CONVERSATION)

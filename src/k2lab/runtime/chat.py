@@ -479,24 +479,33 @@ def encode_chat(
     ]
     if missing:
         raise K2LabError(f"the tokenizer lacks K2's chat tokens {', '.join(missing)}")
-    pieces = list(_pieces(text, special))
+    return encode_pieces(tokenizer, list(_pieces(text, special)))
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: Sequence[tuple[str, bool]]) -> ChatEncoding:
+    """Ids of text pieces (each a special-token string or plain text, as ``split_special`` cuts them) and
+    each piece's mask flag repeated over its ids; plain text is encoded with special tokens off."""
+    special = tokenizer.special_tokens
     texts = iter(tokenizer.encode_batch([p for p, _ in pieces if p not in special], allow_special=False))
     ids: list[int] = []
     mask: list[bool] = []
-    for piece, in_assistant in pieces:
+    for piece, flag in pieces:
         piece_ids = [special[piece]] if piece in special else next(texts)
         ids += piece_ids
-        mask += [in_assistant] * len(piece_ids)
+        mask += [flag] * len(piece_ids)
     return ChatEncoding(ids, mask)
+
+
+def split_special(text: str, special: Iterable[str]) -> list[str]:
+    """``text`` cut at the special-token strings (kept as pieces of their own), empty pieces left out."""
+    pattern = re.compile("(" + "|".join(re.escape(t) for t in sorted(special, key=len, reverse=True)) + ")")
+    return [piece for piece in pattern.split(text) if piece]
 
 
 def _pieces(text: str, special: Mapping[str, int]) -> Iterable[tuple[str, bool]]:
     """Text split at special tokens, each piece with whether it belongs to an assistant turn's body."""
-    pattern = re.compile("(" + "|".join(re.escape(t) for t in sorted(special, key=len, reverse=True)) + ")")
     header, in_assistant = False, False  # header: between <|im_assistant|> and <|im_middle|>
-    for piece in pattern.split(text):
-        if not piece:
-            continue
+    for piece in split_special(text, special):
         if piece == IM_ASSISTANT:
             header = True
         elif piece == IM_MIDDLE and header:

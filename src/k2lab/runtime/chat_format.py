@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k2lab.config import ModelConfig
+from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime import chat
 from k2lab.runtime.chat_k3 import (
     CLOSE,
@@ -29,6 +30,7 @@ from k2lab.runtime.chat_k3 import (
     OPEN,
     RESPONSE_OPEN,
     THINK_CLOSE,
+    encode_chat_k3,
     generation_prompt,
     normalize_messages_k3,
     render_chat_k3,
@@ -37,7 +39,7 @@ from k2lab.runtime.chat_k3_parse import parse_assistant_k3, parse_chat_k3
 from k2lab.runtime.enforcer import K2_MARKUP, Markup
 from k2lab.runtime.tool_grammar_k3 import k3_markup
 
-__all__ = ["ChatFormat", "K2ChatFormat", "K3ChatFormat", "chat_format_for", "is_k3_family"]
+__all__ = ["ChatFormat", "K2ChatFormat", "K3ChatFormat", "chat_format_for", "chat_format_of", "is_k3_family"]
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -91,6 +93,16 @@ class ChatFormat:
         """What stop strings are matched in, and the content of a turn that does not parse."""
         raise NotImplementedError
 
+    def encode_chat(
+        self,
+        tokenizer: Tokenizer,
+        conversation: str | Messages,
+        tools: Tools = None,
+        add_generation_prompt: bool = False,
+    ) -> chat.ChatEncoding:
+        """Ids and the assistant mask of a conversation (``k2lab.runtime.chat.encode_chat`` for K2)."""
+        raise NotImplementedError
+
     def missing_tokens(self, special: Mapping[str, int]) -> list[str]:
         """The format's special tokens that a tokenizer (its ``special_tokens``) lacks."""
         return [token for token in self.required_tokens if token not in special]
@@ -129,6 +141,15 @@ class K2ChatFormat(ChatFormat):
 
     def normalize_messages(self, messages: Messages) -> list[dict[str, Any]]:
         return chat.normalize_messages(messages)
+
+    def encode_chat(
+        self,
+        tokenizer: Tokenizer,
+        conversation: str | Messages,
+        tools: Tools = None,
+        add_generation_prompt: bool = False,
+    ) -> chat.ChatEncoding:
+        return chat.encode_chat(tokenizer, conversation, tools, self.tool_format, add_generation_prompt)
 
     def parse_assistant(self, text: str) -> dict[str, Any]:
         return chat.parse_assistant(text)
@@ -181,6 +202,17 @@ class K3ChatFormat(ChatFormat):
     def normalize_messages(self, messages: Messages) -> list[dict[str, Any]]:
         return normalize_messages_k3(messages, self.thinking)
 
+    def encode_chat(
+        self,
+        tokenizer: Tokenizer,
+        conversation: str | Messages,
+        tools: Tools = None,
+        add_generation_prompt: bool = False,
+    ) -> chat.ChatEncoding:
+        if not isinstance(conversation, str):
+            conversation = self.render_chat(conversation, tools, add_generation_prompt)
+        return encode_chat_k3(tokenizer, conversation, thinking=self.thinking)
+
     def parse_assistant(self, text: str) -> dict[str, Any]:
         return parse_assistant_k3(text, self.thinking)
 
@@ -202,6 +234,15 @@ class K3ChatFormat(ChatFormat):
         return text[: min(cut)] if cut else text
 
 
-def chat_format_for(config: ModelConfig) -> ChatFormat:
-    """The chat format a model of ``config`` speaks (module doc)."""
-    return K3ChatFormat() if is_k3_family(config) else K2ChatFormat()
+def chat_format_for(config: ModelConfig, tool_format: str = "typescript") -> ChatFormat:
+    """The chat format a model of ``config`` speaks (module doc); ``tool_format``: K2's declaration style."""
+    return K3ChatFormat() if is_k3_family(config) else K2ChatFormat(tool_format)
+
+
+def chat_format_of(model: object, tool_format: str = "typescript") -> ChatFormat:
+    """``chat_format_for`` a model's (text) config; K2's format for an object without a ``ModelConfig``."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text", config)  # a vision-language model's language model
+    return (
+        chat_format_for(config, tool_format) if isinstance(config, ModelConfig) else K2ChatFormat(tool_format)
+    )

@@ -65,12 +65,21 @@ from typing import Any
 import tokenizers
 
 from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
-from k2lab.runtime.chat import ChatFormatError, ToolCallParseError, normalize_messages
+from k2lab.errors import K2LabError
+from k2lab.runtime.chat import (
+    ChatEncoding,
+    ChatFormatError,
+    ToolCallParseError,
+    encode_pieces,
+    normalize_messages,
+    split_special,
+)
 from k2lab.runtime.tool_spec import validate_tools
 
 __all__ = [
     "K3_TOKENS",
     "close_tag",
+    "encode_chat_k3",
     "generation_prompt",
     "normalize_messages_k3",
     "open_tag",
@@ -315,6 +324,44 @@ def _render_call(call: Mapping[str, Any], index: int) -> str:
         + "".join(blocks)
         + CALL_CLOSE
     )
+
+
+# ------------------------------------------------------------------------------------------------ encode
+
+
+def encode_chat_k3(
+    tokenizer: Tokenizer,
+    conversation: str | Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    thinking: bool = True,
+) -> ChatEncoding:
+    """Ids of a K3 conversation (messages are rendered first) and, per token, whether the assistant wrote it.
+
+    The mask is True from the end of each assistant turn's generation prompt (``<|open|>message
+    role="assistant"<|sep|>`` and the channel it opens) through its ``<|end_of_msg|>``: what the model
+    produces after that prompt. The ids equal ``tokenizer.encode(text)`` (the text is split at the special
+    tokens, as the tokenizer splits it).
+    """
+    text = (
+        conversation
+        if isinstance(conversation, str)
+        else render_chat_k3(conversation, tools, add_generation_prompt, thinking)
+    )
+    special = tokenizer.special_tokens
+    missing = [token for token in K3_TOKENS if token not in special]
+    if missing:
+        raise K2LabError(f"the tokenizer lacks K3's chat tokens {', '.join(missing)} (see with_k3_tokens)")
+    prompt = generation_prompt(thinking)
+    spans = []
+    for start in (m.end() for m in re.finditer(re.escape(prompt), text)):
+        end = text.find(END_OF_MSG, start)
+        spans.append((start, len(text) if end < 0 else end + len(END_OF_MSG)))
+    pieces, position = [], 0
+    for piece in split_special(text, special):
+        pieces.append((piece, any(a <= position < b for a, b in spans)))
+        position += len(piece)
+    return encode_pieces(tokenizer, pieces)
 
 
 # ------------------------------------------------------------------------------------------- attributes

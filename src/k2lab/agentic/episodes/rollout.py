@@ -6,7 +6,8 @@
 
 Policies implement ``respond(messages, tools, *, seed) -> (assistant_message, completion_token_ids)``:
 
-* ``LocalPolicy`` renders with ``encode_chat`` (K2's chat format), samples with ``generate`` under the
+* ``LocalPolicy`` renders with ``encode_chat`` in the model family's chat format
+  (``k2lab.runtime.chat_format``: K2's, or K3's XTML for a K3-family model), samples with ``generate`` under the
   tool-call decoding enforcer (with a ``PrefixCache`` kept across turns and episodes: shared system
   prompts, tool declarations and earlier turns prefill once; emptied whenever the weights change) (tool calls are always well-formed and name a declared tool), stops at
   ``<|im_end|>`` and parses with ``parse_assistant``. Output that does not parse, contains reserved
@@ -46,9 +47,9 @@ from k2lab.runtime.chat import (
     ToolCallParseError,
     encode_chat,
     normalize_messages,
-    parse_assistant,
     render_assistant_body,
 )
+from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.runtime.enforcer import ToolCallGrammar, pack_token_mask
 
 __all__ = [
@@ -146,20 +147,22 @@ class LocalPolicy:
         self.prefix_cache = PrefixCache.for_model(model, prefix_cache_bytes) if prefix_cache_bytes else None
         self.temperature, self.max_new_tokens, self.top_p = temperature, max_new_tokens, top_p
         self.tool_format, self.drop_finished = tool_format, drop_finished
-        self.im_end = tokenizer.special_tokens[IM_END]
+        self.chat_format = chat_format_of(model, tool_format)  # K2's, or K3's XTML for a K3-family model
+        self.im_end = tokenizer.special_tokens[self.chat_format.turn_end]
         self._grammars: dict[str, Any] = {}
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The ids the model continues: the conversation and the generation prompt."""
-        return encode_chat(
-            self.tokenizer, messages, tools or None, self.tool_format, add_generation_prompt=True
+        return self.chat_format.encode_chat(
+            self.tokenizer, messages, tools or None, add_generation_prompt=True
         ).ids
 
     def _grammar(self, tools: list[dict[str, Any]]) -> Any:
         key = json.dumps(tools, sort_keys=True)
         if key not in self._grammars:
             vocab = self.model.config.vocab_size
-            self._grammars[key] = ToolCallGrammar.build(self.tokenizer, vocab, tools or None)
+            markup = self.chat_format.markup
+            self._grammars[key] = ToolCallGrammar.build(self.tokenizer, vocab, tools or None, markup=markup)
         return self._grammars[key]
 
     def allowed_tokens(
@@ -245,19 +248,22 @@ class LocalPolicy:
 
     def _reply(self, ids: list[int]) -> Reply:
         if not ids or ids[-1] != self.im_end:
-            return PolicyOutputError("truncated", ids, f"no {IM_END} within {self.max_new_tokens} tokens")
+            end = self.chat_format.turn_end
+            return PolicyOutputError("truncated", ids, f"no {end} within {self.max_new_tokens} tokens")
         try:
-            return parse_reply(self.tokenizer.decode(ids)), ids
+            return parse_reply(self.tokenizer.decode(ids), self.chat_format), ids
         except PolicyOutputError as error:
             return PolicyOutputError(error.reason, ids, error.detail)
 
 
-def parse_reply(text: str) -> dict[str, Any]:
+def parse_reply(text: str, chat_format: ChatFormat | None = None) -> dict[str, Any]:
     """An assistant message from generated text, or ``PolicyOutputError("malformed")``: the text must
-    parse and the message must render again (no reserved special-token strings in its content)."""
+    parse and the message must render again (no reserved special-token strings in its content); in
+    ``chat_format`` (K2's by default)."""
+    chat_format = chat_format or K2ChatFormat()
     try:
-        message = parse_assistant(text)
-        normalize_messages([message])
+        message = chat_format.parse_assistant(text)
+        chat_format.normalize_messages([message])
     except (ToolCallParseError, ChatFormatError) as error:
         raise PolicyOutputError("malformed", (), str(error)) from None
     return message
