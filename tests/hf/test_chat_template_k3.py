@@ -113,3 +113,5 @@ def test_golden_conversation_and_family_choice(hf_tokenizer):
     assert theirs == render_chat_k3(CONVERSATION, tools=[WEATHER])
     assert chat_template_for(load_preset("k3-nano")) == chat_template_k3()
     assert chat_template_for(load_preset("k2-nano")) == chat_template()
+    with pytest.warns(UserWarning, match="speaks K2's chat format"):  # a tokenizer without the XTML tokens
+        assert chat_template_for(load_preset("k3-nano"), {"<|im_end|>": 5}) == chat_template()

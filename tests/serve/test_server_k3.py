@@ -12,8 +12,7 @@ import jsonschema
 import pytest
 
 from k2lab import build_model, load_preset
-from k2lab.errors import K2LabError
-from k2lab.runtime.chat_format import K3ChatFormat
+from k2lab.runtime.chat_format import K2ChatFormat, K3ChatFormat
 from k2lab.runtime.chat_k3 import OPEN, SEP, with_k3_tokens
 from k2lab.serve import Engine
 from k2lab.serve.server import build_app
@@ -109,9 +108,11 @@ def test_free_text_streams_the_response_channel(client):
     assert streamed == whole and "<|" not in whole
 
 
-def test_tokenizer_without_xtml_tokens_is_refused(small_tokenizer):
+def test_tokenizer_without_xtml_tokens_keeps_k2s_format(small_tokenizer):
+    """A K3-family checkpoint trained with a plain k2lab tokenizer cannot write XTML: it is served in K2's
+    format, as before, with a warning."""
     engine = Engine(build_model(load_preset("k3-nano", vocab_size=320)), max_batch=1)
-    with pytest.raises(
-        K2LabError, match="lacks <\\|open\\|>, <\\|close\\|>, <\\|sep\\|>, <\\|end_of_msg\\|>"
-    ):
-        build_app(engine, small_tokenizer, "k3")
+    with pytest.warns(UserWarning, match=r"lacks <\|open\|>, <\|close\|>, <\|sep\|>, <\|end_of_msg\|>"):
+        app = build_app(engine, small_tokenizer, "k3")
+    assert app.state.k2lab.chat_format == K2ChatFormat()
+    assert app.state.k2lab.stop_ids[0] == small_tokenizer.special_tokens["<|im_end|>"]

@@ -22,7 +22,7 @@ template renders them anyway (it validates nothing), so equality holds on the in
 accepts. There is no thinking switch: like ``render_chat``, a turn shows ``<think>`` exactly when it has
 ``reasoning_content``.
 
-K3-family models (``k2lab.runtime.chat_format.is_k3_family``) get ``chat_template_k3.jinja`` instead, the
+K3-family models (``k2lab.runtime.chat_format.chat_format_for``: with the XTML tokens) get ``chat_template_k3.jinja`` instead, the
 twin of ``k2lab.runtime.chat_k3.render_chat_k3`` (K3's XTML format; byte-identical on the conversations it
 accepts whose tool-call arguments are objects and whose results name their call by its client id, or by its
 K2 id when it has none; template variables ``thinking``, ``thinking_effort``, ``tool_choice``).
@@ -31,10 +31,11 @@ K2 id when it has none; template variables ``thinking``, ``thinking_effort``, ``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 
 from k2lab.config import ModelConfig
-from k2lab.runtime.chat_format import is_k3_family
+from k2lab.runtime.chat_format import chat_format_for
 
 __all__ = ["TEMPLATE_FILE", "TEMPLATE_FILE_K3", "chat_template", "chat_template_for", "chat_template_k3"]
 
@@ -56,6 +57,7 @@ def chat_template_k3() -> str:
     return _packaged(TEMPLATE_FILE_K3)
 
 
-def chat_template_for(config: ModelConfig) -> str:
-    """The template of the chat format a model of ``config`` speaks."""
-    return chat_template_k3() if is_k3_family(config) else chat_template()
+def chat_template_for(config: ModelConfig, special: Mapping[str, int] | None = None) -> str:
+    """The template of the chat format a model of ``config`` (with a tokenizer of these ``special``
+    tokens) speaks (``k2lab.runtime.chat_format.chat_format_for``)."""
+    return chat_template_k3() if chat_format_for(config, special=special).family == "k3" else chat_template()

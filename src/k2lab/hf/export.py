@@ -159,7 +159,7 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
             "tokenizer setting); pass --tokenizer FILE"
         )
     check_tokenizer(tokenizer, model)
-    template = chat_template_for(_text_config(model))  # K3-family models get K3's XTML template
+    template = chat_template_for(_text_config(model), tokenizer.special_tokens)  # K3's XTML for K3 models
     if config.format == "gguf":
         return write_gguf(model, tokenizer, config.out, template, DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")

@@ -4,8 +4,8 @@
 ``chat_format_for(config)`` is the one place that decides: a config with any K3-only feature (Block
 AttnRes, the lower-bounded KDA gate, the gated MLA output, the stable latent MoE, SiTU-GLU MLPs — what
 ``k3`` / ``k3-nano`` and a ``kimi_k3`` checkpoint have) speaks K3; K2, K2.5, Kimi Linear and DeepSeek-V3
-configs speak K2. Serving, rollouts and anything else that renders for a model asks it rather than
-calling ``render_chat`` directly.
+configs speak K2 (and so does a K3-family model whose tokenizer lacks the XTML tokens, with a warning).
+Serving, rollouts and the exported chat template ask it rather than calling ``render_chat`` directly.
 
 A ``ChatFormat`` renders (``render_chat``), normalises (``normalize_messages``) and parses
 (``parse_assistant`` for a generated turn, ``parse_chat`` for a conversation); ``visible_content`` is
@@ -16,6 +16,7 @@ the tool-call syntax for the decoding enforcer (``ToolCallGrammar.build(..., mar
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -234,15 +235,35 @@ class K3ChatFormat(ChatFormat):
         return text[: min(cut)] if cut else text
 
 
-def chat_format_for(config: ModelConfig, tool_format: str = "typescript") -> ChatFormat:
-    """The chat format a model of ``config`` speaks (module doc); ``tool_format``: K2's declaration style."""
-    return K3ChatFormat() if is_k3_family(config) else K2ChatFormat(tool_format)
+def chat_format_for(
+    config: ModelConfig, tool_format: str = "typescript", special: Mapping[str, int] | None = None
+) -> ChatFormat:
+    """The chat format a model of ``config`` speaks (module doc); ``tool_format``: K2's declaration style.
+
+    With ``special`` (the tokenizer's special tokens), a K3-family model whose tokenizer lacks the XTML
+    tokens speaks K2's format, with a warning: it cannot write K3's markup (a checkpoint trained with a
+    plain k2lab tokenizer keeps serving as before; ``chat_k3.with_k3_tokens`` appends the tokens).
+    """
+    if not is_k3_family(config):
+        return K2ChatFormat(tool_format)
+    missing = K3ChatFormat().missing_tokens(special) if special is not None else []
+    if missing:
+        warnings.warn(
+            f"a K3-family model whose tokenizer lacks {', '.join(missing)} speaks K2's chat format "
+            "(k2lab.runtime.chat_k3.with_k3_tokens appends them after the existing ids)",
+            stacklevel=2,
+        )
+        return K2ChatFormat(tool_format)
+    return K3ChatFormat()
 
 
-def chat_format_of(model: object, tool_format: str = "typescript") -> ChatFormat:
-    """``chat_format_for`` a model's (text) config; K2's format for an object without a ``ModelConfig``."""
+def chat_format_of(
+    model: object, tool_format: str = "typescript", tokenizer: Tokenizer | None = None
+) -> ChatFormat:
+    """``chat_format_for`` a model's (text) config and tokenizer; K2's format for an object without a
+    ``ModelConfig``."""
     config = getattr(model, "config", None)
     config = getattr(config, "text", config)  # a vision-language model's language model
-    return (
-        chat_format_for(config, tool_format) if isinstance(config, ModelConfig) else K2ChatFormat(tool_format)
-    )
+    if not isinstance(config, ModelConfig):
+        return K2ChatFormat(tool_format)
+    return chat_format_for(config, tool_format, None if tokenizer is None else tokenizer.special_tokens)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from k2lab import build_model, load_preset
 from k2lab.agentic.episodes.rollout import LocalPolicy, PolicyOutputError, parse_reply
 from k2lab.runtime.chat_k3 import CLOSE, OPEN, SEP, TOOLS_OPEN, render_chat_k3, with_k3_tokens
@@ -32,3 +34,5 @@ def test_local_policy_speaks_k3(small_tokenizer):
         message["reasoning_content"] == "hm"
         and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
     )
+    with pytest.warns(UserWarning, match="speaks K2's chat format"):  # a plain tokenizer cannot write XTML
+        assert LocalPolicy(model, small_tokenizer, prefix_cache_bytes=0).chat_format.family == "k2"

@@ -147,7 +147,7 @@ class LocalPolicy:
         self.prefix_cache = PrefixCache.for_model(model, prefix_cache_bytes) if prefix_cache_bytes else None
         self.temperature, self.max_new_tokens, self.top_p = temperature, max_new_tokens, top_p
         self.tool_format, self.drop_finished = tool_format, drop_finished
-        self.chat_format = chat_format_of(model, tool_format)  # K2's, or K3's XTML for a K3-family model
+        self.chat_format = chat_format_of(model, tool_format, tokenizer)  # K2's, or K3's XTML (K3 family)
         self.im_end = tokenizer.special_tokens[self.chat_format.turn_end]
         self._grammars: dict[str, Any] = {}
 
