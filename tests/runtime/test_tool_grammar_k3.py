@@ -156,6 +156,16 @@ def test_none_and_auto_follow_the_multi_token_trigger(setup):
     assert auto.in_call
     allowed = auto.allowed_tokens()
     assert allowed[tokenizer.special_tokens[OPEN]] and allowed.sum() == 1  # a call must open
+    grammar = ToolCallGrammar.build(tokenizer, V, TOOLS, "auto", markup=fmt.markup)
+    short = grammar.constraint(max_tokens=len(grammar.shortest_call) - 1)  # a whole call no longer fits
+    for token in trigger[:-1]:
+        logits = torch.zeros(V)
+        short.mask(logits)
+        assert torch.isfinite(logits).all()  # free text until the trigger's last token
+        short.advance(token)
+    logits = torch.zeros(V)
+    short.mask(logits)
+    assert logits[sep] == float("-inf") and torch.isfinite(logits).sum() == V - 1
 
 
 def test_schema_branches_in_the_grammar():
