@@ -169,30 +169,30 @@ def _parse_arguments(inner: str, where: str, problems: list[str]) -> dict[str, A
         if close < 0:
             problems.append(f"{where}: argument {attrs['key']!r} is never closed by {ARGUMENT_CLOSE}")
             return None
-        value = _typed_value(inner[header_end + len(SEP) : close], attrs.get("type", "string"))
-        if isinstance(value, str) and value.startswith("!"):
-            problems.append(f"{where}: argument {attrs['key']!r}: {value[1:]}")
+        value, problem = _typed_value(inner[header_end + len(SEP) : close], attrs.get("type", "string"))
+        if problem:
+            problems.append(f"{where}: argument {attrs['key']!r}: {problem}")
             return None
-        arguments[attrs["key"]] = value[0]
+        arguments[attrs["key"]] = value
         position = close + len(ARGUMENT_CLOSE)
     return arguments
 
 
-def _typed_value(raw: str, kind: str) -> tuple[Any] | str:
-    """``(value,)`` decoded from an argument block's text, or ``"!problem"``."""
+def _typed_value(raw: str, kind: str) -> tuple[Any, str | None]:
+    """The value an argument block's text holds as its ``type`` says, and a problem (None when it is fine)."""
     if kind not in VALUE_TYPES:
-        return f"!unknown type {kind!r}"
+        return None, f"unknown type {kind!r}"
     if any(token in raw for token in (OPEN, CLOSE, SEP, END_OF_MSG)):
-        return f"!markup inside the value {_preview(raw)}"
+        return None, f"markup inside the value {_preview(raw)}"
     if kind == "string":
-        return (raw,)
+        return raw, None
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError) as error:
-        return f"!{kind} value is not valid JSON ({error}): {_preview(raw)}"
+        return None, f"{kind} value is not valid JSON ({error}): {_preview(raw)}"
     if xtml_type(value) != kind:
-        return f"!declared {kind} but the value is {xtml_type(value)}: {_preview(raw)}"
-    return (value,)
+        return None, f"declared {kind} but the value is {xtml_type(value)}: {_preview(raw)}"
+    return value, None
 
 
 def _parse_json_block(inner: str, where: str, problems: list[str]) -> dict[str, Any] | None:
