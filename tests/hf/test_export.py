@@ -22,6 +22,7 @@ from k2lab.hf.export import ExportConfig, export, parse_size
 from k2lab.hf.io import INDEX_FILE, SINGLE_FILE
 from k2lab.infer import GenerationConfig, generate
 from k2lab.model_dir import load_model, save_model
+from k2lab.runtime.chat_k3 import with_k3_tokens
 from k2lab.train.config import TrainConfig
 from k2lab.train.run_checkpoints import checkpoint_directory, save_training_checkpoint
 from tests.conftest import randomize
@@ -258,3 +259,17 @@ def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixt
         main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
     assert done.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_k3_family_export_ends_turns_at_end_of_msg(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """A K3-family model with the XTML tokens exports K3's template and stops at ``<|end_of_msg|>``."""
+    k3_tokenizer = with_k3_tokens(tokenizer)
+    config = load_preset("k3-nano", vocab_size=k3_tokenizer.vocab_size, eos_token_id=k3_tokenizer.eos_id)
+    directory = save_model(randomize(build_model(config)), tmp_path / "k3")
+    k3_tokenizer.save(directory / "tokenizer.json")
+    out = export(ExportConfig(out=tmp_path / "k3-hf"), directory, log=quiet)
+    generation = json.loads((out / "generation_config.json").read_text())
+    end_of_msg = k3_tokenizer.special_tokens["<|end_of_msg|>"]
+    assert generation["eos_token_id"] == [k3_tokenizer.eos_id, end_of_msg]
+    assert "<|open|>message" in (out / "chat_template.jinja").read_text()
+    assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k3"

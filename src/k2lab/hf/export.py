@@ -10,8 +10,9 @@ directory or the new one) holds:
 * the tokenizer files of ``k2lab.hf.tokenizer_files`` (``tokenizer.json``, ``tokenizer_config.json`` with
   bos/eos/pad and every special token, ``special_tokens_map.json``) and the chat template of
   ``k2lab.hf.chat_template`` (in ``tokenizer_config.json`` and as ``chat_template.jinja``);
-* ``generation_config.json``: ``bos_token_id``, ``pad_token_id``, ``eos_token_id`` = [end of sequence,
-  ``<|im_end|>``] (the ids ``k2lab serve`` stops at: a chat turn ends at ``<|im_end|>``) and the sampling
+* ``generation_config.json``: ``bos_token_id``, ``pad_token_id``, ``eos_token_id`` = [end of sequence, the end
+  of a chat turn] (the ids ``k2lab serve`` stops at: ``<|im_end|>`` for K2's format, ``<|end_of_msg|>`` for
+  K3's) and the sampling
   defaults of ``k2lab generate`` (``GenerationConfig``: temperature 0 = ``do_sample`` false).
 
 The result loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (no
@@ -44,6 +45,7 @@ from k2lab.hf.quantize import Quantize
 from k2lab.hf.tokenizer_files import tokenizer_files
 from k2lab.infer.generate import GenerationConfig
 from k2lab.models import CausalLM
+from k2lab.runtime.chat_format import chat_format_for
 from k2lab.vision.vlm import VisionLanguageModel
 
 __all__ = ["ExportConfig", "export", "generation_config", "parse_size"]
@@ -111,10 +113,13 @@ class ExportConfig(BaseModel):
         return value
 
 
-def generation_config(tokenizer: Tokenizer, defaults: GenerationConfig | None = None) -> dict:
-    """``generation_config.json``: the special ids (eos: end of sequence and ``<|im_end|>``) and sampling."""
+def generation_config(
+    tokenizer: Tokenizer, defaults: GenerationConfig | None = None, turn_end: str = "<|im_end|>"
+) -> dict:
+    """``generation_config.json``: the special ids (eos: end of sequence and the chat format's end of turn,
+    ``<|im_end|>`` for K2, ``<|end_of_msg|>`` for K3) and sampling."""
     defaults = defaults or GenerationConfig()
-    end_of_turn = tokenizer.special_tokens.get("<|im_end|>")
+    end_of_turn = tokenizer.special_tokens.get(turn_end)
     eos = [tokenizer.eos_id] + ([end_of_turn] if end_of_turn is not None else [])
     data: dict = {"bos_token_id": tokenizer.bos_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_id}
     data = {key: value for key, value in data.items() if value is not None}
@@ -167,7 +172,10 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
     files = tokenizer_files(tokenizer, template, _text_config(model).max_position_embeddings)
-    files[GENERATION_CONFIG_FILE] = json.dumps(generation_config(tokenizer), indent=2) + "\n"
+    turn_end = chat_format_for(_text_config(model), special=tokenizer.special_tokens).turn_end
+    files[GENERATION_CONFIG_FILE] = (
+        json.dumps(generation_config(tokenizer, turn_end=turn_end), indent=2) + "\n"
+    )
     with staged_directory(out) as staging:
         dtype = DTYPES.get(config.dtype)
         to_hf(
