@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 
 from k2lab.data import (
@@ -22,6 +24,7 @@ from k2lab.data import (
     validation_batches,
 )
 from k2lab.data.corpus import STDLIB_SKIPPED_DIRS
+from k2lab.data.tokenizer import XTML_TOKENS, min_vocab_size, train_bpe, training_sample
 from k2lab.errors import K2LabError
 
 WORDS = [
@@ -226,6 +229,53 @@ def test_training_is_deterministic_and_uncached_when_asked(corpus, tmp_path, mon
     assert a.backend.to_str() == b.backend.to_str() and a.path is None and not any(tmp_path.iterdir())
     with pytest.raises(K2LabError, match=f"at least {256 + len(SPECIAL_TOKENS)}"):
         train_tokenizer(corpus, vocab_size=100)
+
+
+# Recorded from k2lab's tokenizer code before the K3 family existed (tokenizers 0.23.3), on this corpus.
+K2_TOKENIZER_SHA256 = "12734c081d3869b1ec05d599ace5c6bcb430f31d703295bbff36322c12fd69c5"
+K2_IDS = [101, 275, 238, 93, 82, 107, 106, 280, 297, 298, 274, 96, 92, 86, 95, 100, 29, 238, 85, 145, 120, 91,
+          145, 272, 238, 103, 102, 238, 178, 134, 262, 181, 261, 252, 7]  # fmt: skip
+
+
+def test_a_k2_tokenizer_is_byte_identical_to_before_under_its_old_name(corpus, tokenizer):
+    """K2's tokenizer is unchanged by the K3 family: the same file, the same ids, the same cache name."""
+    if tokenizers.__version__ == "0.23.3":  # another tokenizers release may write the JSON differently
+        assert hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest() == K2_TOKENIZER_SHA256
+    assert tokenizer.encode("the lazy dog packing tokens, déjà vu 世界<|im_end|>") == K2_IDS
+    assert tokenizer.path.name == f"{corpus.fingerprint}-300.json"
+    reference = train_bpe(training_sample(corpus, 64 * 2**20), 300, SPECIAL_TOKENS)
+    assert tokenizer.backend.to_str() == reference.to_str()  # the BPE of SPECIAL_TOKENS alone
+    assert list(tokenizer.special_tokens) == list(SPECIAL_TOKENS) and min_vocab_size() == 274
+
+
+def test_a_k3_tokenizer_carries_the_xtml_tokens_within_its_vocabulary(corpus, tokenizer, tmp_path):
+    k3 = train_tokenizer(corpus, vocab_size=300, cache_dir=tmp_path, family="k3")
+    assert k3.vocab_size == tokenizer.vocab_size == 300  # four merges fewer, not four ids more
+    assert k3.special_tokens == {token: i for i, token in enumerate((*SPECIAL_TOKENS, *XTML_TOKENS))}
+    assert k3.path == tmp_path / f"{corpus.fingerprint}-300-k3.json"
+    # the same merges as K2's but the last four, each id four higher
+    k2_vocab, k3_vocab = tokenizer.backend.get_vocab(), k3.backend.get_vocab()
+    k2_words = sorted((w for w in k2_vocab if k2_vocab[w] >= 18), key=k2_vocab.get)
+    assert sorted((w for w in k3_vocab if k3_vocab[w] >= 22), key=k3_vocab.get) == k2_words[:-4]
+    text = '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
+    assert k3.encode(text)[0] == 18 and k3.decode(k3.encode(text)) == text
+    assert len(k3.encode("<|end_of_msg|>")) == 1 < len(tokenizer.encode("<|end_of_msg|>"))  # K2: plain text
+    with pytest.raises(K2LabError, match="at least 278"):
+        train_tokenizer(corpus, vocab_size=276, family="k3")
+    with pytest.raises(K2LabError, match="unknown tokenizer family 'k4'"):
+        train_tokenizer(corpus, vocab_size=300, family="k4")
+
+
+def test_neither_familys_cache_file_is_taken_for_the_other(corpus, tmp_path):
+    k2 = train_tokenizer(corpus, vocab_size=290, cache_dir=tmp_path)
+    k3_path = tmp_path / f"{corpus.fingerprint}-290-k3.json"
+    k3_path.write_text(k2.path.read_text())  # a K2 tokenizer under the K3 name: retrained, not loaded
+    k3 = train_tokenizer(corpus, vocab_size=290, cache_dir=tmp_path, family="k3")
+    assert not k3.from_cache and list(k3.special_tokens)[-4:] == list(XTML_TOKENS)
+    k2.path.write_text(k3_path.read_text())  # and the other way round
+    again = train_tokenizer(corpus, vocab_size=290, cache_dir=tmp_path)
+    assert not again.from_cache and list(again.special_tokens) == list(SPECIAL_TOKENS)
+    assert train_tokenizer(corpus, vocab_size=290, cache_dir=tmp_path, family="k3").from_cache
 
 
 def test_save_and_load_tokenizer(tokenizer, tmp_path):

@@ -67,10 +67,47 @@ def test_short_run_writes_everything(tmp_path, corpus):
 
 def test_nano_presets_get_a_tokenizer_they_can_train_with():
     from k2lab.data.tokenizer import MIN_VOCAB_SIZE
-    from k2lab.train.pretraining import tokenizer_vocab_for
+    from k2lab.train.pretraining import tokenizer_family_for, tokenizer_vocab_for
 
-    assert tokenizer_vocab_for("k2-nano") == tokenizer_vocab_for("k3-nano") == MIN_VOCAB_SIZE
-    assert tokenizer_vocab_for("k2-mini") == 8192
+    assert tokenizer_vocab_for("k2-nano") == MIN_VOCAB_SIZE == 274
+    assert tokenizer_vocab_for("k3-nano") == MIN_VOCAB_SIZE + 4  # K3's XTML tokens on top
+    assert tokenizer_vocab_for("k2-mini") == tokenizer_vocab_for("k3-mini") == 8192
+    families = {name: tokenizer_family_for(name) for name in ("k2-mini", "k25-nano", "k3-nano", "k3-vl-nano")}
+    assert families == {"k2-mini": "k2", "k25-nano": "k2", "k3-nano": "k3", "k3-vl-nano": "k3"}
+    assert tokenizer_family_for("k2-nano", {"mlp_activation": "situ_glu"}) == "k3"  # overrides count
+
+
+def test_a_k3_family_run_trains_a_tokenizer_that_speaks_k3(tmp_path, corpus):
+    """k3-nano through the real training path: its BPE carries K3's XTML tokens within the nano minimum
+    (278 ids), the checkpoint speaks K3's chat format, and ``k2lab export`` of a checkpoint of the run
+    re-derives that tokenizer (not K2's) and writes K3's template."""
+    import warnings
+
+    from k2lab.data.tokenizer import SPECIAL_TOKENS, XTML_TOKENS, load_tokenizer
+    from k2lab.hf.export import ExportConfig, export
+    from k2lab.model_dir import load_model
+    from k2lab.runtime.chat_format import chat_format_of
+    from k2lab.train.run_checkpoints import checkpoint_directory
+
+    out = tmp_path / "run"
+    config = load_train_config(recipe(tmp_path, corpus, out, steps=2), preset="k3-nano", save_every=2)
+    run_training(config.model_copy(update={"vocab_size": None}))  # the preset's default: the nano minimum
+    tokenizer, model = load_tokenizer(out / "model"), load_model(out / "model")
+    assert tokenizer.special_tokens == {t: i for i, t in enumerate((*SPECIAL_TOKENS, *XTML_TOKENS))}
+    assert tokenizer.vocab_size == model.config.vocab_size == 278
+    assert tokenizer.path is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lacks the XTML tokens" fallback
+        assert chat_format_of(model, tokenizer=tokenizer).family == "k3"
+    trained = (out / "model" / "tokenizer.json").read_text()
+    (out / "model" / "tokenizer.json").unlink()  # the checkpoint's tokenizer is re-derived from the recipe
+    (tmp_path / "cache").rename(tmp_path / "gone")  # not from the cache: trained again
+    lines: list[str] = []
+    hf = export(ExportConfig(out=tmp_path / "hf"), checkpoint_directory(out, 2), log=lines.append)
+    assert any("(trained again)" in line for line in lines)
+    assert (hf / "tokenizer.json").read_text() == trained
+    assert "<|open|>message" in (hf / "chat_template.jinja").read_text()
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == [2, 21]
 
 
 def test_refuses_to_overwrite_a_run(tmp_path, corpus):

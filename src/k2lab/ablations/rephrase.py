@@ -81,6 +81,7 @@ from k2lab.model_dir import load_model
 from k2lab.serve import Engine
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
+from k2lab.train.pretraining import tokenizer_family_for
 
 ARMS = ("raw", "rephrased")
 COLORS = {"raw": "tab:gray", "rephrased": "tab:red"}
@@ -291,9 +292,10 @@ def write_arm(out: Path, arm: str, train: list[Document], heldout: list[Document
     return folder
 
 
-def shared_tokenizer(raw_dir: Path, out: Path, vocab_size: int) -> tuple[Path, Any]:
-    """A BPE trained on the raw subset, saved to ``OUT/tokenizer.json`` (both arms use it)."""
-    tokenizer = train_tokenizer(load_corpus(raw_dir), vocab_size)
+def shared_tokenizer(raw_dir: Path, out: Path, vocab_size: int, family: str = "k2") -> tuple[Path, Any]:
+    """A BPE trained on the raw subset with the model ``family``'s special tokens, saved to
+    ``OUT/tokenizer.json`` (both arms use it)."""
+    tokenizer = train_tokenizer(load_corpus(raw_dir), vocab_size, family=family)
     path = out / "tokenizer.json"
     tokenizer.save(path)
     return path, tokenizer
@@ -425,7 +427,8 @@ def run_rephrase_ablation(ablation: RephraseAblationConfig, console: Console | N
         "rephrased": write_arm(out, "rephrased", versions, heldout),
     }
     vocab = ablation.base.vocab_size or 512
-    tokenizer_path, tokenizer = shared_tokenizer(dirs["raw"], out, vocab)
+    family = tokenizer_family_for(ablation.base.preset, ablation.base.model_overrides)
+    tokenizer_path, tokenizer = shared_tokenizer(dirs["raw"], out, vocab, family)
     tokens = {"raw": count_tokens(raw, tokenizer), "rephrased": count_tokens(versions, tokenizer)}
     configs = plan_runs(ablation, dirs, tokenizer_path, tokens["raw"])
     plan = [

@@ -3,7 +3,13 @@
 ``train_tokenizer(corpus)`` trains a byte-level BPE (GPT-2 style ``ByteLevel`` pre-tokenizer and
 decoder, all 256 byte symbols in the initial alphabet, so any text encodes without an unknown token)
 on the corpus' train split and caches it as ``<cache_dir>/<fingerprint>-<vocab_size>.json``; the next
-call with the same corpus and vocabulary size loads that file instead of training. The cache directory
+call with the same corpus and vocabulary size loads that file instead of training.
+
+``family`` says which chat format the tokenizer is for: ``"k2"`` (the default) has ``SPECIAL_TOKENS`` at ids
+0 .. 17; ``"k3"`` (a K3-family model, ``k2lab.runtime.chat_format.is_k3_family``) also has K3's four XTML
+markup tokens (``XTML_TOKENS``) at ids 18 .. 21, the BPE learning four merges fewer so the total is still
+``vocab_size``, and is cached as ``<fingerprint>-<vocab_size>-k3.json`` (neither family's file is ever
+taken for the other's). The cache directory
 is ``cache_dir`` if given, else ``$K2LAB_CACHE_DIR/tokenizers``, else ``~/.cache/k2lab/tokenizers``.
 
 Training reads at most ``max_train_bytes`` (64 MB by default) of train documents, taken in sorted path
@@ -49,7 +55,10 @@ MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, IMAGE_PAD, VIDEO_PAD)
 SPECIAL_TOKENS = (PAD, BOS, EOS, *CHAT_TOKENS, *MEDIA_TOKENS)  # ids 0, 1, 2, ... in this order
 DEFAULT_VOCAB_SIZE = 8192  # k2-mini's vocabulary
 DEFAULT_MAX_TRAIN_BYTES = 64 * 2**20
-MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens (K2 family)
+# K3's XTML chat markup tokens (k2lab.runtime.chat_k3): tokenizers trained for K3-family models carry them.
+XTML_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+FAMILY_TOKENS = {"k2": (), "k3": XTML_TOKENS}  # the chat tokens a family adds after SPECIAL_TOKENS
 # Names other tokenizer.json files use for the same roles, tried in order by load_tokenizer.
 ROLE_NAMES = {
     "pad": (PAD, "<pad>", "[PAD]", "<|endoftext|>"),
@@ -142,9 +151,26 @@ def default_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "k2lab") / "tokenizers"
 
 
-def cache_path(corpus: Corpus, vocab_size: int, cache_dir: Path, max_train_bytes: int) -> Path:
-    """``<cache_dir>/<fingerprint>-<vocab_size>.json`` (a non-default training cap adds ``-max<bytes>``)."""
-    suffix = "" if max_train_bytes == DEFAULT_MAX_TRAIN_BYTES else f"-max{max_train_bytes}"
+def special_tokens_for(family: str = "k2") -> tuple[str, ...]:
+    """The special tokens of a tokenizer for ``family`` in id order: ``SPECIAL_TOKENS``, then the family's
+    chat tokens (none for ``k2``, ``XTML_TOKENS`` for ``k3``)."""
+    if family not in FAMILY_TOKENS:
+        raise K2LabError(f"unknown tokenizer family {family!r}; one of {', '.join(FAMILY_TOKENS)}")
+    return (*SPECIAL_TOKENS, *FAMILY_TOKENS[family])
+
+
+def min_vocab_size(family: str = "k2") -> int:
+    """256 bytes + the family's special tokens (``MIN_VOCAB_SIZE`` for ``k2``)."""
+    return 256 + len(special_tokens_for(family))
+
+
+def cache_path(
+    corpus: Corpus, vocab_size: int, cache_dir: Path, max_train_bytes: int, family: str = "k2"
+) -> Path:
+    """``<cache_dir>/<fingerprint>-<vocab_size>.json``; a ``k3`` tokenizer adds ``-k3``, a non-default
+    training cap ``-max<bytes>``."""
+    suffix = "" if family == "k2" else f"-{family}"
+    suffix += "" if max_train_bytes == DEFAULT_MAX_TRAIN_BYTES else f"-max{max_train_bytes}"
     return cache_dir / f"{corpus.fingerprint}-{vocab_size}{suffix}.json"
 
 
@@ -154,26 +180,28 @@ def train_tokenizer(
     cache_dir: str | os.PathLike[str] | None = None,
     max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES,
     use_cache: bool = True,
+    family: str = "k2",
 ) -> Tokenizer:
     """A byte-level BPE with ``vocab_size`` ids trained on ``corpus.train``, loaded from the cache if there.
 
-    The result's ``from_cache`` says whether it was loaded; ``path`` is its cache file (None when
-    ``use_cache=False`` or the cache directory is not writable, which only warns).
+    ``family``: ``k2`` or ``k3`` (the special tokens, module doc). The result's ``from_cache`` says whether
+    it was loaded; ``path`` is its cache file (None when ``use_cache=False`` or the cache directory is not
+    writable, which only warns).
     """
-    if vocab_size < MIN_VOCAB_SIZE:
+    special = special_tokens_for(family)
+    if vocab_size < min_vocab_size(family):
         raise K2LabError(
-            f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size}"
+            f"vocab_size must be at least {min_vocab_size(family)} (256 bytes + special tokens), got {vocab_size}"
         )
     if not corpus.train:
         raise K2LabError(f"corpus {corpus.name} has no training documents to train a tokenizer on")
-    path = cache_path(
-        corpus, vocab_size, Path(cache_dir) if cache_dir else default_cache_dir(), max_train_bytes
-    )
+    folder = Path(cache_dir) if cache_dir else default_cache_dir()
+    path = cache_path(corpus, vocab_size, folder, max_train_bytes, family)
     if use_cache and path.is_file():
-        cached = load_cached(path, vocab_size)
+        cached = load_cached(path, vocab_size, special)
         if cached is not None:
             return cached
-    backend = train_bpe(training_sample(corpus, max_train_bytes), vocab_size)
+    backend = train_bpe(training_sample(corpus, max_train_bytes), vocab_size, special)
     tokenizer = Tokenizer(backend)
     if use_cache:
         try:
@@ -184,14 +212,14 @@ def train_tokenizer(
     return tokenizer
 
 
-def load_cached(path: Path, vocab_size: int) -> Tokenizer | None:
-    """The cached tokenizer at ``path``, or None if unreadable or not what we would train (a tiny corpus
-    may give fewer than ``vocab_size`` ids, never more)."""
+def load_cached(path: Path, vocab_size: int, special: Sequence[str] = SPECIAL_TOKENS) -> Tokenizer | None:
+    """The cached tokenizer at ``path``, or None if unreadable or not what we would train: other special
+    tokens than ``special`` at ids 0.., or more than ``vocab_size`` ids (a tiny corpus may give fewer)."""
     try:
         tokenizer = load_tokenizer(path)
     except K2LabError:
         return None
-    expected = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    expected = {token: i for i, token in enumerate(special)}
     if tokenizer.vocab_size > vocab_size or tokenizer.special_tokens != expected:
         return None
     tokenizer.from_cache = True
@@ -209,14 +237,17 @@ def training_sample(corpus: Corpus, max_train_bytes: int) -> Iterator[str]:
         yield document.text
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
-    """Train a byte-level BPE; the special tokens come first, so they take ids 0 .. len(SPECIAL_TOKENS) - 1."""
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, special: Sequence[str] = SPECIAL_TOKENS
+) -> tokenizers.Tokenizer:
+    """Train a byte-level BPE of ``vocab_size`` ids in all; the special tokens come first, so they take ids
+    0 .. len(special) - 1 (each one more special token is one merge fewer)."""
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -6,8 +6,9 @@ resolved to one set of weights and the tokenizer that goes with them.
 * A **training checkpoint** (``RUN/checkpoints/step_XXXXXXXX`` with ``manifest.json``, verified by size and
   SHA-256): the ``model`` state under its ``model_config``; the tokenizer is the run's
   ``RUN/model/tokenizer.json``, else the ``tokenizer`` file the run was trained with, else the tokenizer of the
-  checkpoint an SFT run started from, else (a run that trained its BPE) ``train_tokenizer``'s for the run's
-  corpus: from the tokenizer cache, or trained again (deterministic).
+  checkpoint an SFT run started from, else (a run that trained its BPE) ``run_tokenizer``'s for the run's
+  corpus and model family (K3's XTML tokens for a K3-family model): from the tokenizer cache, or trained
+  again (deterministic).
 * A **run directory** (``checkpoints/`` and/or ``model/``): with ``choice="latest"`` the final model
   ``model/`` when no checkpoint is newer than it (``summary.json``'s ``steps``; else file times), else the
   newest checkpoint that verifies (each newer one that does not is reported and skipped); with
@@ -31,7 +32,7 @@ from pydantic import ValidationError
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.data.corpus import load_corpus
-from k2lab.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object
 from k2lab.model_dir import MANIFEST as MODEL_MANIFEST
@@ -39,7 +40,7 @@ from k2lab.model_dir import check_state_dict, load_model, tied_head_key
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.train.config import TrainConfig
-from k2lab.train.pretraining import tokenizer_vocab_for
+from k2lab.train.pretraining import run_tokenizer
 from k2lab.train.run_checkpoints import MANIFEST as CHECKPOINT_MANIFEST
 from k2lab.train.run_checkpoints import list_checkpoints, load_training_checkpoint, verify_checkpoint
 from k2lab.vision.vlm import VisionLanguageModel, VLMConfig, build_vlm
@@ -200,7 +201,7 @@ def _tokenizer_or_none(path: Path | None) -> Tokenizer | None:
 def checkpoint_tokenizer(directory: Path, train_config: dict, log: Log = print) -> Tokenizer | None:
     """The tokenizer of a checkpoint's run: ``RUN/model/tokenizer.json``, then the run's ``tokenizer``
     setting, then an SFT run's starting checkpoint's ``tokenizer.json``, then (a pre-training run that
-    trained its BPE) the tokenizer ``train_tokenizer`` gives for the run's corpus and vocabulary: the cached
+    trained its BPE) the tokenizer ``run_tokenizer`` gives for the run's corpus, vocabulary and model family: the cached
     one, or trained again (deterministic); None when none of these applies."""
     found = _file_or_none(directory.parent.parent / FINAL_MODEL / TOKENIZER)
     named = train_config.get("tokenizer")
@@ -216,7 +217,7 @@ def checkpoint_tokenizer(directory: Path, train_config: dict, log: Log = print) 
     except ValidationError:
         return None  # a run of an older config: the user names the tokenizer
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-    tokenizer = train_tokenizer(corpus, config.vocab_size or tokenizer_vocab_for(config.preset, log=log))
+    tokenizer = run_tokenizer(config, corpus, log)  # what the run trained: its family's special tokens
     how = "from the cache" if tokenizer.from_cache else "trained again"
     log(f"the run's BPE tokenizer for corpus {corpus.name} ({how})")
     return tokenizer

@@ -64,7 +64,7 @@ from typing import Any
 
 import tokenizers
 
-from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from k2lab.data.tokenizer import SPECIAL_TOKENS, XTML_TOKENS, Tokenizer
 from k2lab.errors import K2LabError
 from k2lab.runtime.chat import (
     ChatEncoding,
@@ -89,8 +89,8 @@ __all__ = [
     "xtml_type",
 ]
 
-OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-K3_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)
+K3_TOKENS = XTML_TOKENS  # <|open|>, <|close|>, <|sep|>, <|end_of_msg|> (k2lab.data.tokenizer)
+OPEN, CLOSE, SEP, END_OF_MSG = K3_TOKENS
 RESERVED = (*SPECIAL_TOKENS, *K3_TOKENS)
 THINKING_EFFORTS = ("low", "high", "max")
 TOOL_CHOICE_NOTES = {

@@ -1,6 +1,11 @@
 """Pre-training text as ``TrainingData``: the corpus packed per context-curriculum stage, its tokenizer
 (trained or loaded), a fresh model of the preset and the unigram baseline the validation loss is judged by.
 
+A run that trains its BPE trains it for the model's family (``run_tokenizer``): a K3-family model's
+(``k2lab.runtime.chat_format.is_k3_family`` of the preset's language model with the recipe's overrides)
+carries K3's XTML chat tokens, so the checkpoint speaks K3's chat format; every other model's is K2's.
+``k2lab export`` re-derives the same tokenizer through ``run_tokenizer``.
+
 Stage ``i`` of ``TrainConfig.stages()`` has its own ``PackedBatches`` (seeded ``seed + i``), its own
 validation batches and its YaRN scaling on the model; the data state is ``{"stage": i, "batches": ...}``.
 ``k2lab.vision.pretraining`` mixes visual rows into these batches.
@@ -14,28 +19,45 @@ import torch
 
 from k2lab.data.corpus import Corpus, load_corpus
 from k2lab.data.packing import PackedBatches, unigram_baseline, validation_batches
-from k2lab.data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, load_tokenizer, train_tokenizer
+from k2lab.data.tokenizer import Tokenizer, load_tokenizer, min_vocab_size, train_tokenizer
 from k2lab.models import CausalLM, build_model
 from k2lab.presets import language_model_config, load_preset
+from k2lab.runtime.chat_format import is_k3_family
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import rope_scaling_for, stage_index
 from k2lab.train.data import Log, StagedData, language_model
 
-__all__ = ["PretrainingData", "tokenizer_vocab_for"]
+__all__ = ["PretrainingData", "run_tokenizer", "tokenizer_family_for", "tokenizer_vocab_for"]
 
 
-def tokenizer_vocab_for(preset: str, log: Log = print) -> int:
+def tokenizer_family_for(preset: str, overrides: dict[str, Any] | None = None) -> str:
+    """``"k3"`` when the language model of ``preset`` (with the recipe's model ``overrides``) is K3-family,
+    else ``"k2"``: the special tokens of the BPE a run of it trains (``k2lab.data.tokenizer``)."""
+    return "k3" if is_k3_family(language_model_config(preset, **(overrides or {}))) else "k2"
+
+
+def tokenizer_vocab_for(preset: str, log: Log = print, family: str | None = None) -> int:
     """The BPE vocabulary a run of ``preset`` trains when the recipe names none: the preset's own, or the
-    byte-level minimum (256 bytes + special tokens) where the preset's is smaller (the nano presets' 128)."""
+    byte-level minimum (256 bytes + the ``family``'s special tokens; default: the preset's family) where the
+    preset's is smaller (the nano presets' 128)."""
     own = language_model_config(preset).vocab_size
-    if own < MIN_VOCAB_SIZE:
+    least = min_vocab_size(family or tokenizer_family_for(preset))
+    if own < least:
         log(
             f"{preset}'s vocabulary ({own}) is below the byte-level BPE's minimum; training a "
-            f"{MIN_VOCAB_SIZE}-token tokenizer (the model's vocabulary follows it)"
+            f"{least}-token tokenizer (the model's vocabulary follows it)"
         )
-        return MIN_VOCAB_SIZE
+        return least
     return own
+
+
+def run_tokenizer(config: TrainConfig, corpus: Corpus, log: Log = print) -> Tokenizer:
+    """The BPE a run that names no tokenizer trains (cached): ``config.vocab_size`` ids in all (default
+    ``tokenizer_vocab_for``), with the model family's special tokens (``tokenizer_family_for``)."""
+    family = tokenizer_family_for(config.preset, config.model_overrides)
+    vocab = config.vocab_size or tokenizer_vocab_for(config.preset, log, family)
+    return train_tokenizer(corpus, vocab, family=family)
 
 
 class PretrainingData(StagedData):
@@ -55,10 +77,9 @@ class PretrainingData(StagedData):
         """Corpus, tokenizer (trained or loaded), a fresh model and stage 0's batches; the config gets the
         tokenizer's special ids among its model overrides."""
         corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
-        vocab = config.vocab_size or tokenizer_vocab_for(config.preset, log)
         with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
             tokenizer = (
-                load_tokenizer(config.tokenizer) if config.tokenizer else train_tokenizer(corpus, vocab)
+                load_tokenizer(config.tokenizer) if config.tokenizer else run_tokenizer(config, corpus, log)
             )
         overrides = {
             "pad_token_id": tokenizer.pad_id,
