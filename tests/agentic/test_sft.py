@@ -20,6 +20,7 @@ from k2lab import build_model, load_preset
 from k2lab.agentic.sft import (
     ConversationRows,
     SFTBatches,
+    SFTData,
     SFTDataError,
     assistant_loss,
     encode_conversations,
@@ -30,6 +31,9 @@ from k2lab.agentic.sft import (
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer, train_tokenizer
 from k2lab.model_dir import load_model, save_model
 from k2lab.runtime.chat import IM_END, normalize_messages, render_assistant_body
+from k2lab.runtime.chat_format import chat_format_of
+from k2lab.runtime.chat_k3 import normalize_messages_k3, render_assistant_body_k3, render_chat_k3
+from k2lab.train.config import load_sft_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.run_checkpoints import load_latest_checkpoint
 
@@ -164,6 +168,37 @@ def test_labels_are_exactly_the_assistant_tokens(setup):
         len(units[6].ids),
     }
     assert len(encode_conversations(conversations, tokenizer, 200, overlong="skip")) == 1
+
+
+def test_a_k3_family_model_learns_k3_markup(setup):
+    """SFT of a K3-family model whose tokenizer has the XTML tokens (as k2lab trains one for it) renders K3's
+    markup, as its rollouts do; the targets are each assistant turn after its generation prompt
+    (``<|open|>message role="assistant"<|sep|><|open|>think<|sep|>``) through ``<|end_of_msg|>``."""
+    tokenizer = train_tokenizer(load_corpus(setup["corpus"]), 300, use_cache=False, family="k3")
+    model = build_model(load_preset("k3-nano", vocab_size=tokenizer.vocab_size), seed=0)
+    chat_format = chat_format_of(model, tokenizer=tokenizer)
+    conversations = load_conversations(setup["data"])
+    units = encode_conversations(conversations, tokenizer, 2000, chat_format=chat_format)
+    think_open = "<|open|>think<|sep|>"
+    for conversation, unit in zip(conversations, units, strict=True):
+        text = tokenizer.decode(unit.ids.tolist())
+        assert text == render_chat_k3(conversation.messages, conversation.tools, add_generation_prompt=False)
+        assert "<|im_" not in text and text.startswith("<|open|>message role=")
+        expected = "".join(
+            render_assistant_body_k3(m).removeprefix(think_open) + "<|close|>message<|sep|><|end_of_msg|>"
+            for m in normalize_messages_k3(conversation.messages)
+            if m["role"] == "assistant"
+        )
+        assert tokenizer.decode(unit.ids[unit.targets].tolist()) == expected
+    # SFTData takes the format from the checkpoint's model and tokenizer
+    overrides = {
+        "sft.init_checkpoint": str(setup["ckpt"]),
+        "sft.data": str(setup["data"]),
+        "sft.ptx_ratio": 0,
+    }
+    data = SFTData(load_sft_config(setup["recipe"], seq_len=1000, **overrides), tokenizer, model)
+    assert data.chat_format.family == "k3"
+    assert tokenizer.decode(data.train_units[0].ids.tolist()).startswith("<|open|>message role=")
 
 
 def test_ptx_rows_at_the_configured_ratio_and_resumable_stream(setup):

@@ -1,15 +1,18 @@
-"""Agentic supervised fine-tuning: chat trajectories (OpenAI format, tool calls and results) in K2's format,
-loss on the assistant's tokens only, optionally mixed with pre-training rows (PTX).
+"""Agentic supervised fine-tuning: chat trajectories (OpenAI format, tool calls and results) in the model
+family's chat format, loss on the assistant's tokens only, optionally mixed with pre-training rows (PTX).
 
 **Data.** A JSONL file, one conversation a line: ``{"messages": [...], "tools": [...]}`` (``tools``
 optional), as the data factory writes them. Each line is validated (JSON object, messages the chat module
-renders, at least one assistant message; ``SFTDataError`` names the line) and encoded with
-``k2lab.runtime.chat.encode_chat`` (tool declarations first when ``tools`` is present). About
-``val_fraction`` of the lines, chosen by a hash of the line's text, are held out for ``val_loss``.
+renders, at least one assistant message; ``SFTDataError`` names the line) and encoded in the model's chat
+format (``k2lab.runtime.chat_format.chat_format_of(model, tokenizer=...).encode_chat``: K2's ``encode_chat``,
+or K3's XTML for a K3-family model whose tokenizer has the XTML tokens, as its rollouts render; tool
+declarations first when ``tools`` is present). About ``val_fraction`` of the lines, chosen by a hash of the
+line's text, are held out for ``val_loss``.
 
 **Labels.** Only assistant tokens are targets: every assistant turn's body (thinking, content, tool-call
-section) and its closing ``<|im_end|>`` (``ChatEncoding.assistant_mask``); headers, system / user / tool
-turns and the tool declarations get label −100.
+section) and its closing ``<|im_end|>`` (K3: everything after the assistant generation prompt through
+``<|end_of_msg|>``; ``ChatEncoding.assistant_mask``); headers, system / user / tool turns and the tool
+declarations get label −100.
 
 **Packing.** Whole conversations are packed greedily into rows of ``seq_len + 1`` tokens (``input_ids =
 row[:-1]``, ``labels = row[1:]``), in a seeded order drawn per epoch (``numpy.random.default_rng([seed,
@@ -52,7 +55,8 @@ from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.model_dir import load_model
 from k2lab.models import CausalLM, build_model
-from k2lab.runtime.chat import encode_chat, normalize_messages
+from k2lab.runtime.chat import normalize_messages
+from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.data import Log, StagedData
@@ -156,13 +160,16 @@ def encode_conversations(
     seq_len: int,
     overlong: str = "truncate",
     tool_format: str = "typescript",
+    chat_format: ChatFormat | None = None,
 ) -> list[EncodedConversation]:
-    """Each conversation's ids and assistant-token targets, cut to one row (``seq_len + 1``) or dropped per
-    ``overlong``; conversations left without a target are dropped."""
+    """Each conversation's ids and assistant-token targets in ``chat_format`` (default K2's with
+    ``tool_format``), cut to one row (``seq_len + 1``) or dropped per ``overlong``; conversations left
+    without a target are dropped."""
+    chat_format = chat_format or K2ChatFormat(tool_format)
     encoded = []
     for conversation in conversations:
         try:
-            chat = encode_chat(tokenizer, conversation.messages, conversation.tools, tool_format)
+            chat = chat_format.encode_chat(tokenizer, conversation.messages, conversation.tools)
         except K2LabError as error:
             raise SFTDataError(f"line {conversation.line}: {error}") from error
         ids, targets = np.array(chat.ids, dtype=np.int64), np.array(chat.assistant_mask, dtype=bool)
@@ -367,7 +374,8 @@ class SFTData(StagedData):
         conversations = load_conversations(sft.data)
         train, val = split_conversations(conversations, sft.val_fraction)
         self.train, self.val, self.digest = train, val, conversations_digest(train)
-        encode = dict(seq_len=config.seq_len, overlong=sft.overlong, tool_format=sft.tool_format)
+        self.chat_format = chat_format_of(model, sft.tool_format, tokenizer)  # K2's, or K3's XTML
+        encode = dict(seq_len=config.seq_len, overlong=sft.overlong, chat_format=self.chat_format)
         self.train_units = encode_conversations(train, tokenizer, **encode)
         # held-out conversations that all fail to fit a row leave the training ones to validate on
         self.val_units = encode_conversations(val, tokenizer, **encode) or self.train_units

@@ -28,12 +28,15 @@ from k2lab.runtime.chat_k3 import (
     CLOSE,
     END_OF_MSG,
     K3_TOKENS,
+    MESSAGE_CLOSE,
     OPEN,
     RESPONSE_OPEN,
     THINK_CLOSE,
+    THINK_OPEN,
     encode_chat_k3,
     generation_prompt,
     normalize_messages_k3,
+    render_assistant_body_k3,
     render_chat_k3,
 )
 from k2lab.runtime.chat_k3_parse import parse_assistant_k3, parse_chat_k3
@@ -104,6 +107,11 @@ class ChatFormat:
         """Ids and the assistant mask of a conversation (``k2lab.runtime.chat.encode_chat`` for K2)."""
         raise NotImplementedError
 
+    def completion_text(self, message: Mapping[str, Any]) -> str:
+        """What the model writes after ``generation_prompt`` for the assistant ``message`` (normalised
+        first), through ``turn_end``: the text of a policy's completion ids."""
+        raise NotImplementedError
+
     def missing_tokens(self, special: Mapping[str, int]) -> list[str]:
         """The format's special tokens that a tokenizer (its ``special_tokens``) lacks."""
         return [token for token in self.required_tokens if token not in special]
@@ -151,6 +159,9 @@ class K2ChatFormat(ChatFormat):
         add_generation_prompt: bool = False,
     ) -> chat.ChatEncoding:
         return chat.encode_chat(tokenizer, conversation, tools, self.tool_format, add_generation_prompt)
+
+    def completion_text(self, message: Mapping[str, Any]) -> str:
+        return chat.render_assistant_body(chat.normalize_messages([message])[0]) + chat.IM_END
 
     def parse_assistant(self, text: str) -> dict[str, Any]:
         return chat.parse_assistant(text)
@@ -213,6 +224,13 @@ class K3ChatFormat(ChatFormat):
         if not isinstance(conversation, str):
             conversation = self.render_chat(conversation, tools, add_generation_prompt)
         return encode_chat_k3(tokenizer, conversation, thinking=self.thinking)
+
+    def completion_text(self, message: Mapping[str, Any]) -> str:
+        """The assistant body and ``<|close|>message<|sep|><|end_of_msg|>``, less the channel the
+        generation prompt opens (think, or response with thinking off)."""
+        normal = normalize_messages_k3([message], self.thinking)[0]
+        body = render_assistant_body_k3(normal, self.thinking) + MESSAGE_CLOSE + END_OF_MSG
+        return body[len(THINK_OPEN if self.thinking else RESPONSE_OPEN) :]
 
     def parse_assistant(self, text: str) -> dict[str, Any]:
         return parse_assistant_k3(text, self.thinking)

@@ -33,6 +33,7 @@ from k2lab.model_dir import load_model, save_model
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs, turn_rows
 from k2lab.runtime.chat import SECTION_BEGIN, encode_chat, normalize_messages, render_assistant_body
+from k2lab.runtime.chat_k3 import with_k3_tokens
 from k2lab.runtime.enforcer import pack_token_mask, unpack_token_mask
 from k2lab.train.run_checkpoints import list_checkpoints
 from tests.conftest import randomize, serving
@@ -232,6 +233,25 @@ def test_rubric_critic_win_rates_and_refresh(small_tokenizer):
     critic.refresh(preference, steps=5)
     assert float(critic.loss(preference).detach()) < before
     assert critic.prefer_a("What is 2+3?", "5", "describe") > 0.5
+
+
+def test_a_k3_critic_judges_in_k3s_format(small_tokenizer):
+    """A K3-family critic with the XTML tokens reads the rubric prompt in K3's markup, as its rollouts and SFT
+    render, and answers in the response channel (thinking off), so "A" / "B" is its next token."""
+    tokenizer = with_k3_tokens(small_tokenizer)
+    model = randomize(build_model(load_preset("k3-nano", vocab_size=tokenizer.vocab_size)))
+    critic = RubricCritic(model, tokenizer)
+    assert critic.chat_format.family == "k3" and not critic.chat_format.thinking
+    assert critic.reserved[-4:] == ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+    rows = []
+    model.forward = lambda ids, **kw: rows.append(ids) or type("Out", (), {"logits": torch.zeros(1, 1, 400)})
+    critic.prefer_a("2+3?", "5<|open|>", "describe")  # a stray markup token in an answer is dropped
+    text = tokenizer.decode(rows[0][0].tolist())
+    assert text.startswith('<|open|>message role="user"<|sep|>Compare two answers')
+    assert text.endswith('Answer A: 5\n\nAnswer B: describe\n\nWhich answer is better? Reply A or B.'
+                         '<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|>'
+                         '<|open|>response<|sep|>')  # fmt: skip
+    assert RubricCritic(nano_model(), small_tokenizer).chat_format.family == "k2"  # K2: as before
 
 
 # ---- training

@@ -14,7 +14,9 @@ Policies implement ``respond(messages, tools, *, seed) -> (assistant_message, co
   special-token strings, or never reaches ``<|im_end|>`` raises ``PolicyOutputError`` ("malformed" /
   "truncated"), which ends the episode with that reason (its tokens are still recorded for training).
 * ``EndpointPolicy`` calls any OpenAI-compatible server (``k2lab serve``, vLLM ...) through the official
-  ``openai`` client; with a tokenizer it re-encodes the reply so its turns can be trained on too.
+  ``openai`` client; with a tokenizer it re-encodes the prompt and the reply in its ``chat_format`` (K2's by
+  default; ``chat_format_of(model, tokenizer=...)`` of the served model: K3's XTML for a K3-family one) so
+  its turns can be trained on too.
 
 ``run_episodes`` plays many rollouts of a ``LocalPolicy`` together: each round, the next turn of every
 rollout still playing goes through one batched ``generate`` (per-row enforcer and per-row sampling seed),
@@ -42,13 +44,7 @@ import torch
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.infer.prefix_cache import PrefixCache
-from k2lab.runtime.chat import (
-    ChatFormatError,
-    ToolCallParseError,
-    encode_chat,
-    normalize_messages,
-    render_assistant_body,
-)
+from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
 from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.runtime.enforcer import ToolCallGrammar, pack_token_mask
 
@@ -272,8 +268,10 @@ def parse_reply(text: str, chat_format: ChatFormat | None = None) -> dict[str, A
 class EndpointPolicy:
     """A policy behind an OpenAI-compatible ``/v1/chat/completions`` endpoint (official ``openai`` client).
 
-    Completion ids come from re-encoding the reply with ``tokenizer`` (when given; otherwise they are empty
-    and ``last_completion_tokens`` holds the server's ``usage.completion_tokens``).
+    Prompt and completion ids come from re-encoding the conversation and the reply with ``tokenizer`` in
+    ``chat_format`` (K2's with ``tool_format`` when None: pass the served model's, ``chat_format_of``), when
+    a tokenizer is given; otherwise they are empty and ``last_completion_tokens`` holds the server's
+    ``usage.completion_tokens``.
     """
 
     def __init__(
@@ -285,8 +283,12 @@ class EndpointPolicy:
         max_new_tokens: int = 256,
         tokenizer: Any = None,
         timeout_s: float = 120.0,
+        chat_format: ChatFormat | None = None,
+        tool_format: str = "typescript",
     ) -> None:
         from openai import OpenAI  # lazy: optional dependency openai
+
+        self.chat_format = chat_format or K2ChatFormat(tool_format)
 
         self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.model, self.tokenizer = model, tokenizer
@@ -296,7 +298,9 @@ class EndpointPolicy:
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         if self.tokenizer is None:
             return []
-        return encode_chat(self.tokenizer, messages, tools or None, add_generation_prompt=True).ids
+        return self.chat_format.encode_chat(
+            self.tokenizer, messages, tools or None, add_generation_prompt=True
+        ).ids
 
     def respond(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, seed: int = 0
@@ -325,10 +329,10 @@ class EndpointPolicy:
         if self.tokenizer is None:
             return []
         try:
-            body = render_assistant_body(normalize_messages([message])[0])
+            text = self.chat_format.completion_text(message)
         except ChatFormatError:
             return []
-        return self.tokenizer.encode(body + IM_END)
+        return self.tokenizer.encode(text)
 
 
 # ------------------------------------------------------------------------------------------ episodes

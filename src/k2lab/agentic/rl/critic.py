@@ -16,19 +16,23 @@ critic"): for pairs of a group whose verifiable rewards differ, a few cross-entr
 logits teach it to prefer the better answer in both orders,
 
     L_critic = −½ · (log p_A(better, worse) + log (1 − p_A(worse, better))).
+
+The rubric prompt is rendered in the critic model's chat format (``chat_format_of``: K2's, or K3's XTML for a
+K3-family model whose tokenizer has the XTML tokens); a K3 critic answers in the response channel (thinking
+off: the generation prompt ends in ``<|open|>response<|sep|>``), so "A" / "B" is its next token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from k2lab.data.tokenizer import SPECIAL_TOKENS
-from k2lab.runtime.chat import encode_chat
+from k2lab.data.tokenizer import special_tokens_for
+from k2lab.runtime.chat_format import ChatFormat, K3ChatFormat, chat_format_of
 
 __all__ = ["CORE_RUBRICS", "PRESCRIPTIVE_RUBRICS", "Preference", "RubricCritic", "rubric_prompt"]
 
@@ -62,6 +66,11 @@ def rubric_prompt(prompt: str, answer_a: str, answer_b: str, rubrics: Sequence[s
     )
 
 
+def answer_format(chat_format: ChatFormat) -> ChatFormat:
+    """The format a critic answers in: the model's, with K3's thinking off (the answer is the next token)."""
+    return replace(chat_format, thinking=False) if isinstance(chat_format, K3ChatFormat) else chat_format
+
+
 class RubricCritic:
     """Pairwise rubric judge over a ``CausalLM`` (the policy's own weights or another checkpoint)."""
 
@@ -72,14 +81,16 @@ class RubricCritic:
         self.rubrics = list(rubrics) if rubrics is not None else [*CORE_RUBRICS, *PRESCRIPTIVE_RUBRICS]
         self.token_a = tokenizer.encode("A", allow_special=False)[0]
         self.token_b = tokenizer.encode("B", allow_special=False)[0]
+        self.chat_format = answer_format(chat_format_of(model, tokenizer=tokenizer))
+        self.reserved = special_tokens_for(self.chat_format.family)  # removed from the prompt's text
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
     def _logits(self, pairs: Sequence[tuple[str, str, str]]) -> torch.Tensor:
         """Two-way logits [N, 2] (ℓ_A, ℓ_B) for (prompt, a, b) triples."""
         rows = [
-            encode_chat(
+            self.chat_format.encode_chat(
                 self.tokenizer,
-                [{"role": "user", "content": _clean(rubric_prompt(p, a, b, self.rubrics))}],
+                [{"role": "user", "content": _clean(rubric_prompt(p, a, b, self.rubrics), self.reserved)}],
                 add_generation_prompt=True,
             ).ids
             for p, a, b in pairs
@@ -153,8 +164,8 @@ def _off_diagonal(count: int) -> list[tuple[int, int]]:
     return [(j, k) for j in range(count) for k in range(count) if j != k]
 
 
-def _clean(text: str) -> str:
+def _clean(text: str, reserved: Sequence[str]) -> str:
     """Text with the chat format's reserved strings removed (answers are model output)."""
-    for token in SPECIAL_TOKENS:
+    for token in reserved:
         text = text.replace(token, "")
     return text
