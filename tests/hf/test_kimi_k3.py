@@ -245,6 +245,25 @@ def test_the_read_variants(tmp_path: Path):
     assert from_hf(root, mtp=False).config.num_nextn_predict_layers == 0
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_short_names_without_model_load(tmp_path: Path, tied: bool):
+    """Every ``language_model.model.`` as ``language_model.`` (facts.md's ``language_model.embed_tokens``):
+    embedding, final norm, ``output_attn_res_{norm,proj}`` and layers; the head stays ``language_model.lm_head``
+    (a tied head's stored copy is skipped)."""
+    ours = _model(num_nextn_predict_layers=1, tie_word_embeddings=tied)
+    root = to_hf(ours, tmp_path / "ckpt")
+
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        for key in list(tensors):
+            tensors[key.replace(P, "language_model.")] = tensors.pop(key)
+        if tied:
+            tensors["language_model.lm_head.weight"] = tensors["language_model.embed_tokens.weight"].clone()
+
+    _rewrite(root, change)
+    assert "language_model.embed_tokens.weight" in load_file(root / SINGLE_FILE)
+    _assert_same(ours, from_hf(root))
+
+
 def test_a_flat_kimi_linear_config_with_k3_fields_reads_unprefixed(tmp_path: Path):
     """The text config alone (model_type kimi_linear, K3 fields) with the names without ``language_model.``,
     as mlx-lm's kimi_k3 also loads a config without text_config."""

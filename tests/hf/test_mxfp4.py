@@ -320,3 +320,24 @@ def test_mxfp4_kimi_k3_export_loads_in_mlx_lm_with_our_logits(tmp_path: Path):
         f"\nMXFP4 kimi_k3: |our from_hf - mlx-lm| max {diff:.3g}; vs unquantised {logit_error(exact, torch.from_numpy(ours))}"
     )
     assert diff <= TOLERANCE and abs(ours).max() > 1.0
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("language_model.model.layers.", "language_model.layers."),
+        ("language_model.model.", "language_model."),
+    ],
+)
+def test_mxfp4_kimi_k3_with_the_short_names_loads(tmp_path: Path, old: str, new: str):
+    """The short ``language_model.layers.{i}`` names (and ``language_model.embed_tokens`` ...) with MXFP4
+    experts on disk only as ``weight_packed`` / ``weight_scale``: the layout is chosen by the packed names."""
+    model = randomize(build_model(load_preset("k3-nano")), std=0.1)
+    out = to_hf(model, tmp_path / "k3", quantize="mxfp4")
+    tensors = load_file(out / SINGLE_FILE)
+    renamed = {key.replace(old, new): value for key, value in tensors.items()}
+    assert any(key.startswith("language_model.layers.") and "weight_packed" in key for key in renamed)
+    save_file(renamed, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    loaded = from_hf(out).eval()
+    for key, value in _fake_quantized(model).state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key

@@ -48,7 +48,7 @@ from k2lab.hf.fp8 import DEFAULT_FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8
 from k2lab.hf.layout import HFTensor, WeightGroup, gather, row_dim, slot_view
 from k2lab.hf.mtp import is_skipped, mtp_layer_index, present_mtp_layers
 from k2lab.hf.mxfp4 import declared_mxfp4
-from k2lab.hf.mxfp4_load import PackedPair, match_packed
+from k2lab.hf.mxfp4_load import PackedPair, match_packed, with_packed_weights
 from k2lab.hf.quantize import Quantize, quantize_checkpoint
 from k2lab.hf.vlm_formats import read_vlm_format, write_vlm_format
 from k2lab.models import CausalLM, build_model
@@ -204,9 +204,10 @@ class _LoadPlan:
         with ``mxfp4`` a weight may be on disk as an MXFP4 pair (``k2lab.hf.mxfp4_load``).
         """
         expected: dict[str, HFTensor] = {}
+        present = with_packed_weights(headers) if mxfp4 else headers
         # Per group of our tensors, the layout found on disk (e.g. per-expert or transformers-5 fused experts).
         for group in groups:
-            for tensor in group.choose(headers):
+            for tensor in group.choose(present):
                 expected[tensor.name] = tensor
 
         packed = match_packed(

@@ -32,7 +32,10 @@ Weights: the Kimi Linear names under ``language_model.`` (``TEXT_PREFIX``):
         shared_head.norm, shared_head.head, embed_tokens} + an MLA + MoE block named as a main layer, without
         attention residuals (``k2lab.hf.mtp``; vLLM's K3 MTP loader; AttnRes weights there are skipped).
 
-Also read: ``language_model.layers.{i}.…`` for the layers (vLLM's kimi_k3 weight mapper accepts it), mlx-lm's
+Also read: every ``language_model.model.X`` as ``language_model.X`` (``language_model.layers.{i}.…``, which vLLM's
+kimi_k3 weight mapper accepts, and ``language_model.{embed_tokens, norm, output_attn_res_{norm,proj}}.weight``,
+as facts.md describes the release; the head is ``language_model.lm_head`` in both; we write the long form,
+which mlx-lm needs), mlx-lm's
 ``{stem}.proj_weight`` / ``{stem}.norm_weight`` for the AttnRes tensors, and A_log as [1, 1, H, 1].
 """
 
@@ -52,14 +55,14 @@ from k2lab.hf.mtp import shared_copies as decoder_shared_copies
 MODEL_TYPE = "kimi_k3"
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
 TEXT_PREFIX = "language_model."
-SHORT_LAYERS = "short-layers"  # label suffix of the ``language_model.layers.{i}`` alternative
+SHORT = "short"  # label suffix of the alternative without ``model.`` (``language_model.layers.{i}`` ...)
 # Where vLLM's KimiLinearConfig and mlx-lm's TextArgs default differently from transformers' KimiLinearConfig.
 K3_TEXT_DEFAULTS: dict[str, Any] = {
     "first_k_dense_replace": 0,
     "n_shared_experts": 0,
     "routed_scaling_factor": 1.0,
 }
-_LAYERS = "model.layers."
+_MODEL = "model."  # the decoder names that the short alternative writes without it
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -132,7 +135,9 @@ def weight_groups(
 ) -> list[WeightGroup]:
     """The decoder's state dict (its own keys, MTP modules included) as kimi_k3 checkpoint tensors.
 
-    Each Kimi Linear name gets ``prefix``; layers also have the ``{prefix}layers.{i}.`` alternative, and
+    Each Kimi Linear name gets ``prefix``; a ``model.…`` name also has the alternative without ``model.``
+    (``{prefix}layers.{i}.…``, ``{prefix}embed_tokens.weight``, ``{prefix}norm.weight``,
+    ``{prefix}output_attn_res_{norm,proj}.weight``; read, never written), and
     A_log is written [H]. ``slot_prefix`` is put in front of our keys (the decoder nested in a larger model,
     e.g. ``language_model.`` in a vision-language model)."""
     return [_k3_group(group, prefix, slot_prefix) for group in mapping.weight_groups(config, state)]
@@ -147,9 +152,10 @@ def shared_copies(
 
 def decoder_name(key: str, prefix: str = TEXT_PREFIX) -> str:
     """A checkpoint key -> the decoder's own name (``model.layers.…``, ``lm_head.weight``); others unchanged."""
-    if key.startswith(prefix + "layers."):
-        return _LAYERS + key.removeprefix(prefix + "layers.")
-    return key.removeprefix(prefix)
+    if not key.startswith(prefix):
+        return key
+    name = key.removeprefix(prefix)
+    return name if name.startswith((_MODEL, "lm_head.")) else _MODEL + name
 
 
 def _k3_group(group: WeightGroup, prefix: str, slot_prefix: str) -> WeightGroup:
@@ -158,19 +164,19 @@ def _k3_group(group: WeightGroup, prefix: str, slot_prefix: str) -> WeightGroup:
         for label, layout in group.layouts.items()
     }
     for label, layout in group.layouts.items():
-        if any(tensor.name.startswith(_LAYERS) for tensor in layout):
-            layouts[f"{label}/{SHORT_LAYERS}"] = tuple(
+        if any(tensor.name.startswith(_MODEL) for tensor in layout):
+            layouts[f"{label}/{SHORT}"] = tuple(
                 _renamed(tensor, prefix, slot_prefix, short=True) for tensor in layout
             )
     return WeightGroup(layouts)
 
 
 def _renamed(tensor: HFTensor, prefix: str, slot_prefix: str, short: bool = False) -> HFTensor:
-    """``tensor`` named ``prefix + name`` (``short``: ``{prefix}layers.{i}.…`` for a layer's), its slots under
-    ``slot_prefix``; A_log [H]."""
+    """``tensor`` named ``prefix + name`` (``short``: without ``model.``, e.g. ``{prefix}layers.{i}.…``,
+    ``{prefix}embed_tokens.weight``), its slots under ``slot_prefix``; A_log [H]."""
     name = tensor.name
-    if short and name.startswith(_LAYERS):
-        name = "layers." + name.removeprefix(_LAYERS)
+    if short:
+        name = name.removeprefix(_MODEL)
     changes: dict[str, Any] = {"name": prefix + name}
     if slot_prefix:
         changes["slots"] = tuple(replace(slot, key=slot_prefix + slot.key) for slot in tensor.slots)

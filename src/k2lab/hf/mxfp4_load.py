@@ -9,7 +9,7 @@ half-present pairs are reported with the loader's other mismatches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,7 +18,7 @@ import torch
 
 from k2lab.hf.mxfp4 import GROUP_SIZE, PACKED_SUFFIX, SCALE_SUFFIX, dequantize_mxfp4, packed_shapes
 
-__all__ = ["PackedPair", "PackedMatch", "match_packed"]
+__all__ = ["PackedPair", "PackedMatch", "match_packed", "with_packed_weights"]
 
 
 class _Header(Protocol):
@@ -59,6 +59,16 @@ class PackedMatch:
     def disk_keys(self) -> set[str]:
         """Every disk key the match accounts for (packed tensors, and the scales found for them)."""
         return set(self.weights.values()) | {pair.scale_key for pair in self.pairs.values()}
+
+
+def with_packed_weights(names: Iterable[str]) -> set[str]:
+    """``names`` (disk keys) plus ``X.weight`` for every ``X.weight_packed``: the weights an MXFP4 pair stands
+    for, so that a layout is chosen by the names it would be read under (e.g. a checkpoint whose experts are
+    on disk only packed, under ``language_model.layers.{i}``)."""
+    names = set(names)
+    return names | {
+        key.removesuffix(PACKED_SUFFIX) + "weight" for key in names if key.endswith(PACKED_SUFFIX)
+    }
 
 
 def match_packed(expected: Mapping[str, tuple[int, ...]], headers: Mapping[str, _Header]) -> PackedMatch:
