@@ -109,6 +109,31 @@ def test_unsupported_vision_options_are_named() -> None:
             kimi_k3_vision.vision_config_to_hf(tower)
 
 
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("merge_kernel_size", 2, "two integers"),
+        ("merge_kernel_size", [2, 2, 2], "two integers"),
+        ("merge_kernel_size", [2.0, 2], "two integers"),
+        ("vt_hidden_size", "1024", "an integer"),
+        ("vt_num_hidden_layers", 2.0, "an integer"),
+        ("patch_size", True, "an integer"),
+        ("mm_hidden_size", "1024", "an integer or null"),
+        ("projector_ln_eps", "1e-5", "a number"),
+        ("activation_func", 1, "a string"),
+    ],
+)
+def test_wrong_types_are_named(field: str, value: object, expected: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        kimi_k3_vision.vision_config_from_hf({field: value}, 64)
+    assert str(caught.value) == f"vision_config.{field}: {value!r} should be {expected}"
+
+
+def test_every_wrong_type_is_listed() -> None:
+    with pytest.raises(ConfigError, match="vt_hidden_size: '8' .*; vision_config.merge_kernel_size: 2 "):
+        kimi_k3_vision.vision_config_from_hf({"vt_hidden_size": "8", "merge_kernel_size": 2}, 64)
+
+
 # ----------------------------------------------------------------------------------------------- weights
 
 

@@ -54,7 +54,7 @@ row j + d/2 (``kimi_k25.rope_row_order``) — the same fusion as K2.5's original
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -143,6 +143,33 @@ _FIXED = {
         "linear_bias",
     )
 }
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _pair(value: Any) -> bool:
+    return isinstance(value, list | tuple) and len(value) == 2 and all(map(_integer, value))
+
+
+# released field -> (what its value must be, the test), for the fields we read as values
+_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **{
+        key: ("an integer", _integer)
+        for key in _RENAMED
+        if key not in ("activation_func", "pos_emb_interpolation_mode", "projector_ln_eps")
+    },
+    "projector_ln_eps": ("a number", _number),
+    "activation_func": ("a string", lambda value: isinstance(value, str)),
+    "pos_emb_interpolation_mode": ("a string", lambda value: isinstance(value, str)),
+    "merge_kernel_size": ("two integers", _pair),
+    "mm_hidden_size": ("an integer or null", lambda value: value is None or _integer(value)),
+}
 _ROPE_THETA = 10000.0  # vLLM's Rope2DPosEmbRepeated(theta_base=10000), not a config field
 _POST_NORM = "mm_projector.post_norm.weight"  # patchmergerv2's; the other names are K2.5's original ones
 
@@ -158,9 +185,18 @@ def vision_config_from_hf(data: Mapping[str, Any], text_hidden_size: int) -> Vis
     """``VisionConfig`` from a released ``vision_config`` dict (absent fields: ``RELEASED_DEFAULTS``).
 
     ``text_hidden_size`` is the text model's width (vLLM overrides the vision_config's with it).
-    Raises ``ConfigError`` listing every option we do not implement, or a pydantic error for bad sizes.
+    Raises ``ConfigError`` naming every field of the wrong type (``merge_kernel_size`` must be two integers,
+    sizes integers, not strings), then listing every option we do not implement; a pydantic error for bad
+    sizes.
     """
     raw = {**RELEASED_DEFAULTS, **data}
+    wrong = [
+        f"vision_config.{key}: {raw[key]!r} should be {kind}"
+        for key, (kind, test) in _TYPES.items()
+        if not test(raw[key])
+    ]
+    if wrong:
+        raise ConfigError("; ".join(wrong))
     problems = [
         f"{key}={raw[key]!r} (only {value!r} is implemented)"
         for key, value in _FIXED.items()
