@@ -273,3 +273,15 @@ def test_a_k3_family_export_ends_turns_at_end_of_msg(tmp_path: Path, tokenizer: 
     assert generation["eos_token_id"] == [k3_tokenizer.eos_id, end_of_msg]
     assert "<|open|>message" in (out / "chat_template.jinja").read_text()
     assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k3"
+
+
+def test_a_k3_model_without_the_xtml_tokens_warns_once(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """The chat format is chosen once per export: one warning, and K2's template and turn end follow it."""
+    directory = save_model(nano_for(tokenizer, "k3-nano"), tmp_path / "k3")
+    tokenizer.save(directory / "tokenizer.json")
+    with pytest.warns(UserWarning, match="lacks <|open|>") as caught:
+        out = export(ExportConfig(out=tmp_path / "k3-hf"), directory, log=quiet)
+    assert len([w for w in caught if "K3-family" in str(w.message)]) == 1
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.eos_id, tokenizer.special_tokens["<|im_end|>"]]
+    assert "<|open|>" not in (out / "chat_template.jinja").read_text()

@@ -173,7 +173,9 @@ def export(
     ],
 ) -> None:
     """Write a complete Hugging Face model repository: config, safetensors (sharded), tokenizer files with the
-    special tokens, the chat template and generation_config.json; it loads in transformers and vLLM.
+    special tokens, the chat template and generation_config.json. A DeepseekV3 / Kimi-K2 / Kimi Linear (or
+    K2.5 vision-language) export loads in transformers and vLLM; a kimi_k3 one (a model with K3's features)
+    in vLLM and mlx-lm, not transformers.
     --quantize mxfp4 stores the routed experts as compressed-tensors MXFP4 (Kimi K3's format), --quantize fp8
     a DeepseekV3 / Kimi-K2 model as block FP8 (the DeepSeek-V3 / Kimi-K2 release format)."""
     out = hf_export.export(

@@ -26,7 +26,7 @@ K3-family models (``k2lab.runtime.chat_format.chat_format_for``: with the XTML t
 twin of ``k2lab.runtime.chat_k3.render_chat_k3`` (K3's XTML format; byte-identical on the conversations it
 accepts whose tool-call arguments are objects and whose results name their call by its client id, or by its
 K2 id when it has none; template variables ``thinking``, ``thinking_effort``, ``tool_choice``).
-``chat_template_for(config)`` picks by the model's family.
+``chat_template_for(config)`` picks by the model's family (or takes the chat format chosen already).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from importlib import resources
 
 from k2lab.config import ModelConfig
-from k2lab.runtime.chat_format import chat_format_for
+from k2lab.runtime.chat_format import ChatFormat, chat_format_for
 
 __all__ = ["TEMPLATE_FILE", "TEMPLATE_FILE_K3", "chat_template", "chat_template_for", "chat_template_k3"]
 
@@ -57,7 +57,9 @@ def chat_template_k3() -> str:
     return _packaged(TEMPLATE_FILE_K3)
 
 
-def chat_template_for(config: ModelConfig, special: Mapping[str, int] | None = None) -> str:
-    """The template of the chat format a model of ``config`` (with a tokenizer of these ``special``
-    tokens) speaks (``k2lab.runtime.chat_format.chat_format_for``)."""
-    return chat_template_k3() if chat_format_for(config, special=special).family == "k3" else chat_template()
+def chat_template_for(config: ModelConfig | ChatFormat, special: Mapping[str, int] | None = None) -> str:
+    """The template of a chat format: ``config``'s own, or the one a model of ``config`` (with a tokenizer of
+    these ``special`` tokens) speaks (``k2lab.runtime.chat_format.chat_format_for``, which warns when a
+    K3-family model's tokenizer lacks the XTML tokens; pass the format when it is chosen already)."""
+    chat_format = config if isinstance(config, ChatFormat) else chat_format_for(config, special=special)
+    return chat_template_k3() if chat_format.family == "k3" else chat_template()

@@ -15,8 +15,16 @@ directory or the new one) holds:
   K3's) and the sampling
   defaults of ``k2lab generate`` (``GenerationConfig``: temperature 0 = ``do_sample`` false).
 
-The result loads with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (no
-remote code) and with ``k2lab.hf.from_hf``. ``format="gguf"`` writes one llama.cpp file at ``out`` instead
+Every layout loads with ``k2lab.hf.from_hf``; the engines that load it depend on the layout ``to_hf`` picks
+(``k2lab.hf.formats`` / ``k2lab.hf.vlm_formats``):
+
+* deepseek_v3 / kimi_k2 / kimi_linear (and the kimi_k25 vision-language model): transformers
+  (``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``, no remote code) and vLLM;
+* kimi_k3 (a model with K3-only features; with a ``vision_config`` for a MoonViT-V2 tower): vLLM and mlx-lm
+  (``mlx_lm.load``, the text model); transformers has no kimi_k3 model, so ``from_pretrained`` refuses it.
+
+The chat format (``k2lab.runtime.chat_format.chat_format_for``) is chosen once per export and gives both the
+template and the end-of-turn id. ``format="gguf"`` writes one llama.cpp file at ``out`` instead
 (``k2lab.hf.gguf_export``). ``quantize`` writes quantised weights (``k2lab.hf.quantize``): ``mxfp4`` routed
 experts as compressed-tensors MXFP4 (the Kimi K3 release format), ``fp8`` block FP8 for a DeepseekV3 /
 Kimi-K2 model (the DeepSeek-V3 / Kimi-K2 release format); a model that cannot take the format is refused
@@ -80,7 +88,8 @@ class ExportConfig(BaseModel):
     out: Path = Field(description="Directory to write the model repository to (replaced atomically).")
     format: Literal["hf", "gguf"] = Field(
         default="hf",
-        description="hf = transformers / vLLM model repository; gguf = one llama.cpp file at out.",
+        description="hf = Hugging Face model repository (transformers and vLLM; a kimi_k3 one: vLLM and "
+        "mlx-lm); gguf = one llama.cpp file at out.",
     )
     max_shard_size: str = Field(
         default="5GB",
@@ -164,7 +173,8 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
             "tokenizer setting); pass --tokenizer FILE"
         )
     check_tokenizer(tokenizer, model)
-    template = chat_template_for(_text_config(model), tokenizer.special_tokens)  # K3's XTML for K3 models
+    chat_format = chat_format_for(_text_config(model), special=tokenizer.special_tokens)  # chosen once
+    template = chat_template_for(chat_format)  # K3's XTML for K3 models with the XTML tokens
     if config.format == "gguf":
         return write_gguf(model, tokenizer, config.out, template, DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
@@ -172,9 +182,8 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} exists and is not a directory")
     files = tokenizer_files(tokenizer, template, _text_config(model).max_position_embeddings)
-    turn_end = chat_format_for(_text_config(model), special=tokenizer.special_tokens).turn_end
     files[GENERATION_CONFIG_FILE] = (
-        json.dumps(generation_config(tokenizer, turn_end=turn_end), indent=2) + "\n"
+        json.dumps(generation_config(tokenizer, turn_end=chat_format.turn_end), indent=2) + "\n"
     )
     with staged_directory(out) as staging:
         dtype = DTYPES.get(config.dtype)
