@@ -136,6 +136,10 @@ def test_absent_k3_fields_take_the_engines_defaults():
     }
     config = kimi_k3.config_from_hf({"model_type": "kimi_k3", "text_config": text})
     assert config.moe_latent_norm is False and config.first_k_dense_replace == 0 and config.situ_beta1 == 1.0
+    # where vLLM's KimiLinearConfig differs (mla_use_nope False, rms_norm_eps 1e-6) we follow mlx-lm's
+    lean = {key: value for key, value in text.items() if key not in ("mla_use_nope", "rms_norm_eps")}
+    config = kimi_k3.config_from_hf({"model_type": "kimi_k3", "text_config": lean})
+    assert config.rms_norm_eps == 1e-5 and not config.mla_rope
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,11 @@
 ``attn_res_block_size``, ``routed_expert_hidden_size``, ``latent_moe_use_norm``, ``hidden_act: "situ"``,
 ``activation_situ_beta`` / ``activation_situ_linear_beta``, ``topk_method``, ``num_nextn_predict_layers``,
 ``linear_attn_config.{gate_lower_bound, use_full_rank_gate}`` …: ``kimi_linear.k3_fields_from_hf``). Fields a
-text_config omits take transformers' KimiLinearConfig defaults except ``K3_TEXT_DEFAULTS`` (mlx-lm's and
-vLLM's: no dense prefix, no shared expert, routed scale 1). A vision-language checkpoint adds
-``vision_config`` (MoonViT-V2), read by ``k2lab.hf.kimi_k3_vision``; this module reads and writes the text
-model alone, and a text-only kimi_k3 has no ``vision_config``.
+text_config omits take transformers' KimiLinearConfig defaults except ``K3_TEXT_DEFAULTS`` (mlx-lm's, and here
+vLLM's too: no dense prefix, no shared expert, routed scale 1); ``mla_use_nope`` and ``rms_norm_eps``, where
+vLLM's defaults differ, follow mlx-lm (True, 1e-5; the released config sets both). A vision-language
+checkpoint adds ``vision_config`` (MoonViT-V2), read by ``k2lab.hf.kimi_k3_vision``; this module reads and
+writes the text model alone, and a text-only kimi_k3 has no ``vision_config``.
 
 Weights: the Kimi Linear names under ``language_model.`` (``TEXT_PREFIX``):
 
@@ -56,7 +57,11 @@ MODEL_TYPE = "kimi_k3"
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
 TEXT_PREFIX = "language_model."
 SHORT = "short"  # label suffix of the alternative without ``model.`` (``language_model.layers.{i}`` ...)
-# Where vLLM's KimiLinearConfig and mlx-lm's TextArgs default differently from transformers' KimiLinearConfig.
+# Where mlx-lm's kimi_k3 TextArgs defaults differently from transformers' KimiLinearConfig (vLLM's
+# KimiLinearConfig agrees on these three). Where the two engines disagree we follow mlx-lm, our independent
+# reference, whose values are also transformers': an absent ``mla_use_nope`` is True (vLLM: False, RoPE MLA,
+# which K3 does not have and we refuse) and an absent ``rms_norm_eps`` is 1e-5 (vLLM: 1e-6). The released K3
+# config sets both explicitly, so no released checkpoint depends on the choice.
 K3_TEXT_DEFAULTS: dict[str, Any] = {
     "first_k_dense_replace": 0,
     "n_shared_experts": 0,
