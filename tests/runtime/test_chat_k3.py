@@ -181,6 +181,9 @@ def test_mlx_lm_parser_reads_our_calls_the_same(messages):
          f'type="number"{S}abc{C}argument{S}{C}call{S}{C}tools{S}', "not valid JSON"),
         (f'{C}think{S}{O}response{S}{C}response{S}{O}tools{S}{O}call tool="f" index="1"{S}{O}argument key="a" '
          f'type="boolean"{S}1{C}argument{S}{C}call{S}{C}tools{S}', "declared boolean but the value is number"),
+        (f'{C}think{S}{O}response{S}{C}response{S}{O}tools{S}{O}call tool="f" index="1"{S}{O}argument key="a" '
+         f'type="number"{S}1{C}argument{S}{O}argument key="a" type="number"{S}2{C}argument{S}{C}call{S}{C}tools{S}',
+         "argument 'a': given more than once"),
         (f"{C}think{S}{O}response{S}hi{C}response{S}more", "text after"),
         (f"{C}think{S}{O}response{S}a{O}b{C}response{S}", "inside the response channel"),
     ],

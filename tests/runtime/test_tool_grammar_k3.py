@@ -168,6 +168,36 @@ def test_none_and_auto_follow_the_multi_token_trigger(setup):
     assert logits[sep] == float("-inf") and torch.isfinite(logits).sum() == V - 1
 
 
+def test_the_trigger_is_read_as_text_whatever_pieces_spell_it(setup):
+    """``tools`` spelled one byte per token (not the tokenizer's own encoding) still opens the tools channel:
+    "none" masks the <|sep|> that would complete it and "auto" starts the grammar, fed the tokens as sampled;
+    near misses (other words, a special token inside) stay free text."""
+    tokenizer, _ = setup
+    fmt, special = K3ChatFormat(), tokenizer.special_tokens
+    spelled = [special[OPEN], *(t for c in "tools" for t in tokenizer.encode(c)), special[SEP]]
+    assert (
+        spelled != tokenizer.encode(f"{OPEN}tools{SEP}") and tokenizer.decode(spelled) == f"{OPEN}tools{SEP}"
+    )
+    for tools in (TOOLS, None):
+        none = ToolCallGrammar.build(tokenizer, V, tools, "none", markup=fmt.markup).constraint()
+        for token in spelled[:-1]:
+            assert none.allowed_tokens() is None
+            none.advance(token)
+        allowed = none.allowed_tokens()
+        assert not allowed[special[SEP]] and allowed.sum() == V - 1
+    auto = ToolCallGrammar.build(tokenizer, V, TOOLS, "auto", markup=fmt.markup).constraint()
+    for token in tokenizer.encode(f"hi{CLOSE}response{SEP}") + spelled:
+        assert not auto.in_call
+        auto.advance(token)
+    allowed = auto.allowed_tokens()
+    assert auto.in_call and allowed[special[OPEN]] and allowed.sum() == 1
+    for miss in ("tool", "toolss", f"to{CLOSE}ols", "response"):
+        none = ToolCallGrammar.build(tokenizer, V, TOOLS, "none", markup=fmt.markup).constraint()
+        for token in tokenizer.encode(OPEN + miss):
+            none.advance(token)
+        assert none.allowed_tokens() is None, miss
+
+
 def test_schema_branches_in_the_grammar():
     lark = tools_channel_lark([BOUNDED, *TOOLS], parallel=False, forced=True, thinking=False)
     assert lark.startswith(f'start: {CLOSE} "response" {SEP} {OPEN} "tools" {SEP} call {CLOSE}')

@@ -1,11 +1,13 @@
 """`k2lab serve` of a K3-family model (a random k3-nano with a k2lab tokenizer plus the XTML tokens) speaks K3's
 format through the same OpenAI API: the prompt is XTML, forced calls come back as `tool_calls` parsed from the
-raw K3 markup the model generated (streaming too), content streams from the response channel only, and a
-tokenizer without the XTML tokens is refused."""
+raw K3 markup the model generated (streaming too). With a scripted engine (fixed replies): content comes from
+the response channel only, whole and streamed alike, a stop string cuts that channel (reasoning kept), and
+`tool_choice: "none"` never returns calls. A tokenizer without the XTML tokens keeps K2's format (a warning)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import jsonschema
@@ -97,15 +99,97 @@ def test_streamed_named_call(client):
     assert content == "" and not any(t in content for t in ("think", "response", "tools"))
 
 
-def test_free_text_streams_the_response_channel(client):
-    kwargs = dict(model="k3", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0)
-    whole = client.chat.completions.create(**kwargs).choices[0].message.content or ""
-    streamed = "".join(
-        c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(stream=True, **kwargs)
-        if c.choices
+class Scripted:
+    """An engine stand-in: every request gets ``tokens`` (then "stop"), whatever its constraint allows, as a
+    model spelling markup in pieces the enforcer does not expect would."""
+
+    def __init__(self, config) -> None:
+        self.config, self.tokens = config, []
+        self.model = self.prefix_cache = self.speculation = None
+        self.active = 0
+
+    def submit(self, request):
+        for token in self.tokens:
+            request.on_token(token)
+        request.on_finish("stop")
+        return request
+
+
+REPLY = f"I should greet.<|close|>think{SEP}{OPEN}response{SEP}hello STOP more<|close|>response{SEP}"
+CALL = (
+    f'{OPEN}tools{SEP}{OPEN}call tool="get_weather" index="1"{SEP}{OPEN}argument key="city" type="string"{SEP}'
+    f'Paris<|close|>argument{SEP}{OPEN}argument key="unit" type="string"{SEP}c<|close|>argument{SEP}'
+    f"<|close|>call{SEP}<|close|>tools{SEP}"
+)
+
+
+@pytest.fixture(scope="module")
+def scripted(small_tokenizer):
+    tokenizer = with_k3_tokens(small_tokenizer)
+    engine = Scripted(load_preset("k3-nano", vocab_size=320, max_position_embeddings=1024))
+    app = build_app(engine, tokenizer, "k3", api_key=KEY)
+    assert app.state.k2lab.chat_format == K3ChatFormat()
+    with serving(app) as base:
+        yield base, engine, tokenizer
+
+
+def ask(scripted, reply: str, stream: bool = False, **body) -> tuple[Any, str]:
+    """The engine replies ``reply`` (+ the turn's close); the message (or the streamed deltas, in order) and
+    the finish reason, as the server's raw JSON."""
+    base, engine, tokenizer = scripted
+    engine.tokens = tokenizer.encode(reply + f"<|close|>message{SEP}")
+    body = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
+    response = httpx.post(
+        base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
     )
-    assert streamed == whole and "<|" not in whole
+    assert response.status_code == 200, response.text
+    if not stream:
+        choice = response.json()["choices"][0]
+        return choice["message"], choice["finish_reason"]
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line)["choices"][0] for line in lines[:-1]]
+    return [c["delta"] for c in chunks], chunks[-1]["finish_reason"]
+
+
+def joined(deltas: list[dict], key: str) -> str:
+    return "".join(d.get(key) or "" for d in deltas)
+
+
+def test_free_text_streams_the_response_channel(scripted):
+    reply = REPLY.replace("hello STOP more", "hello there")
+    whole, reason = ask(scripted, reply)
+    assert whole == {"role": "assistant", "content": "hello there", "reasoning_content": "I should greet."}
+    deltas, streamed_reason = ask(scripted, reply, stream=True)
+    assert joined(deltas, "content") == whole["content"] and reason == streamed_reason == "stop"
+    assert joined(deltas, "reasoning_content") == "I should greet."
+
+
+def test_a_stop_string_cuts_the_response_channel(scripted):
+    message, reason = ask(scripted, REPLY, stop=["STOP"])
+    assert message == {"role": "assistant", "content": "hello ", "reasoning_content": "I should greet."}
+    assert reason == "stop"
+    deltas, reason = ask(scripted, REPLY, stream=True, stop=["STOP"])
+    assert joined(deltas, "content") == "hello " and reason == "stop"
+    assert joined(deltas, "reasoning_content") == "I should greet."
+    message, _ = ask(scripted, REPLY, stop=["greet"])  # a stop string in the reasoning is not content
+    assert message["content"] == "hello STOP more"
+
+
+def test_tool_choice_none_never_returns_calls(scripted):
+    reply = REPLY.replace("hello STOP more", "hi") + CALL
+    message, reason = ask(scripted, reply, tools=[WEATHER])  # "auto": the same reply is a call
+    assert reason == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "Paris",
+        "unit": "c",
+    }
+    message, reason = ask(scripted, reply, tools=[WEATHER], tool_choice="none")
+    assert message == {"role": "assistant", "content": "hi", "reasoning_content": "I should greet."}
+    assert reason == "stop"
+    deltas, reason = ask(scripted, reply, stream=True, tools=[WEATHER], tool_choice="none")
+    assert (
+        not any("tool_calls" in d for d in deltas) and joined(deltas, "content") == "hi" and reason == "stop"
+    )
 
 
 def test_tokenizer_without_xtml_tokens_keeps_k2s_format(small_tokenizer):

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from k2lab.config import ConfigError, ModelConfig
+from k2lab.family import k3_features  # kimi_linear.k3_features: the one family test
 from k2lab.hf.layout import (
     CHECKPOINT,
     GLOBAL_RENAMES,
@@ -335,25 +336,6 @@ def _first_k_dense(data: Mapping[str, Any], layers: int, default: int = _DEFAULT
             "(the first_k_dense_replace form) can be represented"
         )
     return first
-
-
-def k3_features(config: ModelConfig) -> list[str]:
-    """Our K3-only settings, which neither DeepseekV3/Kimi-K2 nor Kimi Linear checkpoints can express."""
-    problems = []
-    if config.mla_output_gate and "mla" in config.layer_types:
-        problems.append("mla_output_gate=True (gated MLA)")
-    if config.mlp_activation != "swiglu":
-        problems.append(f"mlp_activation={config.mlp_activation!r} (only SwiGLU)")
-    if config.moe_latent_size is not None:
-        problems.append(f"moe_latent_size={config.moe_latent_size} (LatentMoE)")
-    if config.attnres_block_size is not None:
-        problems.append(f"attnres_block_size={config.attnres_block_size} (Block AttnRes)")
-    if config.has_kda:
-        if config.kda_gate != "softplus":
-            problems.append(f"kda_gate={config.kda_gate!r} (only the softplus forget gate)")
-        if config.kda_output_gate != "low_rank":
-            problems.append(f"kda_output_gate={config.kda_output_gate!r} (only the low-rank output gate)")
-    return problems
 
 
 def config_to_hf(config: ModelConfig, k3: bool = False) -> dict[str, Any]:

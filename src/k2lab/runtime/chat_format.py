@@ -1,10 +1,11 @@
 """A model family's chat format, chosen by its config: K2's (``k2lab.runtime.chat``) or K3's XTML
 (``k2lab.runtime.chat_k3``).
 
-``chat_format_for(config)`` is the one place that decides: a config with any K3-only feature (Block
-AttnRes, the lower-bounded KDA gate, the gated MLA output, the stable latent MoE, SiTU-GLU MLPs — what
-``k3`` / ``k3-nano`` and a ``kimi_k3`` checkpoint have) speaks K3; K2, K2.5, Kimi Linear and DeepSeek-V3
-configs speak K2 (and so does a K3-family model whose tokenizer lacks the XTML tokens, with a warning).
+``chat_format_for(config)`` is the one place that decides: a config with any K3-only feature
+(``k2lab.family.is_k3_family``, the same test that makes a checkpoint ``kimi_k3``: Block AttnRes, a gated
+MLA output, LatentMoE, SiTU-GLU MLPs, a lower-bounded or full-rank-gated KDA — what ``k3`` / ``k3-nano``
+have) speaks K3; K2, K2.5, Kimi Linear and DeepSeek-V3 configs speak K2 (and so does a K3-family model
+whose tokenizer lacks the XTML tokens, with a warning).
 Serving, rollouts and the exported chat template ask it rather than calling ``render_chat`` directly.
 
 A ``ChatFormat`` renders (``render_chat``), normalises (``normalize_messages``) and parses
@@ -23,6 +24,7 @@ from typing import Any
 
 from k2lab.config import ModelConfig
 from k2lab.data.tokenizer import Tokenizer
+from k2lab.family import is_k3_family
 from k2lab.runtime import chat
 from k2lab.runtime.chat_k3 import (
     CLOSE,
@@ -47,17 +49,6 @@ __all__ = ["ChatFormat", "K2ChatFormat", "K3ChatFormat", "chat_format_for", "cha
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
-
-
-def is_k3_family(config: ModelConfig) -> bool:
-    """Whether ``config`` has a K3-only feature (module doc)."""
-    return (
-        config.attnres_block_size is not None
-        or config.kda_gate == "lower_bound"
-        or config.mla_output_gate
-        or config.moe_latent_size is not None
-        or config.mlp_activation == "situ_glu"
-    )
 
 
 class ChatFormat:
@@ -94,8 +85,13 @@ class ChatFormat:
         raise NotImplementedError
 
     def text_before_calls(self, text: str) -> str:
-        """What stop strings are matched in, and the content of a turn that does not parse."""
+        """What stop strings are matched in and cut from, and the content of a turn that does not parse."""
         raise NotImplementedError
+
+    def closed_reasoning(self, text: str) -> str | None:
+        """The reasoning of a turn cut short (a stop string), once its thinking closed; None when there is
+        none (blank, still open, or a format that keeps thinking in ``text_before_calls``)."""
+        return None
 
     def encode_chat(
         self,
@@ -241,6 +237,13 @@ class K3ChatFormat(ChatFormat):
     def text_before_calls(self, text: str) -> str:
         """The response channel's text (markup words such as ``response`` are not text)."""
         return self.visible_content(text)
+
+    def closed_reasoning(self, text: str) -> str | None:
+        """The think channel's text once it closed (with thinking on), unless blank."""
+        if not self.thinking or THINK_CLOSE not in text:
+            return None
+        reasoning = text.split(THINK_CLOSE, 1)[0]
+        return reasoning if reasoning.strip() else None
 
     def visible_content(self, text: str) -> str:
         """The response channel's text so far (after the think channel closes; up to its close)."""

@@ -170,6 +170,8 @@ def _parse_arguments(inner: str, where: str, problems: list[str]) -> dict[str, A
             problems.append(f"{where}: argument {attrs['key']!r} is never closed by {ARGUMENT_CLOSE}")
             return None
         value, problem = _typed_value(inner[header_end + len(SEP) : close], attrs.get("type", "string"))
+        if problem is None and attrs["key"] in arguments:
+            problem = "given more than once"
         if problem:
             problems.append(f"{where}: argument {attrs['key']!r}: {problem}")
             return None

@@ -36,9 +36,11 @@ with that tool only); ``"none"`` forbids opening one. ``parallel_tool_calls=Fals
 
 **Markup.** The section's syntax is a ``Markup``: K2's (``K2_MARKUP``, the grammar above; its trigger is
 the one token ``<|tool_calls_section_begin|>``) or K3's XTML tools channel (``k2lab.runtime.tool_grammar_k3``),
-whose trigger ``<|open|>tools<|sep|>`` is several tokens: in ``"auto"`` mode the grammar starts once the
-sampled tokens end with the trigger's tokens (the ones the tokenizer gives its text), and ``"none"`` (or a
-budget too short for a whole call) masks the trigger's last token when the ones before it were just sampled.
+whose trigger ``<|open|>tools<|sep|>`` is several tokens. It is recognised on text, whatever pieces spell
+it: after its first token (``<|open|>``) the constraint decodes what follows, and while that is a prefix of
+the trigger's words (``tools``; no special token among them) the trigger's last token (``<|sep|>``) would
+complete it once the words are whole. In ``"auto"`` mode sampling that token starts the grammar (fed the
+tokens as sampled); ``"none"`` (or a budget too short for a whole call) masks it then.
 A forced K3 section starts with the channels before it (closed, empty). Schemas compile the same way for
 both (``tool_schema``: closed objects, bounded numbers, then llguidance's ``%json``).
 """
@@ -213,6 +215,11 @@ class ToolCallGrammar:
         """The trigger's last token: the one ``"none"`` masks."""
         return self.trigger[-1]
 
+    @cached_property
+    def trigger_words(self) -> bytes:
+        """The bytes between the trigger's first and last tokens (K3: ``tools``; K2: none)."""
+        return self.tokenizer.decode_bytes(list(self.trigger[1:-1]))
+
     @classmethod
     def build(
         cls,
@@ -313,7 +320,8 @@ class ToolCallConstraint:
         self.hopeless = False  # no completion fits the budget left
         self.reused = False  # ``path`` was carried over from an earlier state (maybe not the shortest)
         self._after: dict[int, tuple[list[int], bool]] = {}  # tested token -> (completion after it, reused)
-        self.recent: list[int] = []  # the last len(trigger) − 1 tokens sampled outside a section
+        self.opening: list[int] = []  # outside a section: the trigger's first token and what followed it,
+        self.spelled = b""  # ... while the bytes after it (these) are a prefix of the trigger's words
         if grammar.forced:
             self._open()
 
@@ -332,9 +340,26 @@ class ToolCallConstraint:
             raise GrammarError(self.matcher.get_error())
 
     def _trigger_next(self) -> bool:
-        """Whether the trigger's last token would complete it now (the ones before it were just sampled)."""
-        before = self.grammar.trigger[:-1]
-        return not self.finished_section and tuple(self.recent[len(self.recent) - len(before) :]) == before
+        """Whether the trigger's last token would complete it now: its first token was sampled and the text
+        since spells its words, in any pieces (a one-token trigger: always, until a section finished)."""
+        g = self.grammar
+        if self.finished_section or len(g.trigger) == 1:
+            return not self.finished_section
+        return bool(self.opening) and self.spelled == g.trigger_words
+
+    def _track(self, token: int) -> None:
+        """Follow a token sampled outside a section: does it start, continue or break a trigger?"""
+        g = self.grammar
+        if len(g.trigger) == 1:
+            return
+        if token == g.trigger[0]:
+            self.opening, self.spelled = [token], b""
+        elif self.opening:
+            spelled = self.spelled + g.tokenizer.decode_bytes([token])
+            if g.tokenizer.is_special_token(token) or not g.trigger_words.startswith(spelled):
+                self.opening, self.spelled = [], b""
+            else:
+                self.opening, self.spelled = [*self.opening, token], spelled
 
     def _without_trigger(self) -> torch.Tensor:
         allowed = torch.ones(self.grammar.vocab_size, dtype=torch.bool)
@@ -416,10 +441,10 @@ class ToolCallConstraint:
         if self.matcher is None:
             if token == g.section_begin and g.allowed and self._trigger_next():
                 self._open()
-                for piece in g.trigger:
-                    self._consume(piece)
+                for piece in [*self.opening, token] if len(g.trigger) > 1 else [token]:
+                    self._consume(piece)  # the trigger as sampled: the grammar reads its text
                 return
-            self.recent = [*self.recent, token][max(0, len(self.recent) + 2 - len(g.trigger)) :]
+            self._track(token)
             return
         self._consume(token)
         if token == g.section_end and self.matcher.is_accepting():
