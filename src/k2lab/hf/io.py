@@ -466,70 +466,104 @@ def to_hf(
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    if isinstance(model, VisionLanguageModel):
-        vlm_format = write_vlm_format(model.config)  # kimi_k3 for a MoonViT-V2 tower, else kimi_k25
-        hf_config = vlm_format.config_to_hf(model.config)  # first: refuses what the format cannot express
-        config, state = model.config.text, model_state(model)
-        groups = vlm_format.weight_groups(model.config, state)
-        head = model.language_model.lm_head.weight
-        copies: list[HFTensor] = []
-    else:
-        config, fmt = model.config, write_format(model.config)
-        hf_config = fmt.config_to_hf(config)
-        state = model_state(model)
-        groups = fmt.weight_groups(config, state)
-        head = model.lm_head.weight
-        copies = fmt.shared_copies(config, state)  # MTP layers' embed_tokens / shared_head.head (hf.mtp)
-    written = [tensor for group in groups for tensor in group.canonical()] + copies
-    tensors = [(tensor.name, gather(state, tensor)) for tensor in written]
+    layout = _Written.of(model)  # first: refuses what the format cannot express
+    tensors = layout.tensors
     if quantize is not None:
-        tensors = quantize_checkpoint(quantize, hf_config, tensors)  # adds its quantization_config
-
-    def output_dtype(key: str, tensor: torch.Tensor) -> torch.dtype:
-        kept = not tensor.is_floating_point() or tensor.dtype in _QUANTIZED_DTYPES
-        if dtype is None or kept or key.endswith(_FP32_SUFFIXES):
-            return tensor.dtype
-        return dtype
-
-    sizes = [tensor.numel() * output_dtype(key, tensor).itemsize for key, tensor in tensors]
-    shards = _pack_shards(sizes, max_shard_bytes)
-
-    main_dtype = output_dtype("lm_head.weight", head)
-    hf_config["torch_dtype"] = str(main_dtype).removeprefix("torch.")
+        tensors = quantize_checkpoint(quantize, layout.hf_config, tensors)  # adds its quantization_config
+    items = [(key, tensor, _disk_dtype(key, tensor, dtype)) for key, tensor in tensors]
+    layout.hf_config["torch_dtype"] = str(_disk_dtype("lm_head.weight", layout.head, dtype)).removeprefix(
+        "torch."
+    )
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
     with staged_directory(target) as staging:
-        written = {CONFIG_FILE}
-        (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-        generation = {
-            key: getattr(config, key)
-            for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-            if getattr(config, key) is not None
-        }
-        if generation:
-            (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
-            written.add(GENERATION_CONFIG_FILE)
-
-        names = (
-            [SINGLE_FILE]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        weight_map: dict[str, str] = {}
-        for name, members in zip(names, shards, strict=True):
-            items = [(tensors[i][0], tensors[i][1], output_dtype(*tensors[i])) for i in members]
-            _write_safetensors(staging / name, items, metadata={"format": "pt"})
-            weight_map.update({key: name for key, _, _ in items})
-            written.add(name)
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-            written.add(INDEX_FILE)
+        (staging / CONFIG_FILE).write_text(json.dumps(layout.hf_config, indent=2) + "\n")
+        written = {CONFIG_FILE} | _write_generation_config(staging, layout.config)
+        written |= _write_weights(staging, items, max_shard_bytes)
         _carry_over_other_files(target, staging, written)
     return target
+
+
+@dataclass
+class _Written:
+    """What ``to_hf`` writes for a model: its format's config.json dict, the decoder's ``ModelConfig``, the
+    checkpoint tensors (name, values; MTP layers' shared copies included) and the head (its dtype names the
+    checkpoint's ``torch_dtype``)."""
+
+    hf_config: dict[str, Any]
+    config: ModelConfig
+    tensors: list[tuple[str, torch.Tensor]]
+    head: torch.Tensor
+
+    @classmethod
+    def of(cls, model: CausalLM | VisionLanguageModel) -> _Written:
+        """The layout of ``model`` (``ConfigError`` for settings its format cannot express)."""
+        if isinstance(model, VisionLanguageModel):
+            vlm_format = write_vlm_format(model.config)  # kimi_k3 for a MoonViT-V2 tower, else kimi_k25
+            hf_config = vlm_format.config_to_hf(model.config)  # first: refuses what it cannot express
+            config, state = model.config.text, model_state(model)
+            groups = vlm_format.weight_groups(model.config, state)
+            head = model.language_model.lm_head.weight
+            copies: list[HFTensor] = []
+        else:
+            config, fmt = model.config, write_format(model.config)
+            hf_config = fmt.config_to_hf(config)
+            state = model_state(model)
+            groups = fmt.weight_groups(config, state)
+            head = model.lm_head.weight
+            copies = fmt.shared_copies(config, state)  # MTP layers' embed_tokens / shared_head.head (hf.mtp)
+        written = [tensor for group in groups for tensor in group.canonical()] + copies
+        tensors = [(tensor.name, gather(state, tensor)) for tensor in written]
+        return cls(hf_config=hf_config, config=config, tensors=tensors, head=head)
+
+
+def _disk_dtype(key: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``tensor`` is written in: ``dtype`` for a floating-point weight, its own for integers,
+    quantised tensors and the fp32-kept ones (router bias, KDA's ``A_log`` / ``dt_bias``), or with no ``dtype``."""
+    kept = not tensor.is_floating_point() or tensor.dtype in _QUANTIZED_DTYPES
+    if dtype is None or kept or key.endswith(_FP32_SUFFIXES):
+        return tensor.dtype
+    return dtype
+
+
+def _write_generation_config(staging: Path, config: ModelConfig) -> set[str]:
+    """``generation_config.json`` with the config's bos / eos / pad ids, when it has any; the files written."""
+    generation = {
+        key: getattr(config, key)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if getattr(config, key) is not None
+    }
+    if not generation:
+        return set()
+    (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+    return {GENERATION_CONFIG_FILE}
+
+
+def _write_weights(
+    staging: Path, items: Sequence[tuple[str, torch.Tensor, torch.dtype]], max_shard_bytes: int | None
+) -> set[str]:
+    """The (name, tensor, disk dtype) ``items`` as one ``model.safetensors``, or as shards of at most
+    ``max_shard_bytes`` with ``model.safetensors.index.json``; the files written."""
+    sizes = [tensor.numel() * disk_dtype.itemsize for _, tensor, disk_dtype in items]
+    shards = _pack_shards(sizes, max_shard_bytes)
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map: dict[str, str] = {}
+    for name, members in zip(names, shards, strict=True):
+        shard = [items[i] for i in members]
+        _write_safetensors(staging / name, shard, metadata={"format": "pt"})
+        weight_map.update({key: name for key, _, _ in shard})
+    if len(shards) == 1:
+        return set(names)
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return {*names, INDEX_FILE}
 
 
 def _pack_shards(sizes: Sequence[int], max_shard_bytes: int | None) -> list[list[int]]:
