@@ -325,6 +325,18 @@ def rewrite(source: Path, target: Path, tensors=None, config=None) -> Path:
     return target
 
 
+def test_the_short_text_names_load(k3_vlm: VisionLanguageModel, written: Path, tmp_path: Path) -> None:
+    """Every ``language_model.model.X`` as ``language_model.X`` (facts.md's form) loads the same model."""
+    short = rewrite(
+        written,
+        tmp_path / "short",
+        tensors=lambda s: {k.replace("language_model.model.", "language_model."): v for k, v in s.items()},
+    )
+    assert "language_model.embed_tokens.weight" in load_file(short / "model.safetensors")
+    ours, theirs = k3_vlm.state_dict(), from_hf(short).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
 def test_missing_vision_tensor_is_listed(written: Path, tmp_path: Path) -> None:
     wqkv = "vision_tower.encoder.blocks.0.wqkv.weight"
     broken = rewrite(
