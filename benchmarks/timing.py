@@ -10,6 +10,10 @@ from collections.abc import Callable
 
 import torch
 
+from k2lab.allocator import keep_freed_memory
+
+keep_freed_memory()  # as the k2lab command does (k2lab.allocator); both sides of a comparison share it
+
 
 def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
     """Median wall time of each ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls each.

@@ -21,6 +21,7 @@ import sys
 from pydantic import ValidationError
 from rich.console import Console
 
+from k2lab.allocator import keep_freed_memory
 from k2lab.cli.app import app
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
@@ -36,6 +37,7 @@ __all__ = ["app", "main"]
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
     err = Console(stderr=True)
+    keep_freed_memory()  # freed tensors stay mapped for the next step (k2lab.allocator)
     try:
         app(args=argv)  # click reports usage errors itself (exit code 2)
     except K2LabError as error:
