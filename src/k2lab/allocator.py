@@ -32,7 +32,6 @@ nothing changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = ["ENV", "keep_freed_memory"]
@@ -54,12 +53,9 @@ def keep_freed_memory() -> bool:
     _applied = False
     if os.environ.get(ENV, "").lower() == "default":
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+    try:  # the C library already loaded into this process (no find_library: it spawns ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, _KEEP) == 1
