@@ -44,11 +44,12 @@ def adversary(tokenizer) -> torch.Tensor:
 def drive(
     grammar: ToolCallGrammar, max_tokens: int, seed: int, bias: torch.Tensor, budget: bool = True
 ) -> list[int]:
-    """Sample ``max_tokens`` tokens (temperature 1) under the budgeted constraint, stopping at the section end."""
+    """Sample ``max_tokens`` tokens (temperature 1, logits 2·N(0, 1) + ``bias`` [V]) under the budgeted
+    constraint, stopping at the section end."""
     constraint = grammar.constraint(max_tokens if budget else None)
     generator, tokens = torch.Generator().manual_seed(seed), []
     for _ in range(max_tokens):
-        logits = torch.randn(300, generator=generator) * 2 + bias
+        logits = torch.randn(bias.shape[0], generator=generator) * 2 + bias
         constraint.mask(logits)
         token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
         constraint.advance(token)

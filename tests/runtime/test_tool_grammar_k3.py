@@ -18,6 +18,7 @@ from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar
 from k2lab.runtime.tool_grammar_k3 import tools_channel_lark
 from tests.conftest import randomize
 from tests.runtime.test_budget import ISSUE
+from tests.runtime.test_budget import drive as budget_drive
 from tests.runtime.test_enforcer import SCHEMAS, TOOLS
 
 V = 320
@@ -105,19 +106,10 @@ def test_forced_calls_parse_and_validate(setup, tool_choice, parallel, thinking)
 
 
 def drive(grammar: ToolCallGrammar, max_tokens: int, seed: int) -> list[int]:
-    """Random logits (+6 on digits, −6 on closers) under the budgeted constraint, up to the section's end."""
-    constraint = grammar.constraint(max_tokens)
-    generator, tokens = torch.Generator().manual_seed(seed), []
-    for _ in range(max_tokens):
-        logits = torch.randn(V, generator=generator) * 2
-        logits[grammar.closers[0]] -= 6.0
-        constraint.mask(logits)
-        token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-        constraint.advance(token)
-        tokens.append(token)
-        if constraint.finished_section:
-            break
-    return tokens
+    """Random logits (−6 on the closer) under the budgeted constraint, up to the section's end."""
+    bias = torch.zeros(V)
+    bias[grammar.closers[0]] = -6.0
+    return budget_drive(grammar, max_tokens, seed, bias)
 
 
 @pytest.mark.parametrize(
