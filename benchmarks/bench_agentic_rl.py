@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from timing import add_smoke_argument, apply_smoke, machine_line, machine_report  # benchmarks/timing.py
+from timing import add_smoke_argument, apply_smoke, machine_line, run_machine_report  # benchmarks/timing.py
 
 from k2lab.agentic.recipe.mini import RecipeConfig, RecipeToolTasks, rl_config
 from k2lab.agentic.rl.trainer import run_rl
@@ -149,7 +149,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> N
         "same_metrics": not differences,
         "first_difference": differences[0] if differences else None,
     }
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     if args.json:
         print(json.dumps(machine))
         print(json.dumps(row))

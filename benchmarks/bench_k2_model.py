@@ -56,7 +56,7 @@ from timing import (  # benchmarks/timing.py
     alternating_medians,
     apply_smoke,
     machine_line,
-    machine_report,
+    run_machine_report,
 )
 
 import k2lab
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ours = k2lab.build_model(config, seed=0)
         theirs = to_transformers(ours)
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     rows = []
     if args.only in (None, "train"):
         rows.append(bench_forward_backward(ours, theirs, args))

@@ -32,7 +32,7 @@ from timing import (  # benchmarks/timing.py
     alternating_medians,
     apply_smoke,
     machine_line,
-    machine_report,
+    run_machine_report,
 )
 
 import k2lab
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_k3_step.") as directory:
         scratch = Path(directory)

@@ -39,7 +39,7 @@ from timing import (  # benchmarks/timing.py
     alternating_medians,
     apply_smoke,
     machine_line,
-    machine_report,
+    run_machine_report,
 )
 
 from k2lab.ops.kda import chunk_kda, recurrent_kda
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     fns = implementations()
     previous: dict[tuple[str, str], tuple[int, float]] = {}
     load_before = os.getloadavg()[0]
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     rows = [row for T in sorted(args.lengths) for row in bench_length(args, fns, T, previous)]
     load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     if args.json:

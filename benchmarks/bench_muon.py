@@ -30,7 +30,7 @@ from timing import (  # benchmarks/timing.py
     alternating_medians,
     apply_smoke,
     machine_line,
-    machine_report,
+    run_machine_report,
 )
 
 import k2lab
@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     rows = [bench_muon_step(args), bench_qk_clip_share(args)]
     if args.json:
         print(json.dumps(machine), flush=True)

@@ -31,7 +31,7 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
-    machine_report,
+    run_machine_report,
 )
 
 from k2lab import build_model, load_preset
@@ -116,7 +116,7 @@ def main() -> None:
                 "per_turn_s": round(per_turn_s, 3),
                 "ratio": round(per_turn_s / k2lab_s, 2),
                 "threads": torch.get_num_threads(),
-                "machine": machine_report(256 if args.smoke else 2048),
+                "machine": run_machine_report(args),
             }
         )
     )

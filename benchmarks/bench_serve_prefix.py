@@ -23,7 +23,7 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     apply_smoke,
     machine_line,
-    machine_report,
+    run_machine_report,
     serve_concurrently,
 )
 
@@ -97,7 +97,7 @@ def main() -> None:
         "prefix_cache": stats,
         "threads": torch.get_num_threads(),
     }
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     if args.json:
         print(json.dumps(row))
         print(json.dumps(machine))

@@ -25,7 +25,7 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     apply_smoke,
     machine_line,
-    machine_report,
+    run_machine_report,
     serve_concurrently,
 )
 
@@ -130,7 +130,7 @@ def main() -> None:
         for n in args.requests
         for k in args.draft_tokens.split(",")
     ]
-    machine = machine_report(256 if args.smoke else 2048)
+    machine = run_machine_report(args)
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -93,6 +93,11 @@ def apply_smoke(args: argparse.Namespace, **tiny: object) -> argparse.Namespace:
     return args
 
 
+def run_machine_report(args: argparse.Namespace) -> dict[str, object]:
+    """``machine_report`` of a benchmark run: the peaks measured at 2048³, or 256³ under ``--smoke``."""
+    return machine_report(256 if getattr(args, "smoke", False) else 2048)
+
+
 def serve_concurrently(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """Submit every prompt at once to a started ``k2lab.serve.Engine`` (greedy, ``max_tokens`` each), wait for
     all of them, shut the engine down; returns (seconds, replies)."""
