@@ -33,6 +33,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, chunk_kda_backward
+
 # Decays below exp(-DECAY_FLOOR) ≈ 1e-13 are held there (see _decay).
 DECAY_FLOOR = 30.0
 
@@ -211,6 +213,23 @@ def mark_compile_constants() -> None:
     tracing its C² index writes. The mark (set on the function in place) imports ``torch._dynamo``, 3–4 s, so
     ``k2lab.train.compile`` makes it before compiling rather than every import of this module."""
     torch.compiler.assume_constant_result(_score_index)
+    torch.compiler.assume_constant_result(_score_gather_back)
+
+
+def _score_gather_back(chunk: int, device: torch.device) -> torch.Tensor:
+    """:func:`_build_score_gather_back`, cached (a plain function for torch.compile, as :func:`_score_index`)."""
+    return _build_score_gather_back(chunk, device)
+
+
+@functools.lru_cache(maxsize=32)
+@torch.inference_mode(False)
+def _build_score_gather_back(chunk: int, device: torch.device) -> torch.Tensor:
+    """The inverse of :func:`_build_score_index`: for each level score and diagonal value (every entry of the
+    concatenation but the final zero), its position in the flattened ``[2, C, C]`` (the backward's gather)."""
+    index = _build_score_index(chunk, device)
+    inverse = torch.empty(int(index.max()) + 1, dtype=torch.long, device=device)
+    inverse[index] = torch.arange(index.numel(), device=device)  # several positions share only the zero
+    return inverse[:-1]
 
 
 @functools.lru_cache(maxsize=32)
@@ -254,17 +273,18 @@ def _decay(exponent: torch.Tensor, scratch: bool = False, times: torch.Tensor | 
 
 
 def _intra_chunk_scores(
-    q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, keep: list[LevelFactors] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay-weighted scores inside each chunk.
 
     ``A_qk[t, j] = Σ_d q_td k_jd exp(G_td − G_jd)`` for t ≥ j and ``A_kk[t, j]`` likewise with ``k_t`` for
     t > j (zero elsewhere), where ``G`` is the within-chunk cumulative log-decay. The chunk is split in halves
     recursively; a row t in the second half of a block meets a column j in its first half through the
-    cumulative decay ``R`` at the end of the first half: ``exp(G_t − G_j) = exp(G_t − R)·exp(R − G_j)``, two
-    factors ≤ 1 (for g ≤ 0), so strong decays never overflow and every block pair is one batched matmul.
+    cumulative decay ``R`` at the end of the first half: ``exp(G_t − R)·exp(R − G_j)``, two factors ≤ 1
+    (for g ≤ 0), so strong decays never overflow and every block pair is one batched matmul.
 
-    Shapes: q, k, gcum [..., C, K] (C a power of two) -> (A_qk, A_kk) [..., C, C].
+    Shapes: q, k, gcum [..., C, K] (C a power of two) -> (A_qk, A_kk) [..., C, C]. ``keep`` (a list) receives
+    each level's :class:`LevelFactors` for the hand-written backward.
     """
     *lead, C, K = q.shape
     qk = torch.stack((q, k), dim=-2)  # [..., C, 2, K]: a block's rows are q and k of each token
@@ -274,9 +294,13 @@ def _intra_chunk_scores(
         g_first, g_second = gcum.view(*lead, nb, 2, h, K).unbind(-3)
         qk_first, qk_second = qk.view(*lead, nb, 2, h, 2, K).unbind(-4)
         ref = g_first[..., h - 1 : h, :]  # [..., nb, 1, K]
-        rows = qk_second * _decay(g_second - ref, scratch=True).unsqueeze(-2)  # [..., nb, h, 2, K]
-        cols = _decay(ref - g_first, scratch=True, times=qk_first[..., 1, :])  # [..., nb, h, K]
-        parts.append((rows.view(*lead, nb, 2 * h, K) @ cols.transpose(-1, -2)).flatten(-3))
+        e_second = _decay(g_second - ref, scratch=True)  # exp(G_t − R) [..., nb, h, K]
+        e_first = _decay(ref - g_first, scratch=True)  # exp(R − G_j)
+        rows = (qk_second * e_second.unsqueeze(-2)).view(*lead, nb, 2 * h, K)
+        cols = e_first * qk_first[..., 1, :]  # [..., nb, h, K]
+        parts.append((rows @ cols.transpose(-1, -2)).flatten(-3))
+        if keep is not None:
+            keep.append(LevelFactors(e_first, e_second, rows, cols))
     parts.append((q * k).sum(-1))
     parts.append(q.new_zeros(()).expand(*lead, 1))
     flat = torch.cat(parts, dim=-1)
@@ -292,33 +316,48 @@ def _batched(x: torch.Tensor) -> torch.Tensor:
 
 def _wy_transform(
     a_kk: torch.Tensor, k_decayed: torch.Tensor, v: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Solve the intra-chunk delta rule: ``W = T (exp(G)⊙K)``, ``U = T V``, ``T = (I + Diag(β) A_kk)⁻¹ Diag(β)``.
 
     The chunk's effective writes are then ``U − W S₀`` for the state ``S₀`` entering the chunk.
-    Shapes: a_kk [..., C, C]; k_decayed [..., C, K]; v [..., C, V]; beta [..., C] -> w [..., C, K], u [..., C, V].
+    Shapes: a_kk [..., C, C]; k_decayed [..., C, K]; v [..., C, V]; beta [..., C]
+    -> w [..., C, K], u [..., C, V], and the inverse ``(I + Diag(β) A_kk)⁻¹`` and ``T`` [..., C, C].
     """
     eye = torch.eye(a_kk.shape[-1], dtype=a_kk.dtype, device=a_kk.device)
     system = torch.addcmul(eye, beta[..., None], a_kk)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     transform = inverse * beta[..., None, :]
-    return transform @ k_decayed, transform @ v
+    return transform @ k_decayed, transform @ v, inverse, transform
+
+
+def _chunk_transitions(
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each chunk's state map ``S ↦ P S + R``: ``P = Diag(exp G_last) − K̃ᵀ W`` [K, K], ``R = K̃ᵀ U`` [K, V],
+    ``K̃ = exp(G_last − G) ⊙ K``.
+
+    Shapes: w, k, gcum [B, HV, N, C, K]; u [B, HV, N, C, V] -> (P, R, K̃ [.., C, K], exp(G_last − G)
+    [.., C, K], exp(G_last) [.., K]).
+    """
+    last = gcum[..., -1:, :]
+    to_end = _decay(last - gcum, scratch=True)
+    k_to_end = to_end * k
+    keep = _decay(last.squeeze(-2))
+    k_to_end_t = k_to_end.transpose(-1, -2)  # [B, HV, N, K, C]
+    transition = torch.baddbmm(
+        _batched(torch.diag_embed(keep)), _batched(k_to_end_t), _batched(w), alpha=-1
+    ).view(*keep.shape, keep.shape[-1])
+    return transition, k_to_end_t @ u, k_to_end, to_end, keep
 
 
 def _propagate_states(
-    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, state: torch.Tensor
+    transition: torch.Tensor, write: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering every chunk, serially over chunks: ``S_{n+1} = P_n S_n + R_n`` with
+    """States entering every chunk, serially over chunks: ``S_{n+1} = P_n S_n + R_n``.
 
-    ``P_n = Diag(exp G_last) − K̃ᵀ W`` [K, K], ``R_n = K̃ᵀ U`` [K, V], ``K̃ = exp(G_last − G) ⊙ K``.
-    Shapes: w, k, gcum [B, HV, N, C, K]; u [B, HV, N, C, V]; state [B, HV, K, V]
+    Shapes: transition [B, HV, N, K, K]; write [B, HV, N, K, V]; state [B, HV, K, V]
     -> (states [B, HV, N, K, V] at the start of each chunk, final state [B, HV, K, V]).
     """
-    last = gcum[..., -1:, :]
-    k_to_end = _decay(last - gcum, scratch=True, times=k).transpose(-1, -2)  # [B, HV, N, K, C]
-    keep = torch.diag_embed(_decay(last.squeeze(-2)))
-    transition = torch.baddbmm(_batched(keep), _batched(k_to_end), _batched(w), alpha=-1).view_as(keep)
-    write = k_to_end @ u
     states = []
     for step, source in zip(transition.unbind(2), write.unbind(2), strict=True):  # unbind: one backward node
         states.append(state)
@@ -328,11 +367,70 @@ def _propagate_states(
 
 def _chunk_outputs(
     q_decayed: torch.Tensor, a_qk: torch.Tensor, w: torch.Tensor, u: torch.Tensor, states: torch.Tensor
-) -> torch.Tensor:
-    """``O = (exp(G)⊙Q) S₀ + A_qk (U − W S₀)`` per chunk: [B, HV, N, C, V]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``O = (exp(G)⊙Q) S₀ + A_qk (U − W S₀)`` per chunk: (O [B, HV, N, C, V], the writes ``U − W S₀``)."""
     writes = torch.baddbmm(_batched(u), _batched(w), _batched(states), alpha=-1)
     o = torch.baddbmm(_batched(q_decayed) @ _batched(states), _batched(a_qk), writes)
-    return o.view_as(u)
+    return o.view_as(u), writes.view_as(u)
+
+
+def _chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep: list[LevelFactors] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, ChunkSaved | None]:
+    """The chunk form on chunked fp32 inputs (q scaled, value heads): q, k, g [B, HV, N, C, K],
+    v [B, HV, N, C, V], beta [B, HV, N, C], state [B, HV, K, V] -> (o [B, HV, N, C, V], final state, and
+    with ``keep`` (a list for the level factors) the tensors :func:`chunk_kda_backward` reads)."""
+    gcum = g.cumsum(dim=-2)
+    a_qk, a_kk = _intra_chunk_scores(q, k, gcum, keep)
+    decay = _decay(gcum)
+    q_decayed, k_decayed = q * decay, k * decay
+    w, u, inverse, transform = _wy_transform(a_kk, k_decayed, v, beta)
+    transition, write, k_to_end, to_end, last = _chunk_transitions(w, u, k, gcum)
+    states, final = _propagate_states(transition, write, state)
+    o, writes = _chunk_outputs(q_decayed, a_qk, w, u, states)
+    if keep is None:
+        return o, final, None
+    saved = ChunkSaved(
+        q, k, v, beta, decay, q_decayed, k_decayed, a_kk, inverse, transform, w, writes, a_qk,
+        states, transition, k_to_end, to_end, last,
+    )  # fmt: skip
+    return o, final, saved
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """:func:`_chunk_forward` with :func:`chunk_kda_backward` as its backward (instead of autograd through
+    the chunk form's many small ops). Runs its backward under the autocast state of its forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, state, chunk):  # noqa: ANN001, ANN205 - autograd.Function protocol
+        ctx.set_materialize_grads(False)
+        device = q.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.has_state = state is not None
+        initial = state if state is not None else v.new_zeros(*v.shape[:2], k.shape[-1], v.shape[-1])
+        levels: list[LevelFactors] = []
+        o, final, saved = _chunk_forward(q, k, v, g, beta, initial, levels)
+        ctx.n_levels = len(levels)
+        ctx.save_for_backward(*saved, *(t for level in levels for t in level))
+        ctx.gather_back = _score_gather_back(chunk, q.device)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):  # noqa: ANN001, ANN205 - autograd.Function protocol
+        tensors = ctx.saved_tensors
+        saved = ChunkSaved(*tensors[: len(ChunkSaved._fields)])
+        flat = tensors[len(ChunkSaved._fields) :]
+        levels = [LevelFactors(*flat[4 * i : 4 * i + 4]) for i in range(ctx.n_levels)]
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            dq, dk, dv, dg, dbeta, d_state = chunk_kda_backward(saved, levels, ctx.gather_back, d_o, d_final)
+        return dq, dk, dv, dg, dbeta, (d_state if ctx.has_state else None), None
 
 
 def chunk_kda(
@@ -345,6 +443,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    backward: Literal["manual", "autograd"] = "manual",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA in chunk-parallel (WY / UT-transform) form; same results as :func:`recurrent_kda`.
 
@@ -368,6 +467,8 @@ def chunk_kda(
         initial_state: [B, HV, K, V] or ``None`` (zeros).
         output_final_state: also return the state after the last token.
         chunk_size: tokens per chunk (any T works; the tail chunk is padded with no-op tokens).
+        backward: ``"manual"`` — the hand-written chunk-parallel backward of :mod:`k2lab.ops.kda_backward`
+            (one autograd node); ``"autograd"`` — autograd through the forward's ops (the reference tier).
 
     Returns:
         ``(o, final_state)``: o [B, T, HV, V] in ``v``'s dtype; final_state [B, HV, K, V] fp32 or ``None``.
@@ -382,12 +483,11 @@ def chunk_kda(
     q, k, v, g, beta = _to_value_heads(q, k, v, g, beta, K**-0.5 if scale is None else scale)
     q, k, v, g, beta = (_chunked(x, chunk) for x in (q, k, v, g, beta))
     v = v.contiguous()  # a right-hand side of batched matmuls: copied once here rather than by each of them
-    gcum = g.cumsum(dim=-2)
-    a_qk, a_kk = _intra_chunk_scores(q, k, gcum)
-    decay = _decay(gcum)
-    w, u = _wy_transform(a_kk, k * decay, v, beta)
-    states, final = _propagate_states(w, u, k, gcum, _initial_state(initial_state, (B, HV, K, V), v))
-    o = _chunk_outputs(q * decay, a_qk, w, u, states)
+    state = None if initial_state is None else initial_state.float()
+    if backward == "manual" and _needs_grad(q, k, v, g, beta, state):
+        o, final = _ChunkKDA.apply(q, k, v, g, beta, state, chunk)
+    else:
+        o, final, _ = _chunk_forward(q, k, v, g, beta, _initial_state(state, (B, HV, K, V), v))
     o = o.view(B, HV, -1, V)[:, :, :T].transpose(1, 2).contiguous()
     return o.to(dtype), (final if output_final_state else None)
 

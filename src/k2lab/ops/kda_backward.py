@@ -1,0 +1,182 @@
+"""Hand-written backward of the chunked KDA form (``k2lab.ops.kda.chunk_kda``), chunk-parallel like its forward.
+
+Per chunk (C tokens; q scaled; ``G`` the within-chunk cumulative log-decay; ``S`` the entering state
+[K, V]; ``D = Diag(exp G_C)``; ``K̃ = exp(G_C − G) ⊙ K``), the forward is::
+
+    M = I + Diag(β) A_kk,   T = M⁻¹ Diag(β),   W = T (exp(G)⊙K),   U = T V,   Δ = U − W S
+    O = (exp(G)⊙Q) S + A_qk Δ,        S' = D S + K̃ᵀ Δ      (= P S + R, P = D − K̃ᵀ W, R = K̃ᵀ U)
+
+and, given dO [C, V] and dS' [K, V] (the gradient reaching the next chunk's state), its backward::
+
+    dS  = Pᵀ dS' + (exp(G)⊙Q)ᵀ dO − Wᵀ A_qkᵀ dO        (run serially over chunks, last to first)
+    dΔ  = A_qkᵀ dO + K̃ dS',   dA_qk = dO Δᵀ,   d(exp(G)⊙Q) = dO Sᵀ,   dK̃ = Δ dS'ᵀ,   d exp(G_C) = Σ_v dS' ⊙ S
+    dU  = dΔ,   dW = −dΔ Sᵀ,   dT = dW (exp(G)⊙K)ᵀ + dU Vᵀ,   d(exp(G)⊙K) = Tᵀ dW,   dV = Tᵀ dU
+    dβ_j = Σ_i dT_ij M⁻¹_ij + Σ_k dM_jk (A_kk)_jk,   dM = −M⁻ᵀ (dT Diag(β)) M⁻ᵀ,   dA_kk = Diag(β) dM
+
+The scores ``A[t, j] = Σ_d a_td k_jd exp(G_td − G_jd)`` (a = q or k) depend on G only through differences,
+so their part of dG is ``a ⊙ da − k ⊙ dk_col`` (row minus column gradients); they are differentiated level
+by level through the same binary split as the forward (:class:`LevelFactors`). Each decay factor
+``e = exp(x)`` contributes ``e · de`` to dx (at the forward's decay floor the true derivative differs by
+less than 1e-13 relative). Finally ``dg`` is the reverse cumulative sum of ``dG`` over each chunk.
+
+All tensors are chunked [B, HV, N, C, ·] (``N`` chunks); see ``k2lab.ops.kda`` for the forward's helpers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LevelFactors(NamedTuple):
+    """One level of the forward's binary split (blocks of b = 2h tokens, nb = C / b of them per chunk):
+    ``e_first = exp(R − G_j)`` and ``e_second = exp(G_t − R)`` [..., nb, h, K], ``rows`` (q and k of the second
+    half times e_second, interleaved) [..., nb, 2h, K], ``cols = e_first ⊙ k`` of the first half [..., nb, h, K]."""
+
+    e_first: torch.Tensor
+    e_second: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+
+class ChunkSaved(NamedTuple):
+    """What the forward keeps for :func:`chunk_kda_backward` (chunked, fp32 or autocast's dtype)."""
+
+    q: torch.Tensor  # [B, HV, N, C, K], scaled
+    k: torch.Tensor  # [B, HV, N, C, K]
+    v: torch.Tensor  # [B, HV, N, C, V]
+    beta: torch.Tensor  # [B, HV, N, C]
+    decay: torch.Tensor  # exp(G) [B, HV, N, C, K]
+    q_decayed: torch.Tensor  # exp(G) ⊙ q
+    k_decayed: torch.Tensor  # exp(G) ⊙ k
+    a_kk: torch.Tensor  # [B, HV, N, C, C]
+    inverse: torch.Tensor  # M⁻¹ [B, HV, N, C, C]
+    transform: torch.Tensor  # T = M⁻¹ Diag(β)
+    w: torch.Tensor  # [B, HV, N, C, K]
+    writes: torch.Tensor  # Δ = U − W S [B, HV, N, C, V]
+    a_qk: torch.Tensor  # [B, HV, N, C, C]
+    states: torch.Tensor  # S entering each chunk [B, HV, N, K, V]
+    transition: torch.Tensor  # P [B, HV, N, K, K]
+    k_to_end: torch.Tensor  # K̃ [B, HV, N, C, K]
+    to_end: torch.Tensor  # exp(G_C − G) [B, HV, N, C, K]
+    last: torch.Tensor  # exp(G_C) [B, HV, N, K]
+
+
+def _mT(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def _state_backward(
+    transition: torch.Tensor, local: torch.Tensor, d_final: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dS_n = P_nᵀ dS_{n+1} + L_n`` from the last chunk to the first, ``dS_N`` = d(final state).
+
+    Shapes: transition [B, HV, N, K, K]; local [B, HV, N, K, V]; d_final [B, HV, K, V] or None
+    -> (dS_{n+1} for every chunk n [B, HV, N, K, V], d(initial state) [B, HV, K, V]).
+    """
+    d = local.new_zeros(local[:, :, 0].shape) if d_final is None else d_final.to(local.dtype)
+    steps, sources = transition.unbind(2), local.unbind(2)
+    after = [d] * len(steps)
+    for n in reversed(range(len(steps))):
+        after[n] = d
+        d = torch.baddbmm(sources[n].flatten(0, 1), _mT(steps[n]).flatten(0, 1), d.flatten(0, 1)).view_as(d)
+    return torch.stack(after, dim=2), d
+
+
+def _outputs_backward(
+    s: ChunkSaved, d_o: torch.Tensor, d_final: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """Through ``O = (exp(G)⊙Q) S + A_qk Δ`` and the state recurrence ``S' = D S + K̃ᵀ Δ``.
+
+    Returns (d(exp(G)⊙Q) [.., C, K], dA_qk [.., C, C], dΔ [.., C, V], dK̃ [.., C, K], d exp(G_C) [.., K],
+    d(initial state) [B, HV, K, V]).
+    """
+    d_q_decayed = d_o @ _mT(s.states)
+    d_a_qk = d_o @ _mT(s.writes)
+    d_writes = _mT(s.a_qk) @ d_o
+    local = torch.baddbmm(
+        (_mT(s.q_decayed) @ d_o).flatten(0, 2), _mT(s.w).flatten(0, 2), d_writes.flatten(0, 2), alpha=-1
+    ).view_as(s.states)
+    d_after, d_initial = _state_backward(s.transition, local, d_final)
+    d_writes = d_writes + s.k_to_end @ d_after
+    d_k_to_end = s.writes @ _mT(d_after)
+    d_last = (d_after * s.states).sum(-1)
+    return d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial
+
+
+def _wy_backward(s: ChunkSaved, d_writes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Through ``Δ = U − W S``, ``[W | U] = T [exp(G)⊙K | V]``, ``T = M⁻¹ Diag(β)``, ``M = I + Diag(β) A_kk``.
+
+    Returns (d(exp(G)⊙K) [.., C, K], dV [.., C, V], dβ [.., C], dA_kk [.., C, C]).
+    """
+    d_w = -(d_writes @ _mT(s.states))
+    d_transform = torch.baddbmm(
+        (d_writes @ _mT(s.v)).flatten(0, 2), d_w.flatten(0, 2), _mT(s.k_decayed).flatten(0, 2)
+    ).view_as(s.inverse)
+    d_k_decayed = _mT(s.transform) @ d_w
+    d_v = _mT(s.transform) @ d_writes
+    d_beta = (d_transform * s.inverse).sum(-2)
+    inverse_t = _mT(s.inverse)
+    d_system = -(inverse_t @ (d_transform * s.beta[..., None, :]) @ inverse_t)
+    d_beta = d_beta + (d_system * s.a_kk).sum(-1)
+    return d_k_decayed, d_v, d_beta, d_system * s.beta[..., None]
+
+
+def _scores_backward(
+    d_a_qk: torch.Tensor,
+    d_a_kk: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    levels: list[LevelFactors],
+    gather_back: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Through the intra-chunk scores: dA_qk, dA_kk [..., C, C] -> (dq, dk, dG) [..., C, K].
+
+    ``gather_back`` maps the forward's concatenated level scores to positions in the flattened ``[2, C, C]``
+    (only t ≥ j of A_qk and t > j of A_kk are read: the rest of dA never reaches an input).
+    """
+    *lead, C, K = q.shape
+    d_flat = torch.stack((d_a_qk, d_a_kk), dim=-3).view(-1, 2 * C * C).index_select(1, gather_back)
+    sizes = [C * level.cols.shape[-2] for level in levels]
+    *d_levels, d_diag = d_flat.view(*lead, -1).split([*sizes, C], dim=-1)
+    d_rows_all = q.new_zeros(*lead, C, 2, K)  # gradients of the score rows: q and k of each token
+    d_cols_all = q.new_zeros(*lead, C, K)  # of the score columns (k of each token)
+    for level, d_level in zip(levels, d_levels, strict=True):
+        nb, h = level.cols.shape[-3:-1]
+        d_block = d_level.view(*lead, nb, 2 * h, h)
+        d_rows = (d_block @ level.cols).view(*lead, nb, h, 2, K) * level.e_second.unsqueeze(-2)
+        d_cols = (_mT(d_block) @ level.rows) * level.e_first
+        d_rows_all.view(*lead, nb, 2, h, 2, K)[..., 1, :, :, :] += d_rows
+        d_cols_all.view(*lead, nb, 2, h, K)[..., 0, :, :] += d_cols
+    d_q_rows, d_k_rows = d_rows_all.unbind(-2)
+    d_g = q * d_q_rows + k * (d_k_rows - d_cols_all)  # the diagonal q·k has no decay: no dG
+    d_diag = d_diag.unsqueeze(-1)
+    return d_q_rows + d_diag * k, d_k_rows + d_cols_all + d_diag * q, d_g
+
+
+def chunk_kda_backward(
+    s: ChunkSaved,
+    levels: list[LevelFactors],
+    gather_back: torch.Tensor,
+    d_o: torch.Tensor | None,
+    d_final: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of the chunk form (equations in the module docstring).
+
+    Shapes: d_o [B, HV, N, C, V] or None; d_final [B, HV, K, V] or None
+    -> (dq, dk [B, HV, N, C, K], dv [B, HV, N, C, V], dg [B, HV, N, C, K], dβ [B, HV, N, C], d(initial state)
+    [B, HV, K, V]), each in its input's dtype (fp32).
+    """
+    d_o = torch.zeros_like(s.v) if d_o is None else d_o.to(s.v.dtype).contiguous()
+    d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial = _outputs_backward(s, d_o, d_final)
+    d_k_decayed, d_v, d_beta, d_a_kk = _wy_backward(s, d_writes)
+    d_q, d_k, d_gcum = _scores_backward(d_a_qk, d_a_kk, s.q, s.k, levels, gather_back)
+    d_q = d_q + d_q_decayed * s.decay
+    d_k = d_k + d_k_decayed * s.decay + d_k_to_end * s.to_end
+    through_end = d_k_to_end * s.k_to_end
+    d_gcum = d_gcum + d_q_decayed * s.q_decayed + d_k_decayed * s.k_decayed - through_end
+    d_gcum[..., -1, :] += through_end.sum(-2) + d_last * s.last
+    d_g = d_gcum.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) within the chunk
+    dtype = s.q.dtype
+    return (d_q.to(dtype), d_k.to(dtype), d_v.to(dtype), d_g.to(dtype), d_beta.to(dtype), d_initial.to(dtype))
