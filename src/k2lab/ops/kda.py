@@ -390,14 +390,14 @@ def _chunk_forward(
     a_qk, a_kk = _intra_chunk_scores(q, k, gcum, keep)
     decay = _decay(gcum)
     q_decayed, k_decayed = q * decay, k * decay
-    w, u, inverse, transform = _wy_transform(a_kk, k_decayed, v, beta)
+    w, u, inverse, _ = _wy_transform(a_kk, k_decayed, v, beta)
     transition, write, k_to_end, to_end, last = _chunk_transitions(w, u, k, gcum)
     states, final = _propagate_states(transition, write, state)
     o, writes = _chunk_outputs(q_decayed, a_qk, w, u, states)
     if keep is None:
         return o, final, None
     saved = ChunkSaved(
-        q, k, v, beta, decay, q_decayed, k_decayed, a_kk, inverse, transform, w, writes, a_qk,
+        q, k, v, beta, decay, q_decayed, k_decayed, a_kk, inverse, u, w, writes, a_qk,
         states, transition, k_to_end, to_end, last,
     )  # fmt: skip
     return o, final, saved

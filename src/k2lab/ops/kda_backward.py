@@ -52,7 +52,7 @@ class ChunkSaved(NamedTuple):
     k_decayed: torch.Tensor  # exp(G) ⊙ k
     a_kk: torch.Tensor  # [B, HV, N, C, C]
     inverse: torch.Tensor  # M⁻¹ [B, HV, N, C, C]
-    transform: torch.Tensor  # T = M⁻¹ Diag(β)
+    u: torch.Tensor  # U = T V [B, HV, N, C, V]
     w: torch.Tensor  # [B, HV, N, C, K]
     writes: torch.Tensor  # Δ = U − W S [B, HV, N, C, V]
     a_qk: torch.Tensor  # [B, HV, N, C, C]
@@ -99,28 +99,42 @@ def _outputs_backward(
         (_mT(s.q_decayed) @ d_o).flatten(0, 2), _mT(s.w).flatten(0, 2), d_writes.flatten(0, 2), alpha=-1
     ).view_as(s.states)
     d_after, d_initial = _state_backward(s.transition, local, d_final)
-    d_writes = d_writes + s.k_to_end @ d_after
+    d_writes = torch.baddbmm(d_writes.flatten(0, 2), s.k_to_end.flatten(0, 2), d_after.flatten(0, 2))
+    d_writes = d_writes.view_as(s.writes)
     d_k_to_end = s.writes @ _mT(d_after)
     d_last = (d_after * s.states).sum(-1)
     return d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial
 
 
 def _wy_backward(s: ChunkSaved, d_writes: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Through ``Δ = U − W S``, ``[W | U] = T [exp(G)⊙K | V]``, ``T = M⁻¹ Diag(β)``, ``M = I + Diag(β) A_kk``.
+    """Through ``Δ = U − W S``, ``[W | U] = M⁻¹ Diag(β) [exp(G)⊙K | V]``, ``M = I + Diag(β) A_kk``.
+
+    With ``Y = M⁻ᵀ [dW | dU]``: ``d[exp(G)⊙K | V] = Diag(β) Y``, ``dM = −Y [W | U]ᵀ`` (as
+    ``Diag(β) [exp(G)⊙K | V]ᵀ M⁻ᵀ = [W | U]ᵀ``), ``dA_kk = Diag(β) dM`` and
+    ``dβ_i = Σ Y_i ⊙ [exp(G)⊙K | V]_i + Σ_j dM_ij (A_kk)_ij``.
 
     Returns (d(exp(G)⊙K) [.., C, K], dV [.., C, V], dβ [.., C], dA_kk [.., C, C]).
     """
-    d_w = -(d_writes @ _mT(s.states))
-    d_transform = torch.baddbmm(
-        (d_writes @ _mT(s.v)).flatten(0, 2), d_w.flatten(0, 2), _mT(s.k_decayed).flatten(0, 2)
-    ).view_as(s.inverse)
-    d_k_decayed = _mT(s.transform) @ d_w
-    d_v = _mT(s.transform) @ d_writes
-    d_beta = (d_transform * s.inverse).sum(-2)
-    inverse_t = _mT(s.inverse)
-    d_system = -(inverse_t @ (d_transform * s.beta[..., None, :]) @ inverse_t)
-    d_beta = d_beta + (d_system * s.a_kk).sum(-1)
-    return d_k_decayed, d_v, d_beta, d_system * s.beta[..., None]
+    K = s.w.shape[-1]
+    d_wu = torch.cat((-(d_writes @ _mT(s.states)), d_writes), dim=-1)  # [dW | dU] [.., C, K + V]
+    y = _mT(s.inverse) @ d_wu
+    y_w, y_u = y[..., :K], y[..., K:]
+    minus_d_system = torch.baddbmm(
+        (y_u @ _mT(s.u)).flatten(0, 2), y_w.flatten(0, 2), _mT(s.w).flatten(0, 2)
+    ).view_as(s.inverse)  # −dM
+    d_beta = (y_w * s.k_decayed).sum(-1) + (y_u * s.v).sum(-1) - (minus_d_system * s.a_kk).sum(-1)
+    beta = s.beta[..., None]
+    return y_w * beta, y_u * beta, d_beta, minus_d_system * -beta
+
+
+def _block_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for [..., M, J] @ [..., J, K]; with J = 1 or M = 1 (the finest level's 2 × 1 and 1 × 2 blocks, where
+    a batched matmul spends its time per tiny block) as a broadcast product instead."""
+    if a.shape[-1] == 1:
+        return a * b
+    if a.shape[-2] == 1:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return a @ b
 
 
 def _scores_backward(
@@ -137,18 +151,22 @@ def _scores_backward(
     (only t ≥ j of A_qk and t > j of A_kk are read: the rest of dA never reaches an input).
     """
     *lead, C, K = q.shape
-    d_flat = torch.stack((d_a_qk, d_a_kk), dim=-3).view(-1, 2 * C * C).index_select(1, gather_back)
-    sizes = [C * level.cols.shape[-2] for level in levels]
-    *d_levels, d_diag = d_flat.view(*lead, -1).split([*sizes, C], dim=-1)
+    d_scores = torch.stack((d_a_qk, d_a_kk), dim=-3).view(-1, 2 * C * C)
     d_rows_all = q.new_zeros(*lead, C, 2, K)  # gradients of the score rows: q and k of each token
     d_cols_all = q.new_zeros(*lead, C, K)  # of the score columns (k of each token)
-    for level, d_level in zip(levels, d_levels, strict=True):
+    start = 0
+    for level in levels:
         nb, h = level.cols.shape[-3:-1]
-        d_block = d_level.view(*lead, nb, 2 * h, h)
-        d_rows = (d_block @ level.cols).view(*lead, nb, h, 2, K) * level.e_second.unsqueeze(-2)
-        d_cols = (_mT(d_block) @ level.rows) * level.e_first
-        d_rows_all.view(*lead, nb, 2, h, 2, K)[..., 1, :, :, :] += d_rows
-        d_cols_all.view(*lead, nb, 2, h, K)[..., 0, :, :] += d_cols
+        # gathered level by level: a contiguous block is a fast batched matmul operand, a slice is not
+        d_block = d_scores.index_select(1, gather_back[start : start + C * h]).view(*lead, nb, 2 * h, h)
+        start += C * h
+        d_rows_all.view(*lead, nb, 2, h, 2, K)[..., 1, :, :, :].addcmul_(
+            _block_product(d_block, level.cols).view(*lead, nb, h, 2, K), level.e_second.unsqueeze(-2)
+        )
+        d_cols_all.view(*lead, nb, 2, h, K)[..., 0, :, :].addcmul_(
+            _block_product(_mT(d_block), level.rows), level.e_first
+        )
+    d_diag = d_scores.index_select(1, gather_back[start:]).view(*lead, C)
     d_q_rows, d_k_rows = d_rows_all.unbind(-2)
     d_g = q * d_q_rows + k * (d_k_rows - d_cols_all)  # the diagonal q·k has no decay: no dG
     d_diag = d_diag.unsqueeze(-1)
