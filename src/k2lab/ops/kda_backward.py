@@ -152,25 +152,23 @@ def _scores_backward(
     """
     *lead, C, K = q.shape
     d_scores = torch.stack((d_a_qk, d_a_kk), dim=-3).view(-1, 2 * C * C)
-    d_rows_all = q.new_zeros(*lead, C, 2, K)  # gradients of the score rows: q and k of each token
-    d_cols_all = q.new_zeros(*lead, C, K)  # of the score columns (k of each token)
+    d_rows = q.new_zeros(*lead, 2, C, K)  # gradients of the score rows: q's, then k's
+    d_cols = q.new_zeros(*lead, C, K)  # of the score columns (k of each token)
     start = 0
     for level in levels:
         nb, h = level.cols.shape[-3:-1]
         # gathered level by level: a contiguous block is a fast batched matmul operand, a slice is not
         d_block = d_scores.index_select(1, gather_back[start : start + C * h]).view(*lead, nb, 2 * h, h)
         start += C * h
-        d_rows_all.view(*lead, nb, 2, h, 2, K)[..., 1, :, :, :].addcmul_(
-            _block_product(d_block, level.cols).view(*lead, nb, h, 2, K), level.e_second.unsqueeze(-2)
-        )
-        d_cols_all.view(*lead, nb, 2, h, K)[..., 0, :, :].addcmul_(
+        d_level_rows = _block_product(d_block, level.cols).view(*lead, nb, h, 2, K).movedim(-2, -4)
+        d_rows.view(*lead, 2, nb, 2, h, K)[..., 1, :, :].addcmul_(d_level_rows, level.e_second.unsqueeze(-4))
+        d_cols.view(*lead, nb, 2, h, K)[..., 0, :, :].addcmul_(
             _block_product(_mT(d_block), level.rows), level.e_first
         )
-    d_diag = d_scores.index_select(1, gather_back[start:]).view(*lead, C)
-    d_q_rows, d_k_rows = d_rows_all.unbind(-2)
-    d_g = q * d_q_rows + k * (d_k_rows - d_cols_all)  # the diagonal q·k has no decay: no dG
-    d_diag = d_diag.unsqueeze(-1)
-    return d_q_rows + d_diag * k, d_k_rows + d_cols_all + d_diag * q, d_g
+    d_diag = d_scores.index_select(1, gather_back[start:]).view(*lead, C, 1)
+    d_q, d_k = d_rows.unbind(-3)
+    d_g = torch.addcmul(q * d_q, k, d_k - d_cols)  # the diagonal q·k has no decay: no dG
+    return d_q.addcmul_(d_diag, k), d_k.add_(d_cols).addcmul_(d_diag, q), d_g
 
 
 def chunk_kda_backward(
@@ -190,10 +188,10 @@ def chunk_kda_backward(
     d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial = _outputs_backward(s, d_o, d_final)
     d_k_decayed, d_v, d_beta, d_a_kk = _wy_backward(s, d_writes)
     d_q, d_k, d_gcum = _scores_backward(d_a_qk, d_a_kk, s.q, s.k, levels, gather_back)
-    d_q = d_q + d_q_decayed * s.decay
-    d_k = d_k + d_k_decayed * s.decay + d_k_to_end * s.to_end
+    d_q.addcmul_(d_q_decayed, s.decay)
+    d_k.addcmul_(d_k_decayed, s.decay).addcmul_(d_k_to_end, s.to_end)
     through_end = d_k_to_end * s.k_to_end
-    d_gcum = d_gcum + d_q_decayed * s.q_decayed + d_k_decayed * s.k_decayed - through_end
+    d_gcum.addcmul_(d_q_decayed, s.q_decayed).addcmul_(d_k_decayed, s.k_decayed).sub_(through_end)
     d_gcum[..., -1, :] += through_end.sum(-2) + d_last * s.last
     d_g = d_gcum.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) within the chunk
     dtype = s.q.dtype
