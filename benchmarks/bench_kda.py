@@ -7,6 +7,10 @@ one process, ``--threads`` intra-op threads (default 2):
 * ``forward`` — outputs only, under ``torch.no_grad()`` (prefill / inference);
 * ``fwd+bwd`` — forward, then ``o.sum().backward()`` into q, k, v, g, beta.
 
+``k2lab_chunk`` runs its hand-written backward (``k2lab.ops.kda_backward``, the default);
+``k2lab_chunk_autograd`` is the same chunk form with autograd through its ops (``backward="autograd"``, the
+reference tier), timed in ``fwd+bwd`` only (without gradients the two are the same code).
+
 Shape B=1, H=HV=4, K=V=64; q, k L2-normalised, v ~ N(0, 1), beta = sigmoid(N), g a log-decay (``--gate``).
 ``ratio`` columns are ``other / k2lab chunk`` (> 1: the chunked form is faster). The forms that loop in
 Python over tokens (both recurrent forms) or over chunk columns (fla's naive chunk form) run only up to
@@ -24,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -47,7 +52,13 @@ from k2lab.ops.kda import chunk_kda, recurrent_kda
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fla_naive import load_naive  # noqa: E402 - fla's naive.py is importable only by file path
 
-IMPLEMENTATIONS = ("k2lab_chunk", "k2lab_recurrent", "fla_naive_chunk", "fla_naive_recurrent")
+IMPLEMENTATIONS = (
+    "k2lab_chunk",
+    "k2lab_chunk_autograd",
+    "k2lab_recurrent",
+    "fla_naive_chunk",
+    "fla_naive_recurrent",
+)
 MODES = ("forward", "fwd+bwd")
 
 KdaFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -57,6 +68,7 @@ def implementations() -> dict[str, KdaFn]:
     naive = load_naive("kda")
     return {
         "k2lab_chunk": chunk_kda,
+        "k2lab_chunk_autograd": functools.partial(chunk_kda, backward="autograd"),
         "k2lab_recurrent": recurrent_kda,
         "fla_naive_chunk": naive.naive_chunk_kda,
         "fla_naive_recurrent": naive.naive_recurrent_kda,
@@ -116,7 +128,10 @@ def bench_length(
     for mode in MODES:
         timed, skipped = [], {}
         for name in IMPLEMENTATIONS:
-            if name == "k2lab_chunk" or args.loop_max_t >= T:
+            if name == "k2lab_chunk_autograd" and mode == "forward":
+                skipped[name] = "forward without gradients is k2lab_chunk's code"
+                continue
+            if name.startswith("k2lab_chunk") or args.loop_max_t >= T:
                 timed.append(name)
                 continue
             last = previous.get((name, mode))
@@ -170,7 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loop-max-t",
         type=int,
         default=4096,
-        help="longest T for the loop-based forms (all but k2lab_chunk)",
+        help="longest T for the loop-based forms (all but the k2lab_chunk rows)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     add_smoke_argument(parser)
