@@ -67,6 +67,16 @@ def _mT(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
 
 
+def matmul_operand(x: torch.Tensor, otherwise: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` as autocast would hand it to a matmul (its low-precision dtype where autocast is on for ``x``'s
+    device; else ``x`` in ``otherwise``, or unchanged): a tensor that feeds several products is then cast
+    once, not at every product. The values reaching the products are the same either way."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x if otherwise is None else x.to(otherwise)
+
+
 def _state_backward(
     transition: torch.Tensor, local: torch.Tensor, d_final: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,16 +102,19 @@ def _outputs_backward(
     Returns (d(exp(G)⊙Q) [.., C, K], dA_qk [.., C, C], dΔ [.., C, V], dK̃ [.., C, K], d exp(G_C) [.., K],
     d(initial state) [B, HV, K, V]).
     """
-    d_q_decayed = d_o @ _mT(s.states)
+    states = matmul_operand(s.states)
+    d_q_decayed = d_o @ _mT(states)
     d_a_qk = d_o @ _mT(s.writes)
     d_writes = _mT(s.a_qk) @ d_o
     local = torch.baddbmm(
         (_mT(s.q_decayed) @ d_o).flatten(0, 2), _mT(s.w).flatten(0, 2), d_writes.flatten(0, 2), alpha=-1
     ).view_as(s.states)
     d_after, d_initial = _state_backward(s.transition, local, d_final)
-    d_writes = torch.baddbmm(d_writes.flatten(0, 2), s.k_to_end.flatten(0, 2), d_after.flatten(0, 2))
-    d_writes = d_writes.view_as(s.writes)
-    d_k_to_end = s.writes @ _mT(d_after)
+    d_after_operand = matmul_operand(d_after)
+    d_writes = torch.baddbmm(
+        d_writes.flatten(0, 2), s.k_to_end.flatten(0, 2), d_after_operand.flatten(0, 2)
+    ).view_as(s.writes)
+    d_k_to_end = s.writes @ _mT(d_after_operand)
     d_last = (d_after * s.states).sum(-1)
     return d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial
 
@@ -116,7 +129,8 @@ def _wy_backward(s: ChunkSaved, d_writes: torch.Tensor) -> tuple[torch.Tensor, .
     Returns (d(exp(G)⊙K) [.., C, K], dV [.., C, V], dβ [.., C], dA_kk [.., C, C]).
     """
     K = s.w.shape[-1]
-    d_wu = torch.cat((-(d_writes @ _mT(s.states)), d_writes), dim=-1)  # [dW | dU] [.., C, K + V]
+    d_writes = matmul_operand(d_writes)
+    d_wu = torch.cat((-(d_writes @ _mT(matmul_operand(s.states))), d_writes), dim=-1)  # [dW | dU]
     y = _mT(s.inverse) @ d_wu
     y_w, y_u = y[..., :K], y[..., K:]
     minus_d_system = torch.baddbmm(
@@ -159,6 +173,7 @@ def _scores_backward(
         nb, h = level.cols.shape[-3:-1]
         # gathered level by level: a contiguous block is a fast batched matmul operand, a slice is not
         d_block = d_scores.index_select(1, gather_back[start : start + C * h]).view(*lead, nb, 2 * h, h)
+        d_block = matmul_operand(d_block) if h > 1 else d_block
         start += C * h
         d_level_rows = _block_product(d_block, level.cols).view(*lead, nb, h, 2, K).movedim(-2, -4)
         d_rows.view(*lead, 2, nb, 2, h, K)[..., 1, :, :].addcmul_(d_level_rows, level.e_second.unsqueeze(-4))
@@ -184,7 +199,7 @@ def chunk_kda_backward(
     -> (dq, dk [B, HV, N, C, K], dv [B, HV, N, C, V], dg [B, HV, N, C, K], dβ [B, HV, N, C], d(initial state)
     [B, HV, K, V]), each in its input's dtype (fp32).
     """
-    d_o = torch.zeros_like(s.v) if d_o is None else d_o.to(s.v.dtype).contiguous()
+    d_o = torch.zeros_like(s.v) if d_o is None else matmul_operand(d_o, s.v.dtype).contiguous()
     d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial = _outputs_backward(s, d_o, d_final)
     d_k_decayed, d_v, d_beta, d_a_kk = _wy_backward(s, d_writes)
     d_q, d_k, d_gcum = _scores_backward(d_a_qk, d_a_kk, s.q, s.k, levels, gather_back)
