@@ -13,13 +13,16 @@ Comparisons (medians of ``--repeats`` after a warmup, one process, same threads)
 
 Usage::
 
-    python benchmarks/bench_muon.py [--json] [--repeats 7] [--batch 8 --seq 256] [--smoke]
+    python benchmarks/bench_muon.py [--json] [--repeats 7] [--batch 8 --seq 256] [--muon-only] [--smoke]
+
+The machine is shared: each row states the 1-minute load average before and after its timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -60,6 +63,7 @@ def bench_muon_step(args: argparse.Namespace) -> dict:
             theirs[-1].grad = grad.clone()
     kwargs = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
     our_opt, torch_opt = Muon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs)
+    load_before = os.getloadavg()[0]
     t_ours, t_torch = alternating_medians([our_opt.step, torch_opt.step], args.repeats)
     return {
         "name": "muon_step_s",
@@ -71,6 +75,7 @@ def bench_muon_step(args: argparse.Namespace) -> dict:
         "torch_tensors": len(theirs),
         "parameters": sum(p.numel() for p in ours),
         "repeats": args.repeats,
+        "load_average": [load_before, os.getloadavg()[0]],
     }
 
 
@@ -115,6 +120,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
+    parser.add_argument(
+        "--muon-only", action="store_true", help="skip the QK-Clip share (full training steps)"
+    )
     add_smoke_argument(parser)
     return apply_smoke(parser.parse_args(argv), preset="k2-nano", batch=2, seq=16)
 
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = run_machine_report(args)
-    rows = [bench_muon_step(args), bench_qk_clip_share(args)]
+    rows = [bench_muon_step(args)] + ([] if args.muon_only else [bench_qk_clip_share(args)])
     if args.json:
         print(json.dumps(machine), flush=True)
     for row in rows:
@@ -131,18 +139,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
-        step, clip = rows
+        step, clips = rows[0], rows[1:]
         print(machine_line(machine))
         print(
             f"Muon step on {args.preset}: k2lab {step['k2lab'] * 1e3:.1f} ms ({step['k2lab_tensors']} tensors, "
             f"{step['k2lab_ns_dtype']} Newton–Schulz), "
             f"torch.optim.Muon {step['torch'] * 1e3:.1f} ms ({step['torch_tensors']} tensors, bf16): "
-            f"k2lab {step['ratio']:.2f}x faster"
+            f"k2lab {step['ratio']:.2f}x faster (load average {step['load_average'][0]:.2f} -> "
+            f"{step['load_average'][1]:.2f})"
         )
-        print(
-            f"QK-Clip share of a training step: {clip['share']:.1%} "
-            f"({clip['step_with_qk_clip_s'] * 1e3:.0f} ms with, {clip['step_without_s'] * 1e3:.0f} ms without)"
-        )
+        for clip in clips:
+            print(
+                f"QK-Clip share of a training step: {clip['share']:.1%} "
+                f"({clip['step_with_qk_clip_s'] * 1e3:.0f} ms with, {clip['step_without_s'] * 1e3:.0f} ms without)"
+            )
     return 0
 
 

@@ -5,7 +5,7 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.optim.grouping import OptimizerConfig, build_optimizer, parameter_groups
-from k2lab.optim.muon import Muon, newton_schulz
+from k2lab.optim.muon import MAX_BATCH, Muon, newton_schulz, same_shape_batches
 
 
 def run_steps(optimizer, params, grads):
@@ -34,6 +34,36 @@ def test_matches_torch_muon(shape, adjust_lr_fn, nesterov):
     run_steps(Muon([ours_fp32], ns_dtype=torch.float32, **kwargs), [ours_fp32], grads)
     # torch runs Newton–Schulz in bf16 (relative error ~2^-8 per entry of the update): lr·r·2^-8·few
     torch.testing.assert_close(ours_fp32, reference, rtol=0, atol=3e-3)
+
+
+def test_same_shape_batches_match_torch_muon_per_matrix():
+    """Same-shape 2-D matrices (wide and tall) share one batched Newton–Schulz, a 3-D tensor is its own batch
+    (one more than MAX_BATCH of a shape opens a second batch; matrices with a side of 16 or less stay alone,
+    as torch would not send their products to oneDNN): each equals torch.optim.Muon on its matrix."""
+    torch.manual_seed(5)
+    shapes = [(24, 40)] * (MAX_BATCH + 1) + [(40, 24)] * 2 + [(16, 40)] * 2 + [(3, 16, 16)] * 2 + [(20, 16)]
+    weights = [torch.randn(shape) for shape in shapes]
+    grads = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    ours = [torch.nn.Parameter(w.clone()) for w in weights]
+    assert [len(b) for b in same_shape_batches(ours)] == [MAX_BATCH, 1, 2, 1, 1, 1, 1, 1]
+    optimizer = Muon(ours, ns_dtype=torch.bfloat16, **kwargs)
+    run_steps(optimizer, ours, grads[:-1])
+    before = [p.detach().clone() for p in ours]
+    run_steps(optimizer, ours, grads[-1:])
+    reference = [
+        torch.nn.Parameter(m.clone()) for w in weights for m in (w.unbind(0) if w.ndim == 3 else [w])
+    ]
+    split = [[m for g in step for m in (g.unbind(0) if g.ndim == 3 else [g])] for step in grads]
+    run_steps(torch.optim.Muon(reference, **kwargs), reference, split)
+    flat = [m for p in ours for m in (p.unbind(0) if p.ndim == 3 else [p])]
+    for mine, theirs in zip(flat, reference, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+    # last_update_rms is the RMS of r·O = (W·(1 − lr·wd) − W_new) / lr over every matrix entry
+    steps = torch.cat(
+        [((b * (1 - 0.02 * 0.1) - p.detach()) / 0.02).flatten() for b, p in zip(before, ours, strict=True)]
+    )
+    assert optimizer.last_update_rms == pytest.approx(float(steps.square().mean().sqrt()), rel=1e-4)
 
 
 def test_newton_schulz_hand_iteration():

@@ -12,7 +12,9 @@ For a matrix parameter W with gradient G (Keller Jordan's Muon; Moonlight's scal
 3-D expert weights [E, out, in] are orthogonalised per expert in one batched Newton–Schulz. With
 ``row_blocks`` set on a parameter group (Per-Head Muon, K3), the rows of each matrix are cut into blocks
 (one per head, e.g. [q_nope_h; q_rope_h]) and each block is orthogonalised on its own; blocks of one size
-run as one batch.
+run as one batch. Plain 2-D matrices of one shape share a batch as well (up to ``MAX_BATCH``, sides over 16),
+and every batch runs in buffers the optimizer keeps (``Workspace``): U is written straight into its slice,
+so a step allocates next to nothing. The arithmetic is torch.optim.Muon's, matrix by matrix.
 """
 
 from __future__ import annotations
@@ -28,6 +30,54 @@ from torch.optim import Optimizer
 from k2lab.hardware import choose
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+MAX_BATCH = 16  # 2-D matrices per batched Newton–Schulz (an expert tensor's count; 240 ran slower)
+MKLDNN_MIN_SIZE = 16**3  # torch's checksize: a product whose m·k·n (× batch) exceeds this goes to oneDNN
+
+
+class Workspace:
+    """Reused buffers of the Newton–Schulz iteration, one per (name, shape, dtype, device).
+
+    A step orthogonalises the same shapes every time; allocating X, A = X Xᵀ, b·A + c·A² and the next X
+    afresh each iteration first-touches new pages (a page fault plus zeroing per 4 KiB, costly on a KVM
+    guest, see docs/performance.md "Freed memory kept mapped"), so the optimizer keeps one of each.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, tuple(shape), dtype, device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return self._buffers[key]
+
+
+def iterate_newton_schulz(
+    x: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    """NS5 of x [N, A, B] (A ≤ B, any strides), overwriting x; the result is x or a workspace buffer.
+
+    X ← X / max(‖X‖_F, eps) per matrix, then ``steps`` × { A = X Xᵀ;  X ← a X + (b A + c A²) X } as
+    ``bmm`` + two ``baddbmm`` (torch.optim.Muon's addmm calls, batched) into reused outputs.
+    """
+    a, b, c = coefficients
+    n, rows, cols = x.shape
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) if n > 1 else x.norm()
+    x.div_(norm.clamp(min=eps))
+    gram = workspace.get("gram", (n, rows, rows), x.dtype, x.device)
+    poly = workspace.get("poly", (n, rows, rows), x.dtype, x.device)
+    spare = workspace.get("x1", (n, rows, cols), x.dtype, x.device)
+    other = x if x.is_contiguous() else workspace.get("x2", (n, rows, cols), x.dtype, x.device)
+    for _ in range(steps):
+        torch.bmm(x, x.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)  # b·A + c·A², fused as torch.optim.Muon
+        torch.baddbmm(x, poly, x, beta=a, out=spare)  # a·X + (b·A + c·A²)·X
+        x, spare, other = spare, other, spare
+    return x
 
 
 def newton_schulz(
@@ -36,25 +86,22 @@ def newton_schulz(
     steps: int = 5,
     eps: float = 1e-7,
     dtype: torch.dtype = torch.float32,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """Approximate orthogonalisation of [..., A, B] matrices (batched over leading dims), in ``dtype``."""
+    """Approximate orthogonalisation of [..., A, B] matrices (batched over leading dims), in ``dtype``.
+
+    With a ``workspace`` the result lives in its buffers (valid until the next call with the same shapes).
+    """
     if update.ndim < 2:
         raise ValueError(f"Newton–Schulz needs matrices, got shape {tuple(update.shape)}")
-    a, b, c = coefficients
-    x = update.to(dtype)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    lead = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:])  # [N, A, B]: one batch for every leading index
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) if x.shape[0] > 1 else x.norm()
-    x = x / norm.clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A², fused as torch.optim.Muon
-        x = torch.baddbmm(x, poly, x, beta=a)  # a·X + (b·A + c·A²)·X
-    x = x.reshape(*lead, *x.shape[-2:])
-    return x.mT if tall else x
+    workspace = workspace or Workspace()
+    rows, cols = update.shape[-2:]
+    x = workspace.get("input", (update[..., 0, 0].numel(), rows, cols), dtype, update.device)
+    x.copy_(update.reshape(x.shape))
+    tall = rows > cols
+    result = iterate_newton_schulz(x.mT if tall else x, coefficients, steps, eps, workspace)
+    result = result.mT if tall else result
+    return result.reshape(update.shape)
 
 
 def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -73,11 +120,12 @@ def orthogonalize(
     steps: int,
     eps: float,
     dtype: torch.dtype,
+    workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """NS of update [..., rows, cols], whole or per row block; returns O and (start, rows, cols) per block."""
     rows, cols = update.shape[-2:]
     if not row_blocks:
-        return newton_schulz(update, coefficients, steps, eps, dtype), [(0, rows, cols)]
+        return newton_schulz(update, coefficients, steps, eps, dtype, workspace), [(0, rows, cols)]
     if sum(row_blocks) != rows:
         raise ValueError(f"row_blocks {list(row_blocks)} do not add up to the {rows} rows of the matrix")
     starts = [sum(row_blocks[:i]) for i in range(len(row_blocks))]
@@ -85,10 +133,35 @@ def orthogonalize(
     for size in sorted(set(row_blocks)):
         chosen = [start for start, block in zip(starts, row_blocks, strict=True) if block == size]
         stacked = torch.stack([update[..., s : s + size, :] for s in chosen], dim=-3)
-        result = newton_schulz(stacked, coefficients, steps, eps, dtype)
+        result = newton_schulz(stacked, coefficients, steps, eps, dtype, workspace)
         for i, s in enumerate(chosen):
             out[..., s : s + size, :] = result[..., i, :, :]
     return out, [(s, block, cols) for s, block in zip(starts, row_blocks, strict=True)]
+
+
+def same_shape_batches(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """2-D parameters of one shape, dtype and device in batches of ≤ ``MAX_BATCH``; each 3-D one alone.
+
+    Only matrices whose smaller side is over 16 are batched: torch sends a product to oneDNN when
+    m·k·n (times the batch) exceeds 16³, so a batch of 16 × 16 products would take another kernel (another
+    rounding) than torch.optim.Muon's ``addmm`` on each; above that both take oneDNN's.
+    """
+    batches: list[list[torch.Tensor]] = []
+    filling: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        key = (tuple(p.shape), p.dtype, p.device)
+        alone = p.ndim == 3 or min(p.shape) ** 3 <= MKLDNN_MIN_SIZE
+        if alone or key not in filling or len(filling[key]) == MAX_BATCH:
+            batches.append([])
+            filling[key] = batches[-1]
+        filling[key].append(p)
+    return batches
+
+
+def _square_sum(tensor: torch.Tensor) -> float:
+    """Σ x² over a tensor [..., cols]: fp32 norms of its rows, summed in fp64 (one fp32 sum over millions of
+    entries drifts by ~1e-4 relative)."""
+    return float(torch.linalg.vector_norm(tensor, dim=-1, dtype=torch.float32).double().square().sum())
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +244,7 @@ class Muon(Optimizer):
                         "put it in a kind='adamw' group"
                     )
         self.last_update_rms: float = 0.0
+        self._workspace = Workspace()
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -180,44 +254,92 @@ class Muon(Optimizer):
                 loss = closure()
         square_sum, count = 0.0, 0
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["kind"] == "adamw":
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["kind"] == "adamw":
+                for p in params:
                     self._adamw_step(p, group)
-                    continue
-                scaled = self._muon_update(p, group)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(scaled, alpha=-group["lr"])
-                local = scaled.to_local() if isinstance(scaled, DTensor) else scaled
-                square_sum += float(torch.linalg.vector_norm(local, dtype=torch.float32)) ** 2
-                count += local.numel()
+                continue
+            self._advance_momentum(params, group)
+            plain = [] if group["row_blocks"] else [p for p in params if not isinstance(p, DTensor)]
+            for batch in same_shape_batches(plain):
+                batch_squares, batch_count = self._batched_update(batch, group)
+                square_sum, count = square_sum + batch_squares, count + batch_count
+            batched = {id(p) for p in plain}
+            for p in params:
+                if id(p) not in batched:
+                    scaled = self._muon_update(p, group)
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(scaled, alpha=-group["lr"])
+                    local = scaled.to_local() if isinstance(scaled, DTensor) else scaled
+                    square_sum += _square_sum(local)
+                    count += local.numel()
         self.last_update_rms = _global_rms(square_sum, count)
         return loss
 
+    def _batched_update(self, batch: list[torch.Tensor], group: dict) -> tuple[float, int]:
+        """W ← W·(1 − lr·wd) − lr·r·NS(U) for same-shape plain tensors in one batched Newton–Schulz.
+
+        Each U [(E,) rows, cols] is written into its slice of one reused [n, rows, cols] batch (n matrices in
+        all), cast to ``ns_dtype`` for NS, and W is updated from its slice of r·O (in W's dtype, the same
+        arithmetic as the per-tensor path). Returns (Σ (r·O)², count) for ``last_update_rms``.
+        """
+        rows, cols = batch[0].shape[-2:]
+        counts = [p[..., 0, 0].numel() for p in batch]  # matrices per tensor: 1, or E for [E, out, in]
+        starts = [sum(counts[:i]) for i in range(len(batch))]
+        shape, device = (sum(counts), rows, cols), batch[0].device
+        x = self._workspace.get("input", shape, group["ns_dtype"], device)
+        wide = self._workspace.get("wide", shape, batch[0].dtype, device)  # U, then r·O, in W's dtype
+        for p, start, n in zip(batch, starts, counts, strict=True):
+            self._momentum_update(p, group, out=wide[start : start + n].view(p.shape))
+        x.copy_(wide)  # a cast into an out= of another dtype would allocate a temporary per call
+        tall = rows > cols
+        ortho = iterate_newton_schulz(
+            x.mT if tall else x, group["ns_coefficients"], group["ns_steps"], group["eps"], self._workspace
+        )
+        scaled = wide.copy_(ortho.mT if tall else ortho).mul_(lr_ratio(group["adjust_lr_fn"], rows, cols))
+        for p, start, n in zip(batch, starts, counts, strict=True):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(scaled[start : start + n].view(p.shape), alpha=-group["lr"])
+        return _square_sum(scaled), scaled.numel()
+
     def _muon_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """The shape-scaled orthogonalised momentum r·NS(U), sharded like ``p`` (lr not applied)."""
-        momentum = self._momentum_update(p, group)
         ortho, blocks = orthogonalize(
-            _full(momentum),
+            _full(self._momentum_update(p, group)),
             group["row_blocks"],
             group["ns_coefficients"],
             group["ns_steps"],
             group["eps"],
             group["ns_dtype"],
+            self._workspace,
         )
         ortho = ortho.to(p.dtype)
         for start, rows, cols in blocks:
             ortho[..., start : start + rows, :] *= lr_ratio(group["adjust_lr_fn"], rows, cols)
         return _like(ortho, p)
 
-    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buffer = state["momentum_buffer"]
-        buffer.lerp_(p.grad, 1 - group["momentum"])
-        return p.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+    def _advance_momentum(self, params: list[torch.Tensor], group: dict) -> None:
+        """B ← μ·B + (1 − μ)·G for every parameter of the group (one foreach call for plain tensors)."""
+        buffers = []
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+            buffers.append(self.state[p]["momentum_buffer"])
+        plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+        if plain:
+            torch._foreach_lerp_(
+                [buffers[i] for i in plain], [params[i].grad for i in plain], 1 - group["momentum"]
+            )
+        for i, p in enumerate(params):
+            if isinstance(p, DTensor):
+                buffers[i].lerp_(p.grad, 1 - group["momentum"])
+
+    def _momentum_update(self, p: torch.Tensor, group: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+        """U = (1 − μ)·G + μ·B (Nesterov) or B, written into ``out`` (cast to its dtype) when given."""
+        buffer = self.state[p]["momentum_buffer"]
+        if not group["nesterov"]:
+            return buffer if out is None else out.copy_(buffer)
+        return torch.lerp(p.grad, buffer, group["momentum"], out=out)
 
     def _adamw_step(self, p: torch.Tensor, group: dict) -> None:
         """AdamW: m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²; p ← p(1 − lr·wd) − lr·m̂/(√v̂ + eps)."""
