@@ -10,8 +10,8 @@ and, given dO [C, V] and dS' [K, V] (the gradient reaching the next chunk's stat
 
     dS  = Pᵀ dS' + (exp(G)⊙Q)ᵀ dO − Wᵀ A_qkᵀ dO        (run serially over chunks, last to first)
     dΔ  = A_qkᵀ dO + K̃ dS',   dA_qk = dO Δᵀ,   d(exp(G)⊙Q) = dO Sᵀ,   dK̃ = Δ dS'ᵀ,   d exp(G_C) = Σ_v dS' ⊙ S
-    dU  = dΔ,   dW = −dΔ Sᵀ,   dT = dW (exp(G)⊙K)ᵀ + dU Vᵀ,   d(exp(G)⊙K) = Tᵀ dW,   dV = Tᵀ dU
-    dβ_j = Σ_i dT_ij M⁻¹_ij + Σ_k dM_jk (A_kk)_jk,   dM = −M⁻ᵀ (dT Diag(β)) M⁻ᵀ,   dA_kk = Diag(β) dM
+    dU  = dΔ,   dW = −dΔ Sᵀ,   Y = M⁻ᵀ [dW | dU],   d[exp(G)⊙K | V] = Diag(β) Y
+    dM  = −Y [W | U]ᵀ,   dA_kk = Diag(β) dM,   dβ_i = Σ Y_i ⊙ [exp(G)⊙K | V]_i + Σ_j dM_ij (A_kk)_ij
 
 The scores ``A[t, j] = Σ_d a_td k_jd exp(G_td − G_jd)`` (a = q or k) depend on G only through differences,
 so their part of dG is ``a ⊙ da − k ⊙ dk_col`` (row minus column gradients); they are differentiated level
