@@ -397,7 +397,7 @@ def _chunk_forward(
     if keep is None:
         return o, final, None
     saved = ChunkSaved(
-        q, k, v, beta, decay, q_decayed, k_decayed, a_kk, inverse, u, w, writes, a_qk,
+        q, k, v, beta, decay, q_decayed, k_decayed, a_kk, inverse, w, writes, a_qk,
         states, transition, k_to_end, to_end, last,
     )  # fmt: skip
     return o, final, saved

@@ -10,8 +10,8 @@ and, given dO [C, V] and dS' [K, V] (the gradient reaching the next chunk's stat
 
     dS  = Pᵀ dS' + (exp(G)⊙Q)ᵀ dO − Wᵀ A_qkᵀ dO        (run serially over chunks, last to first)
     dΔ  = A_qkᵀ dO + K̃ dS',   dA_qk = dO Δᵀ,   d(exp(G)⊙Q) = dO Sᵀ,   dK̃ = Δ dS'ᵀ,   d exp(G_C) = Σ_v dS' ⊙ S
-    dU  = dΔ,   dW = −dΔ Sᵀ,   Y = M⁻ᵀ [dW | dU],   d[exp(G)⊙K | V] = Diag(β) Y
-    dM  = −Y [W | U]ᵀ,   dA_kk = Diag(β) dM,   dβ_i = Σ Y_i ⊙ [exp(G)⊙K | V]_i + Σ_j dM_ij (A_kk)_ij
+    Y_U = M⁻ᵀ dΔ,   Y_W = −Y_U Sᵀ (= M⁻ᵀ dW),   d(exp(G)⊙K) = Diag(β) Y_W,   dV = Diag(β) Y_U
+    dM  = −Y_U Δᵀ,   dA_kk = Diag(β) dM,   dβ_i = Σ (Y_W ⊙ exp(G)⊙K + Y_U ⊙ V)_i + Σ_j dM_ij (A_kk)_ij
 
 The scores ``A[t, j] = Σ_d a_td k_jd exp(G_td − G_jd)`` (a = q or k) depend on G only through differences,
 so their part of dG is ``a ⊙ da − k ⊙ dk_col`` (row minus column gradients); they are differentiated level
@@ -52,7 +52,6 @@ class ChunkSaved(NamedTuple):
     k_decayed: torch.Tensor  # exp(G) ⊙ k
     a_kk: torch.Tensor  # [B, HV, N, C, C]
     inverse: torch.Tensor  # M⁻¹ [B, HV, N, C, C]
-    u: torch.Tensor  # U = T V [B, HV, N, C, V]
     w: torch.Tensor  # [B, HV, N, C, K]
     writes: torch.Tensor  # Δ = U − W S [B, HV, N, C, V]
     a_qk: torch.Tensor  # [B, HV, N, C, C]
@@ -122,20 +121,15 @@ def _outputs_backward(
 def _wy_backward(s: ChunkSaved, d_writes: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Through ``Δ = U − W S``, ``[W | U] = M⁻¹ Diag(β) [exp(G)⊙K | V]``, ``M = I + Diag(β) A_kk``.
 
-    With ``Y = M⁻ᵀ [dW | dU]``: ``d[exp(G)⊙K | V] = Diag(β) Y``, ``dM = −Y [W | U]ᵀ`` (as
-    ``Diag(β) [exp(G)⊙K | V]ᵀ M⁻ᵀ = [W | U]ᵀ``), ``dA_kk = Diag(β) dM`` and
-    ``dβ_i = Σ Y_i ⊙ [exp(G)⊙K | V]_i + Σ_j dM_ij (A_kk)_ij``.
+    With ``dW = −dΔ Sᵀ``, ``dU = dΔ`` and ``Y = M⁻ᵀ [dW | dU] = [−Y_U Sᵀ | Y_U]``, ``Y_U = M⁻ᵀ dΔ``:
+    ``d[exp(G)⊙K | V] = Diag(β) Y``; ``dM = −Y [W | U]ᵀ = −Y_U Δᵀ`` (as ``Diag(β) [exp(G)⊙K | V]ᵀ M⁻ᵀ =
+    [W | U]ᵀ``); ``dA_kk = Diag(β) dM``; ``dβ_i = Σ Y_i ⊙ [exp(G)⊙K | V]_i + Σ_j dM_ij (A_kk)_ij``.
 
     Returns (d(exp(G)⊙K) [.., C, K], dV [.., C, V], dβ [.., C], dA_kk [.., C, C]).
     """
-    K = s.w.shape[-1]
-    d_writes = matmul_operand(d_writes)
-    d_wu = torch.cat((-(d_writes @ _mT(matmul_operand(s.states))), d_writes), dim=-1)  # [dW | dU]
-    y = _mT(s.inverse) @ d_wu
-    y_w, y_u = y[..., :K], y[..., K:]
-    minus_d_system = torch.baddbmm(
-        (y_u @ _mT(s.u)).flatten(0, 2), y_w.flatten(0, 2), _mT(s.w).flatten(0, 2)
-    ).view_as(s.inverse)  # −dM
+    y_u = _mT(s.inverse) @ matmul_operand(d_writes)
+    y_w = -(y_u @ _mT(matmul_operand(s.states)))
+    minus_d_system = y_u @ _mT(s.writes)  # −dM
     d_beta = (y_w * s.k_decayed).sum(-1) + (y_u * s.v).sum(-1) - (minus_d_system * s.a_kk).sum(-1)
     beta = s.beta[..., None]
     return y_w * beta, y_u * beta, d_beta, minus_d_system * -beta
