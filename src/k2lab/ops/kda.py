@@ -280,8 +280,8 @@ def _intra_chunk_scores(
     ``A_qk[t, j] = Σ_d q_td k_jd exp(G_td − G_jd)`` for t ≥ j and ``A_kk[t, j]`` likewise with ``k_t`` for
     t > j (zero elsewhere), where ``G`` is the within-chunk cumulative log-decay. The chunk is split in halves
     recursively; a row t in the second half of a block meets a column j in its first half through the
-    cumulative decay ``R`` at the end of the first half: ``exp(G_t − R)·exp(R − G_j)``, two factors ≤ 1
-    (for g ≤ 0), so strong decays never overflow and every block pair is one batched matmul.
+    cumulative decay ``R`` at the end of the first half: ``exp(G_t − G_j) = exp(G_t − R)·exp(R − G_j)``, two
+    factors ≤ 1 (for g ≤ 0), so strong decays never overflow and every block pair is one batched matmul.
 
     Shapes: q, k, gcum [..., C, K] (C a power of two) -> (A_qk, A_kk) [..., C, C]. ``keep`` (a list) receives
     each level's :class:`LevelFactors` for the hand-written backward.
@@ -316,18 +316,18 @@ def _batched(x: torch.Tensor) -> torch.Tensor:
 
 def _wy_transform(
     a_kk: torch.Tensor, k_decayed: torch.Tensor, v: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Solve the intra-chunk delta rule: ``W = T (exp(G)⊙K)``, ``U = T V``, ``T = (I + Diag(β) A_kk)⁻¹ Diag(β)``.
 
     The chunk's effective writes are then ``U − W S₀`` for the state ``S₀`` entering the chunk.
     Shapes: a_kk [..., C, C]; k_decayed [..., C, K]; v [..., C, V]; beta [..., C]
-    -> w [..., C, K], u [..., C, V], and the inverse ``(I + Diag(β) A_kk)⁻¹`` and ``T`` [..., C, C].
+    -> w [..., C, K], u [..., C, V] and the inverse ``(I + Diag(β) A_kk)⁻¹`` [..., C, C].
     """
     eye = torch.eye(a_kk.shape[-1], dtype=a_kk.dtype, device=a_kk.device)
     system = torch.addcmul(eye, beta[..., None], a_kk)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
     transform = inverse * beta[..., None, :]
-    return transform @ k_decayed, transform @ v, inverse, transform
+    return transform @ k_decayed, transform @ v, inverse
 
 
 def _chunk_transitions(
@@ -390,7 +390,7 @@ def _chunk_forward(
     a_qk, a_kk = _intra_chunk_scores(q, k, gcum, keep)
     decay = _decay(gcum)
     q_decayed, k_decayed = q * decay, k * decay
-    w, u, inverse, _ = _wy_transform(a_kk, k_decayed, v, beta)
+    w, u, inverse = _wy_transform(a_kk, k_decayed, v, beta)
     transition, write, k_to_end, to_end, last = _chunk_transitions(w, u, k, gcum)
     states, final = _propagate_states(transition, write, state)
     o, writes = _chunk_outputs(q_decayed, a_qk, w, u, states)
