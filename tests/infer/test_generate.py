@@ -3,6 +3,7 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.infer import GenerationConfig, generate
+from k2lab.infer.cache import LatentCache
 from k2lab.infer.generate import GenerationCache, sample_next
 from tests.conftest import KIMI_LINEAR_STYLE, randomize
 
@@ -111,3 +112,32 @@ def test_drop_finished_samples_the_same_tokens_and_keeps_each_rows_cache(both):
             torch.testing.assert_close(a.rows, b.rows)
     with pytest.raises(ValueError, match="needs row_seeds"):
         generate(both, prompts, config)
+
+
+@pytest.fixture(scope="module")
+def mini():
+    return randomize(build_model(load_preset("k2-mini")), seed=3).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_tiers_keep_greedy_tokens_and_logits(mini, batch, monkeypatch):
+    """k2-mini (the benchmark's model), 12 greedy tokens: the decode tiers (``decode_linear``) give the
+    tokens of the plain path (every product as ``F.linear``), and each step's logits within fp32 rounding."""
+    generator = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, mini.config.vocab_size, (batch, 8), generator=generator).tolist()
+    config = GenerationConfig(max_new_tokens=12)
+    fast = generate(mini, prompts, config)
+    prompt, tokens = torch.tensor(prompts), torch.tensor(fast)
+    fast_logits = _teacher_forced_logits(mini, prompt, tokens)
+    monkeypatch.setattr("k2lab.nn.decode_linear.MAX_ROWS", 0)  # every product through F.linear
+    assert generate(mini, prompts, config) == fast
+    for got, want in zip(fast_logits, _teacher_forced_logits(mini, prompt, tokens), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _teacher_forced_logits(model, prompt: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill prompt [B, P], then feed tokens [B, N] one decode step at a time; each step's logits [B, V]."""
+    cache = LatentCache(model.config, prompt.shape[0], prompt.shape[1] + tokens.shape[1])
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+        return [model(tokens[:, i : i + 1], cache=cache).logits[:, -1] for i in range(tokens.shape[1])]

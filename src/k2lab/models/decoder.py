@@ -27,6 +27,7 @@ from k2lab.models.init import init_weights
 from k2lab.models.layer import DecoderLayer, LayerInputs
 from k2lab.models.mtp import MultiTokenPrediction, shifted_embeds
 from k2lab.nn.attnres import AttnRes, BlockAttnResState
+from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.mla import AttentionMask
 from k2lab.nn.moe import MoE
 from k2lab.nn.norm import RMSNorm
@@ -147,7 +148,9 @@ class CausalLM(nn.Module):
         if logits_mask is not None:
             h = h[logits_mask.to(device=h.device, dtype=torch.bool)]
         h = self.norm(h)
-        return CausalLMOutput(logits=self.lm_head(h), hidden=h if output_hidden else None)
+        # decode steps (a cache, a few rows): the head's product in the operand order CPU BLAS runs fastest
+        logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight, compiled=True)
+        return CausalLMOutput(logits=logits, hidden=h if output_hidden else None)
 
     def layer_inputs(
         self,

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from k2lab.nn.activations import swiglu
+from k2lab.nn.decode_linear import decode_linear
 from k2lab.ops.grouped_mm import grouped_matmul
 
 
@@ -144,7 +145,7 @@ class RoutedExperts(nn.Module):
         """W_down[e] act(W_gate[e] x, W_up[e] x) for x [n, D] (weights cast to x's dtype, as autocast does)."""
 
         def linear(h: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
-            return torch.nn.functional.linear(h, w[expert].to(h.dtype))
+            return decode_linear(h, w[expert].to(h.dtype))
 
         return linear(self.activation(linear(x, self.gate_proj), linear(x, self.up_proj)), self.down_proj)
 

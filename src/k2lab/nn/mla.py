@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k2lab.config import ModelConfig
+from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import apply_rotary
 
@@ -101,12 +102,16 @@ class MultiHeadLatentAttention(nn.Module):
         """q_nope [B, T, H, n], rotated q_rope [B, T, H, r], normalised c_KV [B, T, C], rotated k_R [B, T, r].
 
         The H query rope parts and the shared key rope part are rotated together, as H + 1 heads
-        (NoPE: left as projected; cos/sin may then be None).
+        (NoPE: left as projected; cos/sin may then be None). With a few rows and no gradient (decode) the
+        down/up products run as ``k2lab.nn.decode_linear`` (same products, CPU BLAS's faster operand order).
         """
         B, T, _ = x.shape
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_up(self.q_norm(self.q_down(x)))
+        if hasattr(self, "q_proj"):
+            q = decode_linear(x, self.q_proj.weight)
+        else:
+            q = decode_linear(self.q_norm(decode_linear(x, self.q_down.weight)), self.q_up.weight)
         q_nope, q_rope = q.view(B, T, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_down(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        latent, k_rope = decode_linear(x, self.kv_down.weight).split([self.latent_dim, self.rope_dim], dim=-1)
         if self.rotate:
             rotated = apply_rotary(torch.cat((q_rope, k_rope.unsqueeze(2)), dim=2), cos, sin)  # [B,T,H+1,r]
             q_rope, k_rope = rotated.split([self.n_heads, 1], dim=2)
@@ -141,8 +146,8 @@ class MultiHeadLatentAttention(nn.Module):
                 out = self._expanded_attention(q_nope, q_rope, latent, k_rope, mask)
         out = out.reshape(B, T, self.n_heads * self.v_dim)
         if hasattr(self, "gate_proj"):
-            out = out * torch.sigmoid(self.gate_proj(x))
-        return self.out_proj(out)
+            out = out * torch.sigmoid(decode_linear(x, self.gate_proj.weight))
+        return decode_linear(out, self.out_proj.weight)
 
     def expanded_qkv(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor

@@ -1,0 +1,54 @@
+"""A linear layer over the few rows of a decode step, in the operand order CPU BLAS runs fastest.
+
+    y = x Wᵀ        x [..., D] (N rows in all), W [O, D] -> y [..., O]
+
+``F.linear`` hands MKL ``x @ Wᵀ``: with N = 1 a transposed GEMV, every output a D-long dot product ending in a
+horizontal reduction, and with a few rows a GEMM whose small dimension is the wrong one. ``decode_linear``
+computes the same products as ``(W @ xᵀ)ᵀ``, a GEMM with W [O, D] row-major as the left operand (one padding
+row of zeros when N = 1, since MKL's GEMV for a single column takes the same slow path). Measured on the
+shared Zen 4 VM, 1 thread, CPU time, weights not in cache (docs/generation.md):
+
+    W [8192, 256] (the k2-mini LM head)   N = 1: 1.49 -> 0.71 ms    N = 4: 2.48 -> 1.02 ms
+    W [768, 256]                          N = 1: 105 -> 60 µs       N = 4: 140 -> 80 µs
+    W [256, 256]                          N = 1: 37 -> 30 µs        N = 4: 54 -> 28 µs
+    W [128, 256]                          N = 1: 24 -> 21 µs        N = 4: 34 -> 24 µs
+    W [256, 768] (a down projection)      N = 1: 97 -> 112 µs       N = 4: 127 -> 140 µs (slower)
+
+so the swap applies where O ≥ D only. The same dot products in another summation order: equal to
+``F.linear`` within fp32 rounding (tests). It is a decode tier: CPU, fp32, no gradient, at most ``MAX_ROWS``
+rows, O ≥ D; anything else goes to ``F.linear``.
+
+Under ``torch.compile`` it stays ``F.linear`` unless the caller passes ``compiled=True``: with torch 2.13's
+CPU inductor, a transposed product fused into a following reduction (out_proj -> residual add -> RMSNorm)
+read wrong values at batch ≥ 2 (tests/infer/test_compiled.py caught it). The LM head, whose logits leave the
+graph, is the caller that passes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Above this many rows MKL's GEMM no longer gains from the swap (N = 8 measured equal).
+MAX_ROWS = 6
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """x [..., D], weight [O, D] -> x Wᵀ [..., O] (``F.linear`` without bias); ``compiled``: swap the
+    operands inside a compiled graph too (only where the result leaves the graph)."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if (
+        (torch.compiler.is_compiling() and not compiled)
+        or n > MAX_ROWS
+        or weight.shape[1] > weight.shape[0]
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return F.linear(x, weight)
+    if n == 1:
+        rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))
+    out = (weight @ rows.T).T[:n].contiguous()
+    return out.view(*x.shape[:-1], weight.shape[0])
