@@ -5,7 +5,14 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.optim.grouping import OptimizerConfig, build_optimizer, parameter_groups
-from k2lab.optim.muon import MAX_BATCH, Muon, newton_schulz, same_shape_batches
+from k2lab.optim.muon import (
+    MAX_BATCH,
+    Muon,
+    balanced_shares,
+    newton_schulz,
+    newton_schulz_flops,
+    same_shape_batches,
+)
 
 
 def run_steps(optimizer, params, grads):
@@ -36,7 +43,16 @@ def test_matches_torch_muon(shape, adjust_lr_fn, nesterov):
     torch.testing.assert_close(ours_fp32, reference, rtol=0, atol=3e-3)
 
 
-def test_same_shape_batches_match_torch_muon_per_matrix():
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-workers"])
+def threads(request):
+    """Muon.step runs its batches in one thread, or dealt to two one-thread workers (``_run_batches``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_same_shape_batches_match_torch_muon_per_matrix(threads):
     """Same-shape 2-D matrices (wide and tall) share one batched Newton–Schulz, a 3-D tensor is its own batch
     (one more than MAX_BATCH of a shape opens a second batch; matrices with a side of 16 or less stay alone,
     as torch would not send their products to oneDNN): each equals torch.optim.Muon on its matrix."""
@@ -64,6 +80,19 @@ def test_same_shape_batches_match_torch_muon_per_matrix():
         [((b * (1 - 0.02 * 0.1) - p.detach()) / 0.02).flatten() for b, p in zip(before, ours, strict=True)]
     )
     assert optimizer.last_update_rms == pytest.approx(float(steps.square().mean().sqrt()), rel=1e-4)
+
+
+def test_balanced_shares_deal_largest_first_to_the_least_loaded():
+    batches = [
+        [torch.zeros(4, 32, 32)],
+        [torch.zeros(32, 32)] * 3,
+        [torch.zeros(2, 32, 32)],
+        [torch.zeros(32, 32)],
+    ]
+    shares = balanced_shares(batches, 2)
+    assert sorted(id(b) for share in shares for b in share) == sorted(id(b) for b in batches)
+    loads = [sum(newton_schulz_flops(b) for b in share) for share in shares]
+    assert loads[0] == loads[1] == 5 * newton_schulz_flops([torch.zeros(32, 32)])  # 4 + 1 against 3 + 2
 
 
 def test_newton_schulz_hand_iteration():
