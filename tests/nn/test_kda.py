@@ -7,7 +7,7 @@ import torch
 
 from k2lab import load_preset
 from k2lab.infer.cache import KDAState
-from k2lab.nn.kda import KimiDeltaAttention, conv_history_steps
+from k2lab.nn.kda import KimiDeltaAttention, causal_short_conv, conv_history_steps
 
 
 class Recorder(KDAState):
@@ -50,3 +50,29 @@ def test_conv_history_steps():
     assert steps.shape == (1, 3, 2, 3)
     assert steps[0, 0].tolist() == [[-2.0, -1.0, 0.0], [-5.0, -4.0, 1.0]]
     assert steps[0, 2].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
+
+
+def test_document_conv_equals_each_document_alone():
+    """The packed-window short convolution against the plain one run on every document alone (zero history),
+    in fp32 and bf16, values and gradients, with documents shorter than the kernel and a window of T < W."""
+    generator = torch.Generator().manual_seed(0)
+    C, W = 6, 4
+    weight = torch.randn(C, 1, W, generator=generator)
+    for lengths in ([5, 1, 2, 9], [2]):
+        T = sum(lengths)
+        starts = torch.zeros(1, T, dtype=torch.bool)
+        starts[0, torch.tensor([0, *lengths[:-1]]).cumsum(0)] = True
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(1, T, C, generator=generator).to(dtype).requires_grad_()
+            w = weight.clone().requires_grad_()
+            packed, _ = causal_short_conv(x, w, document_starts=starts)
+            alone = torch.cat([causal_short_conv(d, w)[0] for d in x.split(lengths, 1)], 1)
+            tolerance = (
+                {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+            )
+            assert packed.dtype == dtype
+            torch.testing.assert_close(packed, alone, **tolerance)  # conv1d sums the taps in another order
+            probe = torch.randn(1, T, C, generator=generator).to(dtype)
+            got = torch.autograd.grad((packed.float() * probe).sum(), (x, w))
+            want = torch.autograd.grad((alone.float() * probe).sum(), (x, w))
+            torch.testing.assert_close(got, want, **tolerance)

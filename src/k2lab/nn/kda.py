@@ -95,13 +95,20 @@ def conv_history_steps(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 
 def _document_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    taps = weight.to(x.dtype).squeeze(1)  # [C, W]; the last tap multiplies the current token
+    """y_t = W[W−1] x_t + Σ_{lag ≥ 1} W[W−1−lag] x_{t−lag} [doc(t−lag) = doc(t)]. x [B, T, C], weight [C, 1, W],
+    starts [B, T] bool -> y [B, T, C].
+
+    The taps are made contiguous [W, C] first: a broadcast multiply by a strided [C] view (``weight[:, 0, j]``)
+    falls off the vectorised path (3× slower forward + backward in bf16). Each lag's term is computed on the
+    T − lag tokens that have an x_{t−lag} and padded with zeros in front; same products and sums in the same
+    order as the plain per-lag form, so the result is bit-identical to it.
+    """
+    taps = weight.to(x.dtype).squeeze(1).t().contiguous()  # [W, C]; the last tap multiplies the current token
     document = starts.long().cumsum(1)  # [B, T]
-    y = x * taps[:, -1]
-    for lag in range(1, taps.shape[-1]):
-        shifted = F.pad(x, (0, 0, lag, 0))[:, : x.shape[1]]  # x_{t−lag}, zeros before the window
-        same = F.pad(document, (lag, 0), value=-1)[:, : x.shape[1]] == document
-        y = y + shifted * taps[:, -1 - lag] * same.unsqueeze(-1).to(x.dtype)
+    y = x * taps[-1]
+    for lag in range(1, min(taps.shape[0], x.shape[1])):  # lags ≥ T reach only the zeros before the window
+        same = (document[:, lag:] == document[:, :-lag]).unsqueeze(-1).to(x.dtype)  # [B, T − lag, 1]
+        y = y + F.pad(x[:, :-lag] * taps[-1 - lag] * same, (0, 0, lag, 0))  # zeros before the window
     return y
 
 
