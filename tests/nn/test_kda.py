@@ -7,7 +7,7 @@ import torch
 
 from k2lab import load_preset
 from k2lab.infer.cache import KDAState
-from k2lab.nn.kda import KimiDeltaAttention, causal_short_conv, conv_history_steps
+from k2lab.nn.kda import KimiDeltaAttention, causal_short_conv, conv_history_steps, l2_normalize
 
 
 class Recorder(KDAState):
@@ -76,3 +76,20 @@ def test_document_conv_equals_each_document_alone():
             got = torch.autograd.grad((packed.float() * probe).sum(), (x, w))
             want = torch.autograd.grad((alone.float() * probe).sum(), (x, w))
             torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_l2_normalize_backward():
+    """The hand-written backward against torch.autograd.gradcheck (float64) and against autograd through the
+    plain formula (fp32, bf16)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 2, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(l2_normalize, (x,), rtol=1e-6)
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = (torch.randn(4, 6, 3, 16, generator=generator) * 3).to(dtype).requires_grad_()
+        probe = torch.randn(4, 6, 3, 16, generator=generator)
+        plain = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        ours = l2_normalize(x)
+        torch.testing.assert_close(ours, plain, rtol=0, atol=0)
+        (want,) = torch.autograd.grad((plain.float() * probe).sum(), x)
+        (got,) = torch.autograd.grad((ours.float() * probe).sum(), x)
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)

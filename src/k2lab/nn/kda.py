@@ -96,25 +96,74 @@ def conv_history_steps(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 def _document_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """y_t = W[W−1] x_t + Σ_{lag ≥ 1} W[W−1−lag] x_{t−lag} [doc(t−lag) = doc(t)]. x [B, T, C], weight [C, 1, W],
-    starts [B, T] bool -> y [B, T, C].
+    starts [B, T] bool -> y [B, T, C] (``_DocumentConv``)."""
+    return _DocumentConv.apply(x, weight, starts)
 
-    The taps are made contiguous [W, C] first: a broadcast multiply by a strided [C] view (``weight[:, 0, j]``)
-    falls off the vectorised path (3× slower forward + backward in bf16). Each lag's term is computed on the
-    T − lag tokens that have an x_{t−lag} and padded with zeros in front; same products and sums in the same
-    order as the plain per-lag form, so the result is bit-identical to it.
+
+class _DocumentConv(torch.autograd.Function):
+    """The packed-window depthwise conv with a hand-written backward (autograd's takes a zero-filled copy per
+    shifted slice and per pad). With m_lag = dy[lag:] ⊙ same_lag [B, T − lag, C]:
+
+        dx_s = W[W−1] dy_s + Σ_lag W[W−1−lag] m_lag,s        dW[W−1−lag] = Σ_{b,t} m_lag,t x_{t−lag}
+
+    The forward multiplies by contiguous [W, C] taps (a broadcast multiply by the strided ``weight[:, 0, j]``
+    view falls off the vectorised path) and adds each lag's term on the T − lag tokens that have one: the same
+    products and sums in the same order as the plain per-lag form, so bit-identical to it.
     """
-    taps = weight.to(x.dtype).squeeze(1).t().contiguous()  # [W, C]; the last tap multiplies the current token
-    document = starts.long().cumsum(1)  # [B, T]
-    y = x * taps[-1]
-    for lag in range(1, min(taps.shape[0], x.shape[1])):  # lags ≥ T reach only the zeros before the window
-        same = (document[:, lag:] == document[:, :-lag]).unsqueeze(-1).to(x.dtype)  # [B, T − lag, 1]
-        y = y + F.pad(x[:, :-lag] * taps[-1 - lag] * same, (0, 0, lag, 0))  # zeros before the window
-    return y
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        taps = (
+            weight.to(x.dtype).squeeze(1).t().contiguous()
+        )  # [W, C]; the last tap multiplies the current token
+        document = starts.long().cumsum(1)  # [B, T]
+        lags = range(1, min(taps.shape[0], x.shape[1]))  # lags ≥ T reach only the zeros before the window
+        same = [(document[:, lag:] == document[:, :-lag]).unsqueeze(-1).to(x.dtype) for lag in lags]
+        y = x * taps[-1]
+        for lag, mask in zip(lags, same, strict=True):  # [B, T − lag, 1] each
+            y[:, lag:] += x[:, :-lag] * taps[-1 - lag] * mask
+        ctx.save_for_backward(x, taps, *same)
+        ctx.weight_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        x, taps, *same = ctx.saved_tensors
+        dy = dy.to(x.dtype)
+        dx = dy * taps[-1]
+        dtaps = torch.empty(taps.shape, dtype=torch.float32, device=x.device)
+        dtaps[-1] = (dy * x).sum((0, 1), dtype=torch.float32)
+        for lag, mask in enumerate(same, start=1):
+            masked = dy[:, lag:] * mask  # m_lag [B, T − lag, C]
+            dx[:, :-lag].addcmul_(masked, taps[-1 - lag])
+            dtaps[-1 - lag] = (masked * x[:, :-lag]).sum((0, 1), dtype=torch.float32)
+        dtaps[: taps.shape[0] - 1 - len(same)] = 0  # lags ≥ T
+        return dx, dtaps.t().unsqueeze(1).to(ctx.weight_dtype), None
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σx² + eps) over the last dimension (the flash-linear-attention convention)."""
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+    """x / sqrt(Σx² + eps) over the last dimension (the flash-linear-attention convention), [..., K] -> [..., K].
+
+    Backward (``_L2Normalize``, one fp32 pass instead of autograd's chain through div, sqrt and sum): with
+    y = x / n, n = sqrt(Σx² + eps),  dx = (dy − y (y · dy)) / n.
+    """
+    return _L2Normalize.apply(x, eps)
+
+
+class _L2Normalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        norm = torch.sqrt((x * x).sum(-1, keepdim=True) + eps)  # [..., 1]
+        y = x / norm
+        ctx.save_for_backward(y, norm)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        y, norm = ctx.saved_tensors
+        y32, dy32 = y.float(), dy.float()
+        dx = (dy32 - y32 * (y32 * dy32).sum(-1, keepdim=True)) / norm.float()
+        return dx.to(y.dtype), None
 
 
 class KimiDeltaAttention(nn.Module):
