@@ -9,7 +9,8 @@ from k2lab.nn.decode_linear import MAX_ROWS, decode_linear
 
 @pytest.mark.parametrize("rows", [1, 2, 4, MAX_ROWS])
 @pytest.mark.parametrize("shape", [(512, 64), (64, 64), (96, 32)])
-def test_equals_linear_within_rounding(rows: int, shape: tuple[int, int]) -> None:
+def test_equals_linear_within_rounding(rows: int, shape: tuple[int, int], monkeypatch) -> None:
+    monkeypatch.setattr("k2lab.nn.decode_linear.MIN_SINGLE_ROW", 0)  # the single-row swap at these sizes too
     torch.manual_seed(0)
     weight = torch.randn(shape)
     x = torch.randn(rows, 1, shape[1])  # [B, T, D] as a decode step feeds it
@@ -20,11 +21,13 @@ def test_equals_linear_within_rounding(rows: int, shape: tuple[int, int]) -> Non
 
 
 def test_falls_back_to_linear_exactly() -> None:
-    """More rows than MAX_ROWS, a wide input (D > O), a gradient or bf16: the very F.linear call."""
+    """More rows than MAX_ROWS, one row of a small weight, a wide input (D > O), a gradient or bf16: the very
+    F.linear call."""
     torch.manual_seed(1)
     weight = torch.randn(64, 32)
     cases = [
         (torch.randn(MAX_ROWS + 1, 32), weight),
+        (torch.randn(1, 32), weight),
         (torch.randn(2, 64), torch.randn(32, 64)),
         (torch.randn(2, 32).bfloat16(), weight.bfloat16()),
     ]

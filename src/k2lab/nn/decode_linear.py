@@ -6,7 +6,7 @@
 horizontal reduction, and with a few rows a GEMM whose small dimension is the wrong one. ``decode_linear``
 computes the same products as ``(W @ xᵀ)ᵀ``, a GEMM with W [O, D] row-major as the left operand (one padding
 row of zeros when N = 1, since MKL's GEMV for a single column takes the same slow path). Measured on the
-shared Zen 4 VM, 1 thread, CPU time, weights not in cache (docs/generation.md):
+shared Zen 4 VM (MKL 2024.2), 1 thread, CPU time, weights not in cache, medians:
 
     W [8192, 256] (the k2-mini LM head)   N = 1: 1.49 -> 0.71 ms    N = 4: 2.48 -> 1.02 ms
     W [768, 256]                          N = 1: 105 -> 60 µs       N = 4: 140 -> 80 µs
@@ -14,9 +14,11 @@ shared Zen 4 VM, 1 thread, CPU time, weights not in cache (docs/generation.md):
     W [128, 256]                          N = 1: 24 -> 21 µs        N = 4: 34 -> 24 µs
     W [256, 768] (a down projection)      N = 1: 97 -> 112 µs       N = 4: 127 -> 140 µs (slower)
 
-so the swap applies where O ≥ D only. The same dot products in another summation order: equal to
-``F.linear`` within fp32 rounding (tests). It is a decode tier: CPU, fp32, no gradient, at most ``MAX_ROWS``
-rows, O ≥ D; anything else goes to ``F.linear``.
+so the swap applies where O ≥ D only, and for a single row only to weights of at least ``MIN_SINGLE_ROW``
+elements: the padding and the copy back cost a few dispatches (µs each in eager mode) that a 256 × 256
+product does not win back (eager generation at batch 1 measured 7 % slower with it). The same dot products
+in another summation order: equal to ``F.linear`` within fp32 rounding (tests). It is a decode tier: CPU,
+fp32, no gradient, at most ``MAX_ROWS`` rows; anything else is the plain ``F.linear``.
 
 Under ``torch.compile`` it stays ``F.linear`` unless the caller passes ``compiled=True``: with torch 2.13's
 CPU inductor, a transposed product fused into a following reduction (out_proj -> residual add -> RMSNorm)
@@ -31,6 +33,8 @@ import torch.nn.functional as F
 
 # Above this many rows MKL's GEMM no longer gains from the swap (N = 8 measured equal).
 MAX_ROWS = 6
+# One row: only weights this large (768 × 256 gains 45 µs; 256 × 256 gains 7 µs, less than the extra ops).
+MIN_SINGLE_ROW = 1 << 17
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, compiled: bool = False) -> torch.Tensor:
@@ -41,6 +45,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, compiled: bool = False)
     if (
         (torch.compiler.is_compiling() and not compiled)
         or n > MAX_ROWS
+        or (n == 1 and weight.numel() < MIN_SINGLE_ROW)
         or weight.shape[1] > weight.shape[0]
         or x.device.type != "cpu"
         or x.dtype != torch.float32
@@ -49,6 +54,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, compiled: bool = False)
     ):
         return F.linear(x, weight)
     if n == 1:
-        rows = torch.cat((rows, rows.new_zeros(1, rows.shape[1])))
+        rows = F.pad(rows, (0, 0, 0, 1))
     out = (weight @ rows.T).T[:n].contiguous()
     return out.view(*x.shape[:-1], weight.shape[0])
