@@ -121,11 +121,11 @@ def mini():
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_decode_tiers_keep_greedy_tokens_and_logits(mini, batch, monkeypatch):
-    """k2-mini (the benchmark's model), 12 greedy tokens: the decode tiers (``decode_linear``) give the
+    """k2-mini (the benchmark's model), 8 greedy tokens: the decode tiers (``decode_linear``) give the
     tokens of the plain path (every product as ``F.linear``), and each step's logits within fp32 rounding."""
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(3, mini.config.vocab_size, (batch, 8), generator=generator).tolist()
-    config = GenerationConfig(max_new_tokens=12)
+    config = GenerationConfig(max_new_tokens=8)
     fast = generate(mini, prompts, config)
     prompt, tokens = torch.tensor(prompts), torch.tensor(fast)
     fast_logits = _teacher_forced_logits(mini, prompt, tokens)
