@@ -133,3 +133,9 @@ def test_chunk_function_gradcheck_fp64():
     assert torch.autograd.gradcheck(
         lambda *a: kda_ops._ChunkKDA.apply(*a, C), inputs, eps=1e-6, atol=1e-8, rtol=1e-6
     )
+
+
+def test_unknown_backward_is_refused():
+    x = make_inputs(8, B=1, K=4, V=4, state=False)
+    with pytest.raises(ValueError, match="backward must be"):
+        chunk_kda(**x, backward="Manual")

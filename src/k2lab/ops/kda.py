@@ -476,6 +476,8 @@ def chunk_kda(
     B, T, H, K, HV, V = _check_shapes(q, k, v, g, beta, initial_state)
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    if backward not in ("manual", "autograd"):
+        raise ValueError(f"backward must be 'manual' or 'autograd', got {backward!r}")
     if T == 0:
         return recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
     dtype = v.dtype

@@ -301,31 +301,36 @@ class Muon(Optimizer):
 
         A T-thread op ends when its slowest thread does, and on a shared machine one is often descheduled:
         workers that never wait on each other keep both cores busy (a [16, 256, 256] bmm pair: 116 ms
-        against 210 ms as one 2-thread call under load). oneDNN's results do not depend on the thread count.
+        against 210 ms as one 2-thread call under load). oneDNN's matrix products do not depend on the thread
+        count (the updates are bit-identical to the serial path's: tests); reductions in general may.
         """
         threads = torch.get_num_threads()
         if threads < 2 or len(batches) < 2 or any(b[0].device.type != "cpu" for b in batches):
             return [self._batched_update(batch, group, self._workspace) for batch in batches]
         while len(self._workspaces) < threads:
             self._workspaces.append(Workspace())
-        shares = balanced_shares(batches, threads)
-        with ThreadPoolExecutor(threads) as pool:
-            futures = [
-                pool.submit(self._work, share, group, workspace, threads)
-                for share, workspace in zip(shares, self._workspaces, strict=False)
-            ]
-            return [result for future in futures for result in future.result()]
+        shares = [share for share in balanced_shares(batches, threads) if share]
+        try:
+            with ThreadPoolExecutor(len(shares)) as pool:
+                futures = [
+                    pool.submit(self._work, share, group, workspace)
+                    for share, workspace in zip(shares, self._workspaces, strict=False)
+                ]
+                return [result for future in futures for result in future.result()]
+        finally:  # torch's count is process-wide: back to the caller's once every worker is done
+            torch.set_num_threads(threads)
 
     def _work(
-        self, share: list[list[torch.Tensor]], group: dict, workspace: Workspace, threads: int
+        self, share: list[list[torch.Tensor]], group: dict, workspace: Workspace
     ) -> list[tuple[float, int]]:
-        """One worker's batches, on one intra-op thread (grad mode is per thread: off here as in ``step``)."""
-        torch.set_num_threads(1)  # this thread's OpenMP team size (and torch's default for new threads ...)
-        try:
-            with torch.no_grad():
-                return [self._batched_update(batch, group, workspace) for batch in share]
-        finally:
-            torch.set_num_threads(threads)  # ... which goes back to the caller's count
+        """One worker's batches, on one intra-op thread (grad mode is per thread: off here as in ``step``).
+
+        ``get_num_threads`` first: a thread takes torch's process-wide count at its first parallel call, which
+        would otherwise come after ``set_num_threads(1)`` and could read another worker's value."""
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            return [self._batched_update(batch, group, workspace) for batch in share]
 
     def _batched_update(
         self, batch: list[torch.Tensor], group: dict, workspace: Workspace
