@@ -126,13 +126,37 @@ def test_decode_tiers_keep_greedy_tokens_and_logits(mini, batch, monkeypatch):
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(3, mini.config.vocab_size, (batch, 8), generator=generator).tolist()
     config = GenerationConfig(max_new_tokens=8)
+    calls = _LinearCalls()
+    monkeypatch.setattr("k2lab.nn.decode_linear.F", calls)  # counts the products left to F.linear
     fast = generate(mini, prompts, config)
+    fast_calls = calls.reset()
     prompt, tokens = torch.tensor(prompts), torch.tensor(fast)
     fast_logits = _teacher_forced_logits(mini, prompt, tokens)
     monkeypatch.setattr("k2lab.nn.decode_linear.MAX_ROWS", 0)  # every product through F.linear
+    calls.reset()
     assert generate(mini, prompts, config) == fast
+    assert calls.reset() > fast_calls  # the tier took products that the plain run leaves to F.linear
     for got, want in zip(fast_logits, _teacher_forced_logits(mini, prompt, tokens), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+class _LinearCalls:
+    """``torch.nn.functional`` for ``k2lab.nn.decode_linear``, counting the calls that reach ``F.linear``."""
+
+    def __init__(self) -> None:
+        self.linear_calls = 0
+
+    def reset(self) -> int:
+        """The calls counted so far; the count starts again from zero."""
+        calls, self.linear_calls = self.linear_calls, 0
+        return calls
+
+    def linear(self, *args, **kwargs):
+        self.linear_calls += 1
+        return torch.nn.functional.linear(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch.nn.functional, name)
 
 
 def _teacher_forced_logits(model, prompt: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:

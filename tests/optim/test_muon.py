@@ -1,5 +1,7 @@
 """k2lab.optim.Muon against torch.optim.Muon, torch.optim.AdamW and hand-computed Newton–Schulz."""
 
+import threading
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def test_same_shape_batches_match_torch_muon_per_matrix(threads):
+def test_same_shape_batches_match_torch_muon_per_matrix(threads, monkeypatch):
     """Same-shape 2-D matrices (wide and tall) share one batched Newton–Schulz, a 3-D tensor is its own batch
     (one more than MAX_BATCH of a shape opens a second batch; matrices with a side of 16 or less stay alone,
     as torch would not send their products to oneDNN): each equals torch.optim.Muon on its matrix."""
@@ -64,7 +66,15 @@ def test_same_shape_batches_match_torch_muon_per_matrix(threads):
     ours = [torch.nn.Parameter(w.clone()) for w in weights]
     assert [len(b) for b in same_shape_batches(ours)] == [MAX_BATCH, 1, 2, 1, 1, 1, 1, 1]
     optimizer = Muon(ours, ns_dtype=torch.bfloat16, **kwargs)
+    workers = []  # the thread of each worker share (_work) run
+    work = Muon._work
+    monkeypatch.setattr(
+        Muon, "_work", lambda self, *a: workers.append(threading.get_ident()) or work(self, *a)
+    )
     run_steps(optimizer, ours, grads[:-1])
+    # two steps, each dealt to two workers off the calling thread (none with one thread)
+    assert len(workers) == (4 if threads == 2 else 0) and threading.get_ident() not in workers
+    assert torch.get_num_threads() == threads  # the caller's count is back after the workers
     before = [p.detach().clone() for p in ours]
     run_steps(optimizer, ours, grads[-1:])
     reference = [
