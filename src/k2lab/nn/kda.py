@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from k2lab.config import ModelConfig
 from k2lab.nn.kda_gate import ForgetGate
@@ -127,6 +128,7 @@ class _DocumentConv(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative through it would be silently wrong: an error instead
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         x, taps, *same = ctx.saved_tensors
         dy = dy.to(x.dtype)
@@ -159,6 +161,7 @@ class _L2Normalize(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a second derivative through it would be silently wrong: an error instead
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         y, norm = ctx.saved_tensors
         y32, dy32 = y.float(), dy.float()

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, chunk_kda_backward
 
@@ -422,6 +423,7 @@ class _ChunkKDA(torch.autograd.Function):
         return o, final
 
     @staticmethod
+    @once_differentiable  # a second derivative through it would be silently wrong: an error instead
     def backward(ctx, d_o, d_final):  # noqa: ANN001, ANN205 - autograd.Function protocol
         tensors = ctx.saved_tensors
         saved = ChunkSaved(*tensors[: len(ChunkSaved._fields)])
