@@ -1,6 +1,8 @@
 """Gated feed-forward: ``y = W_down act(W_gate x, W_up x)``. x: [..., D] -> [..., D].
 
-``act`` is SwiGLU ``silu(g) ⊙ u`` by default (K2) or SiTU-GLU (K3), see ``k2lab.nn.activations``.
+``act`` is SwiGLU ``silu(g) ⊙ u`` by default (K2) or SiTU-GLU (K3), see ``k2lab.nn.activations``. With a
+decode step's few rows and no gradient the products run as ``k2lab.nn.decode_linear`` (the same products in
+CPU BLAS's faster operand order); ``F.linear`` everywhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from k2lab.nn.activations import swiglu
+from k2lab.nn.decode_linear import decode_linear
 
 GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -30,7 +33,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        hidden = self.activation(
+            decode_linear(x, self.gate_proj.weight), decode_linear(x, self.up_proj.weight)
+        )
+        return decode_linear(hidden, self.down_proj.weight)
 
     def extra_repr(self) -> str:
         return f"activation={getattr(self.activation, '__name__', self.activation)}"

@@ -23,7 +23,6 @@ from torch import nn
 from k2lab.config import ModelConfig
 from k2lab.nn.activations import mlp_activation
 from k2lab.nn.balancing import sequence_balance_loss
-from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.experts import RoutedExperts, expert_counts
 from k2lab.nn.mlp import GatedMLP
 from k2lab.nn.norm import RMSNorm
@@ -84,12 +83,5 @@ class MoE(nn.Module):
                 u_NL = self.latent_norm(u_NL)
             y = self.latent_up(u_NL.to(x.dtype)).view_as(x)
         if self.shared_experts is not None:
-            y = y + self._shared(x)
+            y = y + self.shared_experts(x)
         return y
-
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """E_shared(x) = W_down act(W_gate x, W_up x), x [B, T, D] -> [B, T, D]: the shared ``GatedMLP``'s
-        products, as ``k2lab.nn.decode_linear`` (``F.linear`` outside a decode step's few rows)."""
-        mlp = self.shared_experts
-        hidden = mlp.activation(decode_linear(x, mlp.gate_proj.weight), decode_linear(x, mlp.up_proj.weight))
-        return decode_linear(hidden, mlp.down_proj.weight)
