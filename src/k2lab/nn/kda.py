@@ -114,9 +114,8 @@ class _DocumentConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        taps = (
-            weight.to(x.dtype).squeeze(1).t().contiguous()
-        )  # [W, C]; the last tap multiplies the current token
+        # [W, C]; the last tap multiplies the current token
+        taps = weight.to(x.dtype).squeeze(1).t().contiguous()
         document = starts.long().cumsum(1)  # [B, T]
         lags = range(1, min(taps.shape[0], x.shape[1]))  # lags ≥ T reach only the zeros before the window
         same = [(document[:, lag:] == document[:, :-lag]).unsqueeze(-1).to(x.dtype) for lag in lags]

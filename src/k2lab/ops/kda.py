@@ -257,20 +257,16 @@ def _build_score_index(chunk: int, device: torch.device) -> torch.Tensor:
     return index.flatten().to(device)
 
 
-def _decay(exponent: torch.Tensor, scratch: bool = False, times: torch.Tensor | None = None) -> torch.Tensor:
-    """``exp(exponent)`` (times ``times``) for exponents ≤ 0, the decay held at ``exp(-DECAY_FLOOR)`` from below.
+def _decay(exponent: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    """``exp(exponent)`` for exponents ≤ 0, the decay held at ``exp(-DECAY_FLOOR)`` from below.
 
     Below the floor a decay is numerically nothing next to fp32 rounding of O(1) outputs, and keeping every
     factor (and the product of two of them) a normal float avoids denormal arithmetic, which is tens of times
     slower on CPUs. ``scratch=True`` lets it overwrite ``exponent`` when no gradient is recorded.
     """
-    if scratch and not (
-        torch.is_grad_enabled() and (exponent.requires_grad or (times is not None and times.requires_grad))
-    ):
-        decay = exponent.clamp_(min=-DECAY_FLOOR).exp_()
-        return decay if times is None else decay.mul_(times)
-    decay = exponent.clamp(min=-DECAY_FLOOR).exp()
-    return decay if times is None else decay * times
+    if scratch and not (torch.is_grad_enabled() and exponent.requires_grad):
+        return exponent.clamp_(min=-DECAY_FLOOR).exp_()
+    return exponent.clamp(min=-DECAY_FLOOR).exp()
 
 
 def _intra_chunk_scores(

@@ -62,10 +62,6 @@ class ChunkSaved(NamedTuple):
     last: torch.Tensor  # exp(G_C) [B, HV, N, K]
 
 
-def _mT(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(-1, -2)
-
-
 def matmul_operand(x: torch.Tensor, otherwise: torch.dtype | None = None) -> torch.Tensor:
     """``x`` as autocast would hand it to a matmul (its low-precision dtype where autocast is on for ``x``'s
     device; else ``x`` in ``otherwise``, or unchanged): a tensor that feeds several products is then cast
@@ -89,7 +85,7 @@ def _state_backward(
     after = [d] * len(steps)
     for n in reversed(range(len(steps))):
         after[n] = d
-        d = torch.baddbmm(sources[n].flatten(0, 1), _mT(steps[n]).flatten(0, 1), d.flatten(0, 1)).view_as(d)
+        d = torch.baddbmm(sources[n].flatten(0, 1), steps[n].mT.flatten(0, 1), d.flatten(0, 1)).view_as(d)
     return torch.stack(after, dim=2), d
 
 
@@ -102,18 +98,18 @@ def _outputs_backward(
     d(initial state) [B, HV, K, V]).
     """
     states = matmul_operand(s.states)
-    d_q_decayed = d_o @ _mT(states)
-    d_a_qk = d_o @ _mT(s.writes)
-    d_writes = _mT(s.a_qk) @ d_o
+    d_q_decayed = d_o @ states.mT
+    d_a_qk = d_o @ s.writes.mT
+    d_writes = s.a_qk.mT @ d_o
     local = torch.baddbmm(
-        (_mT(s.q_decayed) @ d_o).flatten(0, 2), _mT(s.w).flatten(0, 2), d_writes.flatten(0, 2), alpha=-1
+        (s.q_decayed.mT @ d_o).flatten(0, 2), s.w.mT.flatten(0, 2), d_writes.flatten(0, 2), alpha=-1
     ).view_as(s.states)
     d_after, d_initial = _state_backward(s.transition, local, d_final)
     d_after_operand = matmul_operand(d_after)
     d_writes = torch.baddbmm(
         d_writes.flatten(0, 2), s.k_to_end.flatten(0, 2), d_after_operand.flatten(0, 2)
     ).view_as(s.writes)
-    d_k_to_end = s.writes @ _mT(d_after_operand)
+    d_k_to_end = s.writes @ d_after_operand.mT
     d_last = (d_after * s.states).sum(-1)
     return d_q_decayed, d_a_qk, d_writes, d_k_to_end, d_last, d_initial
 
@@ -127,9 +123,9 @@ def _wy_backward(s: ChunkSaved, d_writes: torch.Tensor) -> tuple[torch.Tensor, .
 
     Returns (d(exp(G)⊙K) [.., C, K], dV [.., C, V], dβ [.., C], dA_kk [.., C, C]).
     """
-    y_u = _mT(s.inverse) @ matmul_operand(d_writes)
-    y_w = -(y_u @ _mT(matmul_operand(s.states)))
-    minus_d_system = y_u @ _mT(s.writes)  # −dM
+    y_u = s.inverse.mT @ matmul_operand(d_writes)
+    y_w = -(y_u @ matmul_operand(s.states).mT)
+    minus_d_system = y_u @ s.writes.mT  # −dM
     d_beta = (y_w * s.k_decayed).sum(-1) + (y_u * s.v).sum(-1) - (minus_d_system * s.a_kk).sum(-1)
     beta = s.beta[..., None]
     return y_w * beta, y_u * beta, d_beta, minus_d_system * -beta
@@ -172,7 +168,7 @@ def _scores_backward(
         d_level_rows = _block_product(d_block, level.cols).view(*lead, nb, h, 2, K).movedim(-2, -4)
         d_rows.view(*lead, 2, nb, 2, h, K)[..., 1, :, :].addcmul_(d_level_rows, level.e_second.unsqueeze(-4))
         d_cols.view(*lead, nb, 2, h, K)[..., 0, :, :].addcmul_(
-            _block_product(_mT(d_block), level.rows), level.e_first
+            _block_product(d_block.mT, level.rows), level.e_first
         )
     d_diag = d_scores.index_select(1, gather_back[start:]).view(*lead, C, 1)
     d_q, d_k = d_rows.unbind(-3)
