@@ -61,6 +61,7 @@ import torch
 
 from k2lab.config import ConfigError
 from k2lab.hf import kimi_k3
+from k2lab.hf.json_values import is_integer, is_number
 from k2lab.hf.kimi_k25 import VISION_PREFIX, fused_qkv, original_vision_name
 from k2lab.hf.layout import CHECKPOINT, WeightGroup, single
 from k2lab.vision.config import FP32_EPS, VisionConfig
@@ -145,30 +146,22 @@ _FIXED = {
 }
 
 
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _pair(value: Any) -> bool:
-    return isinstance(value, list | tuple) and len(value) == 2 and all(map(_integer, value))
+    return isinstance(value, list | tuple) and len(value) == 2 and all(map(is_integer, value))
 
 
 # released field -> (what its value must be, the test), for the fields we read as values
 _TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{
-        key: ("an integer", _integer)
+        key: ("an integer", is_integer)
         for key in _RENAMED
         if key not in ("activation_func", "pos_emb_interpolation_mode", "projector_ln_eps")
     },
-    "projector_ln_eps": ("a number", _number),
+    "projector_ln_eps": ("a number", is_number),
     "activation_func": ("a string", lambda value: isinstance(value, str)),
     "pos_emb_interpolation_mode": ("a string", lambda value: isinstance(value, str)),
     "merge_kernel_size": ("two integers", _pair),
-    "mm_hidden_size": ("an integer or null", lambda value: value is None or _integer(value)),
+    "mm_hidden_size": ("an integer or null", lambda value: value is None or is_integer(value)),
 }
 _ROPE_THETA = 10000.0  # vLLM's Rope2DPosEmbRepeated(theta_base=10000), not a config field
 _POST_NORM = "mm_projector.post_norm.weight"  # patchmergerv2's; the other names are K2.5's original ones

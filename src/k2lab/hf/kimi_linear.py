@@ -64,6 +64,7 @@ import torch
 
 from k2lab.config import ConfigError, ModelConfig
 from k2lab.family import k3_features  # kimi_linear.k3_features: the one family test
+from k2lab.hf.json_values import is_integer, is_number
 from k2lab.hf.layout import (
     CHECKPOINT,
     GLOBAL_RENAMES,
@@ -265,10 +266,7 @@ def _typed(data: Mapping[str, Any], key: str, kind: type, default: Any, where: s
     value = data.get(key)
     if value is None:
         return default
-    if kind in (int, float):
-        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind)
+    ok = is_integer(value) if kind is int else is_number(value) if kind is float else isinstance(value, kind)
     if not ok:
         raise ConfigError(f"{where}{key}: {value!r} should be {_KIND_NAMES[kind]}")
     return float(value) if kind is float else value
