@@ -342,10 +342,10 @@ class ToolCallConstraint:
     def _trigger_next(self) -> bool:
         """Whether the trigger's last token would complete it now: its first token was sampled and the text
         since spells its words, in any pieces (a one-token trigger: always, until a section finished)."""
+        if self.finished_section:
+            return False
         g = self.grammar
-        if self.finished_section or len(g.trigger) == 1:
-            return not self.finished_section
-        return bool(self.opening) and self.spelled == g.trigger_words
+        return len(g.trigger) == 1 or (bool(self.opening) and self.spelled == g.trigger_words)
 
     def _track(self, token: int) -> None:
         """Follow a token sampled outside a section: does it start, continue or break a trigger?"""
@@ -441,8 +441,8 @@ class ToolCallConstraint:
         if self.matcher is None:
             if token == g.section_begin and g.allowed and self._trigger_next():
                 self._open()
-                for piece in [*self.opening, token] if len(g.trigger) > 1 else [token]:
-                    self._consume(piece)  # the trigger as sampled: the grammar reads its text
+                for piece in [*self.opening, token]:  # the trigger as sampled (opening: [] for one token)
+                    self._consume(piece)  # the grammar reads its text
                 return
             self._track(token)
             return
