@@ -183,6 +183,12 @@ def balanced_shares(batches: list[list[torch.Tensor]], workers: int) -> list[lis
     return shares
 
 
+def _apply(p: torch.Tensor, scaled: torch.Tensor, group: dict) -> None:
+    """W ← W·(1 − lr·wd) − lr·(r·O), in place (the batched and the per-tensor path alike)."""
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    p.add_(scaled, alpha=-group["lr"])
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole matrix of a (possibly FSDP2-sharded) tensor: Newton–Schulz must see every row."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -287,8 +293,7 @@ class Muon(Optimizer):
             for p in params:
                 if id(p) not in batched:
                     scaled = self._muon_update(p, group)
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                    p.add_(scaled, alpha=-group["lr"])
+                    _apply(p, scaled, group)
                     local = scaled.to_local() if isinstance(scaled, DTensor) else scaled
                     square_sum += _square_sum(local)
                     count += local.numel()
@@ -356,8 +361,7 @@ class Muon(Optimizer):
         )
         scaled = wide.copy_(ortho.mT if tall else ortho).mul_(lr_ratio(group["adjust_lr_fn"], rows, cols))
         for p, start, n in zip(batch, starts, counts, strict=True):
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(scaled[start : start + n].view(p.shape), alpha=-group["lr"])
+            _apply(p, scaled[start : start + n].view(p.shape), group)
         return _square_sum(scaled), scaled.numel()
 
     def _muon_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
