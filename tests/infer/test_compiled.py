@@ -4,7 +4,7 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import compiled_decode, decode_compile_decision
+from k2lab.infer.compiled import compiled_decode, decode_compile_decision, model_state
 from k2lab.infer.generate import GenerationConfig, generate
 from tests.conftest import randomize
 
@@ -20,25 +20,48 @@ def decode_logits(model, step, prompt: torch.Tensor, tokens: torch.Tensor) -> li
 
 
 def test_compiled_decode_equals_eager() -> None:
-    """k2-nano, batch 2: six one-token steps and a 3-token step. Dynamo specialises sizes of 1, so one-token
-    steps and wider windows are two graphs (batch 1 would be two more); the cache's growth adds none."""
+    """k2-nano, batch 2, then batch 1: six one-token steps and a 3-token step each. Dynamo specialises sizes
+    of 1, so one-token steps and wider windows are two graphs per batch kind (batch 1's one-token step is
+    the single-row reduction tier of ``decode_linear`` and the routed experts); the cache's growth adds
+    none. Module guards are skipped: weights changed in place are read at the next call."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = randomize(build_model(load_preset("k2-nano"))).eval()
     vocab = model.config.vocab_size
     prompt, tokens = torch.randint(0, vocab, (2, 7)), torch.randint(0, vocab, (2, 6))
     with torch.inference_mode():
-        want = decode_logits(model, model, prompt, tokens)
         step = compiled_decode(model)
-        got = decode_logits(model, step, prompt, tokens)
+        for batch in (2, 1):
+            want = decode_logits(model, model, prompt[:batch], tokens[:batch])
+            got = decode_logits(model, step, prompt[:batch], tokens[:batch])
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
         assert compiled_decode(model) is step  # one compiled step per model
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames <= 2, f"{frames} graphs: the decode step recompiles as the cache grows"
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert frames <= 4, f"{frames} graphs: the decode step recompiles as the cache grows"
+        model.layers[1].mlp.experts.up_proj.mul_(-2.0)  # an update in place (RL): no guard, no rebuild
+        model.lm_head.weight.add_(0.5)
+        want = decode_logits(model, model, prompt, tokens)
+        got = decode_logits(model, step, prompt, tokens)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     prompts = [[3, 4, 5, 6], [7, 8]]  # generate reuses the model's compiled step (batch 2, one token)
     compiled_out = generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="on"))
     assert compiled_out == generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="off"))
+
+
+def test_compiled_decode_rebuilds_when_the_model_state_changes() -> None:
+    """What a skipped module guard would have caught (train/eval, a parameter's dtype) gives a new step."""
+    model = build_model(load_preset("k2-nano")).eval()
+    step = compiled_decode(model)
+    assert compiled_decode(model) is step
+    model.train()
+    trained = compiled_decode(model)
+    assert trained is not step
+    model.eval().double()
+    assert compiled_decode(model) not in (step, trained)
+    assert model_state(model) == (False, frozenset({(torch.float64, torch.device("cpu"))}))
 
 
 def test_decode_compile_decision() -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from k2lab.config import ModelConfig
+from k2lab.ops.latent_write import write_latent_rows, write_rows
 
 
 class _LayerLatents:
@@ -32,12 +33,12 @@ class _LayerLatents:
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r].
 
-        Capacity was checked when the tokens were registered (``LatentCache.begin``)."""
+        Capacity was checked when the tokens were registered (``LatentCache.begin``). Under ``torch.compile``
+        the write is the in-place op ``k2lab::write_latent_rows`` (``k2lab.ops.latent_write``)."""
         start, end = self.cache.length, self.cache.length + latent.shape[1]
-        rows = self.cache.rows[self.slot, :, :end]
-        rows[:, start:, : latent.shape[-1]] = latent
-        rows[:, start:, latent.shape[-1] :] = k_rope
-        return rows
+        write = write_latent_rows if torch.compiler.is_compiling() else write_rows
+        write(self.cache.rows, self.slot, start, latent, k_rope)
+        return self.cache.rows[self.slot, :, :end]
 
 
 @dataclass

@@ -16,10 +16,12 @@ products as the grouped tier, without visiting every expert.
 
 - eager (``looped_forward``): one pass per picked expert over its rows, with the expert's weights used in
   place (views of the stacked parameters): no weight is copied;
-- under ``torch.compile`` (``gathered_forward``): the rows' expert weights are gathered ([NK, F, D] each)
-  and applied with one batched matmul per weight — no data-dependent Python, so one graph serves every
-  step. In eager mode the gather copies NK·3·F·D weights a step, which costs more than the loop's launches
-  (docs/generation.md).
+- under ``torch.compile`` (``gathered_forward``): each (token, pick) row applies its expert's weights
+  W[e_r] — no data-dependent Python, so one graph serves every step. On CPU as a reduction over the input
+  width, ``(W[e_r] * h_r).sum(-1)``, which inductor compiles into one kernel that loads W[e_r] in place (the
+  gather is an indexed load, nothing is copied) and streams it at memory speed; elsewhere the weights are
+  gathered ([NK, F, D] each) into one batched matmul per weight. In eager mode that gather copies NK·3·F·D
+  weights a step, which costs more than the loop's launches (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ def expert_counts(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int64)
     )
+
+
+def _row_products(h_RI: torch.Tensor, w_EOI: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor:
+    """h_r W[e_r]ᵀ for every row r: h [R, I], stacked weights [E, O, I], experts [R] -> [R, O], the weights
+    cast to h's dtype (as autocast casts them for a matmul). On CPU a reduction over I that reads W[e_r] in
+    place; elsewhere one batched matmul over the gathered weights."""
+    weight = w_EOI.index_select(0, expert_R).to(h_RI.dtype)
+    if h_RI.device.type == "cpu":
+        return (weight * h_RI.unsqueeze(1)).sum(-1)
+    return torch.bmm(h_RI.unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
 
 
 class RoutedExperts(nn.Module):
@@ -99,20 +111,18 @@ class RoutedExperts(nn.Module):
     def gathered_forward(
         self, x_ND: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        """The decode tier: each (token, pick) row r = (n, k) gathers its expert's weights and runs
+        """The compiled decode tier: each (token, pick) row r = (n, k) applies its expert's weights,
 
-            y_n = Σ_k w_{n,k} · W_down[e_r] act(W_gate[e_r] x_n, W_up[e_r] x_n)
+            y_n = Σ_k w_{n,k} · W_down[e_r] act(W_gate[e_r] x_n, W_up[e_r] x_n),
 
-        as batched matmuls over the NK rows: x [N, D] -> x_r [NK, 1, D], W[e_r] [NK, F, D] -> [N, D]."""
+        over the NK rows: x [N, D] -> x_r [NK, D], W[e_r] [NK, F, D] -> [N, D] (see the module docstring)."""
         N, K = indices_NK.shape
         flat = indices_NK.reshape(-1)
-        x_R1D = x_ND.repeat_interleave(K, dim=0).unsqueeze(1)
-
-        def apply(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # bmm follows autocast like mm
-            return torch.bmm(h, w.index_select(0, flat).to(h.dtype).transpose(1, 2))
-
-        hidden = self.activation(apply(x_R1D, self.gate_proj), apply(x_R1D, self.up_proj))
-        y_R = apply(hidden, self.down_proj).squeeze(1).float() * weights_NK.reshape(-1, 1)
+        x_RD = x_ND.repeat_interleave(K, dim=0)
+        hidden = self.activation(
+            _row_products(x_RD, self.gate_proj, flat), _row_products(x_RD, self.up_proj, flat)
+        )
+        y_R = _row_products(hidden, self.down_proj, flat).float() * weights_NK.reshape(-1, 1)
         return y_R.view(N, K, -1).sum(1).to(out_dtype)
 
     def looped_forward(
