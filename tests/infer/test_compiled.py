@@ -3,19 +3,23 @@
 import torch
 
 from k2lab import build_model, load_preset
+from k2lab.config import ModelConfig
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import compiled_decode, decode_compile_decision, model_state
 from k2lab.infer.generate import GenerationConfig, generate
 from tests.conftest import randomize
 
 
-def decode_logits(model, step, prompt: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+def decode_logits(
+    model, step, prompt: torch.Tensor, tokens: torch.Tensor, window: bool = True
+) -> list[torch.Tensor]:
     """Prefill ``prompt`` [B, P] eagerly, then feed ``tokens`` [B, N] one step at a time through ``step``;
-    then one 3-token step (a speculative verify window). Returns each step's logits."""
+    then (``window``) one 3-token step, a speculative verify window. Returns each step's logits."""
     cache = LatentCache(model.config, prompt.shape[0], prompt.shape[1] + tokens.shape[1] + 3)
     model(prompt, cache=cache)
     out = [step(tokens[:, i : i + 1], cache=cache).logits for i in range(tokens.shape[1])]
-    out.append(step(tokens[:, :3], cache=cache).logits)
+    if window:
+        out.append(step(tokens[:, :3], cache=cache).logits)
     return out
 
 
@@ -52,16 +56,41 @@ def test_compiled_decode_equals_eager() -> None:
 
 
 def test_compiled_decode_rebuilds_when_the_model_state_changes() -> None:
-    """What a skipped module guard would have caught (train/eval, a parameter's dtype) gives a new step."""
+    """What a skipped module guard would have caught (train/eval, a parameter's dtype) gives a new step,
+    and the new step compiles its own graph rather than reusing the one built for the old state."""
+    torch.manual_seed(0)
     model = build_model(load_preset("k2-nano")).eval()
     step = compiled_decode(model)
     assert compiled_decode(model) is step
-    model.train()
-    trained = compiled_decode(model)
-    assert trained is not step
+    ids = torch.randint(0, model.config.vocab_size, (2, 1))
+    with torch.no_grad():
+        step(ids)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model.train()
+        trained = compiled_decode(model)
+        assert trained is not step
+        torch.testing.assert_close(trained(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
     model.eval().double()
     assert compiled_decode(model) not in (step, trained)
     assert model_state(model) == (False, frozenset({(torch.float64, torch.device("cpu"))}))
+
+
+def test_models_of_one_class_get_their_own_compiled_steps() -> None:
+    """Dynamo files compiled graphs under ``forward``'s code, which every model of a class shares; with
+    module guards skipped, a model routing to 3 experts per token would run the graph of one routing to 2
+    (nothing in the inputs differs). Each build is isolated."""
+    torch.manual_seed(0)
+    config = load_preset("k2-nano")
+    two = randomize(build_model(config)).eval()
+    three = randomize(build_model(ModelConfig(**{**config.model_dump(), "num_experts_per_tok": 3}))).eval()
+    prompt, tokens = torch.randint(0, config.vocab_size, (2, 5)), torch.randint(0, config.vocab_size, (2, 3))
+    with torch.inference_mode():
+        for model in (two, three):
+            want = decode_logits(model, model, prompt, tokens, window=False)
+            got = decode_logits(model, compiled_decode(model), prompt, tokens, window=False)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_decode_compile_decision() -> None:
