@@ -38,3 +38,31 @@ def test_falls_back_to_linear_exactly() -> None:
     x = torch.randn(2, 32)
     out = decode_linear(x, trained)
     assert torch.equal(out, F.linear(x, trained)) and out.requires_grad
+
+
+def _traced_ops(x: torch.Tensor, weight: torch.Tensor) -> set[str]:
+    """The ops dynamo records for ``decode_linear(x, weight)`` (a capturing backend, no inductor build)."""
+    seen: set[str] = set()
+
+    def capture(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.update(str(node.target) for node in graph_module.graph.nodes if node.op.startswith("call_"))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(decode_linear, backend=capture, fullgraph=True)(x, weight)
+    return seen
+
+
+def test_compiled_single_row_takes_the_reduction_tier_only_in_fp32_inference() -> None:
+    """Under torch.compile one fp32 row without gradient is the fused reduction (W * x).sum(-1), equal to
+    F.linear within rounding; bf16, a gradient or several rows trace the plain F.linear."""
+    torch.manual_seed(2)
+    weight, x = torch.randn(96, 32), torch.randn(1, 1, 32)
+    with torch.no_grad():
+        ops = _traced_ops(x, weight)
+        assert any("sum" in op for op in ops) and not any("linear" in op for op in ops), ops
+        got = torch.compile(decode_linear, backend="eager")(x, weight)
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert any("linear" in op for op in _traced_ops(x.bfloat16(), weight.bfloat16()))
+        assert any("linear" in op for op in _traced_ops(torch.randn(3, 32), weight))
+    assert any("linear" in op for op in _traced_ops(x, weight.clone().requires_grad_()))

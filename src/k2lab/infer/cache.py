@@ -34,9 +34,11 @@ class _LayerLatents:
         """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r].
 
         Capacity was checked when the tokens were registered (``LatentCache.begin``). Under ``torch.compile``
-        the write is the in-place op ``k2lab::write_latent_rows`` (``k2lab.ops.latent_write``)."""
+        without gradients the write is the in-place op ``k2lab::write_latent_rows``
+        (``k2lab.ops.latent_write``), which has no autograd formula; with them, the slice assignment."""
         start, end = self.cache.length, self.cache.length + latent.shape[1]
-        write = write_latent_rows if torch.compiler.is_compiling() else write_rows
+        in_place = torch.compiler.is_compiling() and not torch.is_grad_enabled()
+        write = write_latent_rows if in_place else write_rows
         write(self.cache.rows, self.slot, start, latent, k_rope)
         return self.cache.rows[self.slot, :, :end]
 
