@@ -53,16 +53,19 @@ def _traced_ops(x: torch.Tensor, weight: torch.Tensor) -> set[str]:
     return seen
 
 
-def test_compiled_single_row_takes_the_reduction_tier_only_in_fp32_inference() -> None:
-    """Under torch.compile one fp32 row without gradient is the fused reduction (W * x).sum(-1), equal to
-    F.linear within rounding; bf16, a gradient or several rows trace the plain F.linear."""
+def test_compiled_few_rows_take_the_reduction_tier_only_in_fp32_inference() -> None:
+    """Under torch.compile up to MAX_ROWS fp32 rows without gradient are the fused reduction
+    (W[None] * x[:, None]).sum(-1), equal to F.linear within rounding; bf16, a gradient or more rows trace
+    the plain F.linear."""
     torch.manual_seed(2)
-    weight, x = torch.randn(96, 32), torch.randn(1, 1, 32)
+    weight = torch.randn(96, 32)
     with torch.no_grad():
-        ops = _traced_ops(x, weight)
-        assert any("sum" in op for op in ops) and not any("linear" in op for op in ops), ops
-        got = torch.compile(decode_linear, backend="eager")(x, weight)
-        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        for x in (torch.randn(1, 1, 32), torch.randn(2, 3, 32)):
+            ops = _traced_ops(x, weight)
+            assert any("sum" in op for op in ops) and not any("linear" in op for op in ops), ops
+            got = torch.compile(decode_linear, backend="eager")(x, weight)
+            torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        x = torch.randn(1, 1, 32)
         assert any("linear" in op for op in _traced_ops(x.bfloat16(), weight.bfloat16()))
-        assert any("linear" in op for op in _traced_ops(torch.randn(3, 32), weight))
+        assert any("linear" in op for op in _traced_ops(torch.randn(MAX_ROWS + 1, 32), weight))
     assert any("linear" in op for op in _traced_ops(x, weight.clone().requires_grad_()))

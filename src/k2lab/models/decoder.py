@@ -149,7 +149,7 @@ class CausalLM(nn.Module):
             h = h[logits_mask.to(device=h.device, dtype=torch.bool)]
         h = self.norm(h)
         # decode steps (a cache, a few rows): the head's product in the operand order CPU BLAS runs fastest
-        logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight, compiled=True)
+        logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight)
         return CausalLMOutput(logits=logits, hidden=h if output_hidden else None)
 
     def layer_inputs(

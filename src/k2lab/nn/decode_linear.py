@@ -20,17 +20,16 @@ product does not win back (eager generation at batch 1 measured 7 % slower with 
 in another summation order: equal to ``F.linear`` within fp32 rounding (tests). It is a decode tier: CPU,
 fp32, no gradient, at most ``MAX_ROWS`` rows; anything else is the plain ``F.linear``.
 
-Under ``torch.compile`` a single row takes the **reduction tier**: y_o = Σ_d W_od x_d written as
-``(W * x).sum(-1)``, which inductor turns into one vectorised reduction that streams W once, in parallel
-over the outputs, fused with its neighbours. MKL's GEMV on weights that are not in cache streams them at
-~8 GB/s on the 2-core Zen 4 VM, where a plain reduction reads 28 GB/s on one thread and 60+ on two (the
-k2-mini LM head, 8.4 MB, cold, 2 threads: ``F.linear`` 1.03 ms, the compiled reduction 0.31 ms); a decode
-step at batch 1 reads ~25 MB of weights, so it is bound by how they are streamed (docs/generation.md).
-With several rows it stays ``F.linear`` unless the caller passes ``compiled=True``: with torch 2.13's CPU
-inductor, a transposed product fused into a following reduction (out_proj -> residual add -> RMSNorm) read
-wrong values at batch ≥ 2 (tests/infer/test_compiled.py caught it), and inductor vectorised a several-row
-reduction along the rows instead of along D (5× slower than the GEMM). The LM head, whose logits leave the
-graph, is the caller that passes it.
+Under ``torch.compile`` a step of at most ``MAX_ROWS`` rows takes the **reduction tier**: y_no = Σ_d W_od x_nd
+written as ``(W[None] * x[:, None]).sum(-1)``, which inductor turns into one vectorised reduction over D that
+streams W, in parallel over the outputs, fused with its neighbours. MKL's GEMV and few-row GEMM on weights
+that are not in cache stream them at ~6–8 GB/s on the 2-core Zen 4 VM, where a plain reduction reads 28 GB/s
+on one thread and 60+ on two (the k2-mini LM head, 8.4 MB, cold, 2 threads, one row: ``F.linear`` 1.03 ms,
+the compiled reduction 0.31 ms); a decode step reads 25–45 MB of weights, so it is bound by how they are
+streamed. Compiled k2-mini decoding, in one process against the same step with ``F.linear`` for 2–6 rows:
+batch 4 +20 % and +22 %, batch 2 +27 % (docs/generation.md). The swapped GEMM inside the graph gained only
+9 %, and torch 2.13's CPU inductor miscompiled it at its default realize threshold (a transposed product
+inlined into the next RMSNorm read wrong values at batch 2; tests/infer/test_compiled.py caught it).
 """
 
 from __future__ import annotations
@@ -38,27 +37,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Above this many rows MKL's GEMM no longer gains from the swap (N = 8 measured equal).
+# Above this many rows MKL's GEMM no longer gains from the swap (N = 8 measured equal); the compiled
+# reduction tier has the same bound (measured up to 6).
 MAX_ROWS = 6
 # One row: only weights this large (768 × 256 gains 45 µs; 256 × 256 gains 7 µs, less than the extra ops).
 MIN_SINGLE_ROW = 1 << 17
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """x [..., D], weight [O, D] -> x Wᵀ [..., O] (``F.linear`` without bias); ``compiled``: swap the
-    operands inside a compiled graph too (only where the result leaves the graph)."""
+def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., D], weight [O, D] -> x Wᵀ [..., O] (``F.linear`` without bias)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    tier = _cpu_fp32_inference(x, weight)
-    if torch.compiler.is_compiling() and tier and n == 1:
-        return (weight * rows).sum(-1).view(*x.shape[:-1], weight.shape[0])
-    if (
-        (torch.compiler.is_compiling() and not compiled)
-        or not tier
-        or n > MAX_ROWS
-        or (n == 1 and weight.numel() < MIN_SINGLE_ROW)
-        or weight.shape[1] > weight.shape[0]
-    ):
+    tier = _cpu_fp32_inference(x, weight) and n <= MAX_ROWS
+    if torch.compiler.is_compiling():
+        if not tier:
+            return F.linear(x, weight)
+        return (weight[None] * rows[:, None, :]).sum(-1).view(*x.shape[:-1], weight.shape[0])
+    if not tier or (n == 1 and weight.numel() < MIN_SINGLE_ROW) or weight.shape[1] > weight.shape[0]:
         return F.linear(x, weight)
     if n == 1:
         rows = F.pad(rows, (0, 0, 0, 1))
