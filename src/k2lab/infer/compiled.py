@@ -39,12 +39,12 @@ from k2lab.ops.kda import mark_compile_constants
 __all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step"]
 
 # Inductor inlines a pointwise result into each consumer unless its body has more than this many ops
-# (CPU default 50). Decode's consumers are reductions over whole weight matrices (decode_linear's
-# single-row tier, the routed experts' reduction tier): an inlined producer — the final RMSNorm's rsqrt
-# and scale before the head, the experts' SiLU(g)·u before their down projection — is then recomputed
-# once per weight row instead of once per token. Realizing anything
-# larger than a few ops stores it once; measured on k2-mini, Zen 4, 2 threads, in one process against
-# the default: batch 4 +8 %, +9 %, +26 % over three runs, batch 1 within noise (docs/generation.md).
+# (CPU default 50). Decode's consumers are reductions over whole weight matrices (the reduction tiers of
+# decode_linear and of the routed experts): an inlined producer — the final RMSNorm's rsqrt and scale
+# before the head, the experts' SiLU(g)·u before their down projection — is then recomputed once per
+# weight row instead of once per token. Realizing anything larger than a few ops stores it once; measured
+# on k2-mini, Zen 4, 2 threads, in one process against the default: batch 4 +8 %, +9 %, +26 % over three
+# runs, batch 1 within noise (docs/generation.md).
 REALIZE_OPCOUNT = 4
 
 _COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Callable[..., object]]] = (

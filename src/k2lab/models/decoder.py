@@ -148,7 +148,7 @@ class CausalLM(nn.Module):
         if logits_mask is not None:
             h = h[logits_mask.to(device=h.device, dtype=torch.bool)]
         h = self.norm(h)
-        # decode steps (a cache, a few rows): the head's product in the operand order CPU BLAS runs fastest
+        # decode steps (a cache, a few rows): the head's product through decode_linear's decode tiers
         logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight)
         return CausalLMOutput(logits=logits, hidden=h if output_hidden else None)
 
