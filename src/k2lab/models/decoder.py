@@ -93,7 +93,9 @@ class CausalLM(nn.Module):
     """``model(input_ids).logits`` -> [B, T, V].
 
     ``attention_mask`` [B, T] (1 = real token) supports padded batches; positions then count real tokens
-    only, so left-padded prompts get the positions they would have alone. ``cache`` (``LatentCache``) makes
+    only, so left-padded prompts get the positions they would have alone. A [B, T, T] bool
+    ``attention_mask`` says which key each query may see (``allowed[b, q, k]``), with ``position_ids``
+    [B, T] required: token trees such as ``k2lab.posttrain.prefix_tree``'s packs (MLA-only models, no cache). ``cache`` (``LatentCache``) makes
     the call incremental: the new tokens attend to everything cached and are appended to it.
     ``inputs_embeds`` [B, T, D] replaces ``input_ids`` (the VLM splices vision features into them).
     ``segment_ids`` [B, T] (packed training windows) confines every token to its own document: MLA masks
@@ -170,6 +172,8 @@ class CausalLM(nn.Module):
             raise ValueError(
                 "segment_ids describe packed training windows: use them without cache or padding"
             )
+        if attention_mask is not None and attention_mask.dim() == 3:
+            return self._tree_inputs(attention_mask, position_ids, cache, segment_ids)
         valid = None if attention_mask is None else attention_mask.bool()
         if cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid
@@ -188,6 +192,23 @@ class CausalLM(nn.Module):
             positions, mask = document_positions(starts), document_mask(segment_ids)
         cos, sin = self.rotary(positions) if self.rotary is not None else (None, None)
         return LayerInputs(cos, sin, mask, valid, starts)
+
+    def _tree_inputs(
+        self,
+        allowed: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        cache: LatentCache | None,
+        segment_ids: torch.Tensor | None,
+    ) -> LayerInputs:
+        """``LayerInputs`` of a [B, T, T] mask: each query sees the keys it allows, at ``position_ids``."""
+        if position_ids is None or cache is not None or segment_ids is not None:
+            raise ValueError("a [B, T, T] attention_mask needs position_ids, and no cache or segment_ids")
+        if self.config.has_kda:
+            raise ValueError(
+                "a [B, T, T] attention_mask needs an MLA-only model: KDA layers read tokens in order"
+            )
+        cos, sin = self.rotary(position_ids) if self.rotary is not None else (None, None)
+        return LayerInputs(cos, sin, AttentionMask(allowed.bool().unsqueeze(1)), None)
 
     def mtp_logits(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, segment_ids: torch.Tensor | None = None

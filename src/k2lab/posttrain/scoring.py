@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from k2lab.agentic.episodes.rollout import Turn
+from k2lab.models.decoder import CausalLM
+from k2lab.posttrain.prefix_tree import MIN_SHARED, PrefixPack, batch_packs, prefix_packs
 from k2lab.runtime.enforcer import unpack_token_mask
 
 __all__ = ["offpolicy_mask", "sequence_log_ratio", "turn_logprobs", "turn_rows"]
@@ -52,46 +54,67 @@ def turn_logprobs(
     Turns are folded into rows first (``turn_rows``): a turn whose prompt starts with the previous turn's
     prompt + completion (the next turn of the same conversation, re-rendered to the same ids) reads its
     log-probs from that conversation's row, so a T-turn episode costs one forward over its last turn
-    instead of T forwards over growing prefixes. Rows go through one right-padded forward per ``batch``
-    rows; a causal model gives each position the same log-prob whichever row holds it. Models whose
-    forward takes ``logits_mask`` (``CausalLM``) compute the head at the completion positions only.
+    instead of T forwards over growing prefixes. Rows that begin alike (the K rollouts of a group share
+    their prompt) are then packed with each shared prefix once (``k2lab.posttrain.prefix_tree``; MLA-only
+    ``CausalLM``s): every token runs once however many rows hold it. Packs go through one right-padded
+    forward per ``batch`` packs; a causal model gives each position the same log-prob whichever row or
+    pack holds it (up to rounding). Models whose forward takes ``logits_mask`` (``CausalLM``) compute the
+    head at the completion positions only.
     """
     rows, places = turn_rows(turns)
-    spans = [
-        (row, begin - 1, begin - 1 + len(t.completion_ids))
-        for t, (row, begin) in zip(turns, places, strict=True)
-    ]
+    shares = isinstance(model, CausalLM) and not model.config.has_kda
+    packs = prefix_packs(rows, MIN_SHARED if shares else None)
+    holder = {row: (p, m) for p, pack in enumerate(packs) for m, row in enumerate(pack.rows)}
     device = next(model.parameters()).device
-    masked = "logits_mask" in inspect.signature(model.forward).parameters
     out: list[torch.Tensor | None] = [None] * len(turns)
-    for start in range(0, len(rows), batch):
-        chunk = rows[start : start + batch]
-        width = max(len(r) for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        valid = torch.zeros(len(chunk), width, dtype=torch.bool)
-        wanted = torch.zeros(len(chunk), width, dtype=torch.bool)  # positions that predict a completion token
-        for i, row in enumerate(chunk):
-            ids[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), True
-        mine = [k for k, (row, _, _) in enumerate(spans) if start <= row < start + batch]
+    for start in range(0, len(packs), batch):
+        chunk = packs[start : start + batch]
+        mine = [k for k, (row, _) in enumerate(places) if start <= holder[row][0] < start + batch]
+        where = []  # per turn of this chunk: (its pack's row in the chunk, packed indices predicting its tokens)
         for k in mine:
-            row, first, last = spans[k]
-            wanted[row - start, first:last] = True
-        ids, valid, wanted = ids.to(device), valid.to(device), wanted.to(device)
-        if masked:
-            logits = model(ids, attention_mask=valid, logits_mask=wanted).logits
-        else:
-            logits = model(ids, attention_mask=valid).logits[wanted]
-        targets = ids.roll(-1, dims=1)[wanted]  # the token after each wanted position
+            row, begin = places[k]
+            p, m = holder[row]
+            where.append((p - start, packs[p].paths[m][begin - 1 : begin - 1 + len(turns[k].completion_ids)]))
+        logits, wanted = _chunk_logits(model, chunk, where, device)
         offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in the [N] rows of a wanted position
-        begins = {k: int(offset[spans[k][0] - start, spans[k][1]]) for k in mine}  # turn k's first row
-        logits = logits.float()
+        index = torch.cat([offset[b, torch.tensor(idx, dtype=torch.long)] for b, idx in where])
+        logits = logits.index_select(0, index.to(logits.device)).float()  # [Σ n_k, V], turn after turn
+        begins = [0]
+        for _, idx in where:
+            begins.append(begins[-1] + len(idx))
         if allowed is not None:
-            logits = _restrict(logits, [(allowed[k], begins[k]) for k in mine])
-        logp = logits.log_softmax(-1)  # [N, V], row-major
-        values = logp if full else logp.gather(-1, targets[:, None]).squeeze(-1)
-        for k in mine:
-            out[k] = values[begins[k] : begins[k] + len(turns[k].completion_ids)]
+            logits = _restrict(logits, [(allowed[k], begins[j]) for j, k in enumerate(mine)])
+        logp = logits.log_softmax(-1)
+        targets = torch.tensor([t for k in mine for t in turns[k].completion_ids], dtype=torch.long)
+        values = logp if full else logp.gather(-1, targets.to(logp.device)[:, None]).squeeze(-1)
+        for j, k in enumerate(mine):
+            out[k] = values[begins[j] : begins[j + 1]]
     return out  # type: ignore[return-value]
+
+
+def _chunk_logits(
+    model: torch.nn.Module,
+    chunk: Sequence[PrefixPack],
+    where: Sequence[tuple[int, list[int]]],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One right-padded forward over ``chunk``: the logits [N, V] at the N ``wanted`` [B, T] positions (the
+    packed indices in ``where``), row-major. Packs of one row run with a padding mask, as plain rows;
+    packs that share prefixes with their tree mask and positions."""
+    ids, positions, tree = batch_packs(chunk)
+    wanted = torch.zeros_like(ids, dtype=torch.bool)
+    for b, idx in where:
+        wanted[b, idx] = True
+    if all(len(pack.rows) == 1 for pack in chunk):
+        lengths = torch.tensor([len(pack) for pack in chunk])
+        mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        inputs = {"attention_mask": mask.to(device)}
+    else:
+        inputs = {"attention_mask": tree.to(device), "position_ids": positions.to(device)}
+    ids, wanted = ids.to(device), wanted.to(device)
+    if "logits_mask" in inspect.signature(model.forward).parameters:
+        return model(ids, logits_mask=wanted, **inputs).logits, wanted
+    return model(ids, **inputs).logits[wanted], wanted
 
 
 def _restrict(logits: torch.Tensor, masks: Sequence[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
