@@ -13,8 +13,7 @@ A trainer subclasses ``IterativeTrainer``, builds its model and optimizer, sets 
 
 ``run_loop(total, on_metrics)`` advances until the counter reaches ``total`` and writes a checkpoint
 (``save_training_checkpoint``, keeping ``config.keep_checkpoints``) whenever the counter is a multiple of
-``config.checkpoint_every`` and after the last iteration, in the background while the next iteration runs
-(a snapshot of the state is taken when the iteration ends). A checkpoint is::
+``config.checkpoint_every`` and after the last iteration. A checkpoint is::
 
     {counter: n, **state_parts(), "rng": capture_rng_state(), "config": settings()}
 
@@ -34,9 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from k2lab.train.background_checkpoint import BackgroundCheckpoint
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
-from k2lab.train.run_checkpoints import checkpoint_directory, save_training_checkpoint
+from k2lab.train.run_checkpoints import save_training_checkpoint
 
 __all__ = ["METRICS", "IterativeTrainer", "LoopConfig", "rounded_mean"]
 
@@ -96,41 +94,16 @@ class IterativeTrainer(ABC):
         self, total: int, on_metrics: Callable[[dict[str, Any]], None] | None = None
     ) -> list[dict[str, Any]]:
         """``advance()`` until ``total`` iterations are done, checkpointing on the cadence and after the last;
-        returns this call's metrics lines. Each checkpoint is written in the background while the next
-        iteration runs (``k2lab.train.background_checkpoint``), and the loop returns once the last one is on
-        disk. ``on_metrics`` sees the metrics lines in order: a line off the cadence when its iteration ends,
-        a line followed by a checkpoint once that checkpoint is on disk (at the end of the next iteration,
-        or of the loop)."""
-        history: list[dict[str, Any]] = []
-        writer = BackgroundCheckpoint()
-        waiting: list[dict[str, Any]] = []  # lines whose callback waits for the running save
-        try:
-            while self.completed < total:
-                metrics = self.advance()
-                history.append(metrics)
-                self._notify(writer, waiting, on_metrics)  # the previous save is on disk
-                waiting.append(metrics)
-                if self.completed % self.config.checkpoint_every == 0 or self.completed == total:
-                    self.save_checkpoint(writer)
-                else:
-                    self._notify(writer, waiting, on_metrics)
-            self._notify(writer, waiting, on_metrics)
-        finally:
-            writer.wait()
-        return history
-
-    @staticmethod
-    def _notify(
-        writer: BackgroundCheckpoint,
-        waiting: list[dict[str, Any]],
-        on_metrics: Callable[[dict[str, Any]], None] | None,
-    ) -> None:
-        """Wait for the running save, then hand ``waiting``'s lines to ``on_metrics`` (and clear it)."""
-        writer.wait()
-        lines, waiting[:] = list(waiting), []
-        for line in lines:
+        ``on_metrics`` sees each metrics line after its checkpoint. Returns this call's metrics lines."""
+        history = []
+        while self.completed < total:
+            metrics = self.advance()
+            history.append(metrics)
+            if self.completed % self.config.checkpoint_every == 0 or self.completed == total:
+                self.save_checkpoint()
             if on_metrics is not None:
-                on_metrics(line)
+                on_metrics(metrics)
+        return history
 
     # ---- persistence
     def checkpoint_state(self) -> dict[str, Any]:
@@ -142,15 +115,11 @@ class IterativeTrainer(ABC):
             "config": self.settings(),
         }
 
-    def save_checkpoint(self, writer: BackgroundCheckpoint | None = None) -> Path:
-        """Write ``checkpoint_state()`` as the checkpoint of the current count; returns its directory. With a
-        ``writer`` the write runs in its thread (a snapshot is taken now) and may not be on disk yet."""
-        if writer is None:
-            return save_training_checkpoint(
-                self.out, self.completed, self.checkpoint_state(), self.config.keep_checkpoints
-            )
-        writer.start(self.out, self.completed, self.checkpoint_state(), self.config.keep_checkpoints)
-        return checkpoint_directory(self.out, self.completed)
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoint_state()`` as the checkpoint of the current count; returns its directory."""
+        return save_training_checkpoint(
+            self.out, self.completed, self.checkpoint_state(), self.config.keep_checkpoints
+        )
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint of ``out_dir``, if any (refused when the settings differ);

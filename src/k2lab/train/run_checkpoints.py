@@ -94,7 +94,7 @@ def save_training_checkpoint(
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    check_plain(state, "state")
+    _check_plain(state, "state")
     target = checkpoint_directory(run_dir, step)
     with staged_directory(target) as staging:
         files = {STATE: _write_synced(staging / STATE, lambda f: torch.save(state, f))}
@@ -145,7 +145,7 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
-def check_plain(value: Any, where: str) -> None:
+def _check_plain(value: Any, where: str) -> None:
     """Raise ``TypeError`` at the first value that ``torch.load(weights_only=True)`` would refuse."""
     kind = type(value)
     if isinstance(value, torch.Tensor):
@@ -161,11 +161,11 @@ def check_plain(value: Any, where: str) -> None:
         for key, item in value.items():
             if type(key) not in _SCALARS:
                 raise TypeError(f"{where}: dict key {key!r} of type {type(key).__name__} is not allowed")
-            check_plain(item, f"{where}[{key!r}]")
+            _check_plain(item, f"{where}[{key!r}]")
         return
     if kind in (list, tuple, set):
         for index, item in enumerate(value):
-            check_plain(item, f"{where}[{index}]")
+            _check_plain(item, f"{where}[{index}]")
         return
     raise TypeError(
         f"{where}: {kind.__module__}.{kind.__qualname__} cannot go into a training checkpoint; store tensors, "
