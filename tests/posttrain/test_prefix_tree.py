@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.posttrain.prefix_tree import batch_packs, prefix_packs
+from k2lab.posttrain.prefix_tree import batch_packs, prefix_packs, tree_mask
 from tests.conftest import randomize
 
 
@@ -64,7 +64,8 @@ def test_tree_mask_sees_exactly_the_earlier_tokens_of_the_row():
             for t, q in enumerate(path):
                 seen = set(allowed[q].nonzero()[:, 0].tolist())
                 assert seen == set(path[: t + 1])
-    ids, positions, mask = batch_packs(prefix_packs(rows, min_shared=16))
+    packs = prefix_packs(rows, min_shared=16)
+    (ids, positions), mask = batch_packs(packs), tree_mask(packs)
     assert ids.shape == positions.shape == mask.shape[:2] and mask.shape[1] == mask.shape[2]
     assert mask.diagonal(dim1=1, dim2=2).all()  # padding queries see themselves
 
@@ -73,7 +74,7 @@ def test_packed_forward_gives_every_row_its_own_logits():
     model = randomize(build_model(load_preset("k2-nano", vocab_size=300))).eval()
     rows = _rows(2)
     packs = prefix_packs(rows, min_shared=16)
-    ids, positions, mask = batch_packs(packs)
+    (ids, positions), mask = batch_packs(packs), tree_mask(packs)
     with torch.no_grad():
         packed = model(ids, attention_mask=mask, position_ids=positions).logits
         for b, pack in enumerate(packs):

@@ -95,8 +95,9 @@ class CausalLM(nn.Module):
     ``attention_mask`` [B, T] (1 = real token) supports padded batches; positions then count real tokens
     only, so left-padded prompts get the positions they would have alone. A [B, T, T] bool
     ``attention_mask`` says which key each query may see (``allowed[b, q, k]``), with ``position_ids``
-    [B, T] required: token trees such as ``k2lab.posttrain.prefix_tree``'s packs (MLA-only models, no cache). ``cache`` (``LatentCache``) makes
-    the call incremental: the new tokens attend to everything cached and are appended to it.
+    [B, T] required: token trees such as ``k2lab.posttrain.prefix_tree``'s packs (MLA-only models, no
+    cache). ``cache`` (``LatentCache``) makes the call incremental: the new tokens attend to everything
+    cached and are appended to it.
     ``inputs_embeds`` [B, T, D] replaces ``input_ids`` (the VLM splices vision features into them).
     ``segment_ids`` [B, T] (packed training windows) confines every token to its own document: MLA masks
     other documents and restarts positions, KDA restarts its state and short convolution, so each

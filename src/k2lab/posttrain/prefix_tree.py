@@ -28,7 +28,7 @@ from itertools import groupby
 
 import torch
 
-__all__ = ["MIN_SHARED", "PrefixPack", "batch_packs", "prefix_packs"]
+__all__ = ["MIN_SHARED", "PrefixPack", "batch_packs", "prefix_packs", "tree_mask"]
 
 # Rows that share fewer leading tokens are packed apart (a few tokens saved do not pay for the longer pack).
 MIN_SHARED = 16
@@ -115,18 +115,22 @@ def _grow(
         _grow(pack, rows, list(group), end, parent)
 
 
-def batch_packs(
-    packs: Sequence[PrefixPack], pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T], positions [B, T] and attention mask [B, T, T] (a padding token sees only
-    itself, so its softmax stays finite; no real token sees it)."""
+def batch_packs(packs: Sequence[PrefixPack], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T] and positions [B, T] of ``packs``."""
     width = max(map(len, packs))
     ids = torch.full((len(packs), width), pad_id, dtype=torch.long)
     positions = torch.zeros(len(packs), width, dtype=torch.long)
+    for b, pack in enumerate(packs):
+        ids[b, : len(pack)] = torch.tensor(pack.ids)
+        positions[b, : len(pack)] = torch.tensor(pack.positions)
+    return ids, positions
+
+
+def tree_mask(packs: Sequence[PrefixPack]) -> torch.Tensor:
+    """The attention mask [B, T, T] of ``batch_packs(packs)``: each pack's ``allowed()``, and a padding
+    token sees only itself (so its softmax stays finite; no real token sees it)."""
+    width = max(map(len, packs))
     allowed = torch.eye(width, dtype=torch.bool).repeat(len(packs), 1, 1)
     for b, pack in enumerate(packs):
-        n = len(pack)
-        ids[b, :n] = torch.tensor(pack.ids)
-        positions[b, :n] = torch.tensor(pack.positions)
-        allowed[b, :n, :n] = pack.allowed()
-    return ids, positions, allowed
+        allowed[b, : len(pack), : len(pack)] = pack.allowed()
+    return allowed

@@ -17,7 +17,7 @@ import torch
 
 from k2lab.agentic.episodes.rollout import Turn
 from k2lab.models.decoder import CausalLM
-from k2lab.posttrain.prefix_tree import MIN_SHARED, PrefixPack, batch_packs, prefix_packs
+from k2lab.posttrain.prefix_tree import MIN_SHARED, PrefixPack, batch_packs, prefix_packs, tree_mask
 from k2lab.runtime.enforcer import unpack_token_mask
 
 __all__ = ["offpolicy_mask", "sequence_log_ratio", "turn_logprobs", "turn_rows"]
@@ -66,6 +66,7 @@ def turn_logprobs(
     packs = prefix_packs(rows, MIN_SHARED if shares else None)
     holder = {row: (p, m) for p, pack in enumerate(packs) for m, row in enumerate(pack.rows)}
     device = next(model.parameters()).device
+    masked = "logits_mask" in inspect.signature(model.forward).parameters
     out: list[torch.Tensor | None] = [None] * len(turns)
     for start in range(0, len(packs), batch):
         chunk = packs[start : start + batch]
@@ -75,7 +76,7 @@ def turn_logprobs(
             row, begin = places[k]
             p, m = holder[row]
             where.append((p - start, packs[p].paths[m][begin - 1 : begin - 1 + len(turns[k].completion_ids)]))
-        logits, wanted = _chunk_logits(model, chunk, where, device)
+        logits, wanted = _chunk_logits(model, chunk, where, device, masked)
         offset = wanted.flatten().cumsum(0).view_as(wanted) - 1  # index in the [N] rows of a wanted position
         index = torch.cat([offset[b, torch.tensor(idx, dtype=torch.long)] for b, idx in where])
         logits = logits.index_select(0, index.to(logits.device)).float()  # [Σ n_k, V], turn after turn
@@ -97,11 +98,12 @@ def _chunk_logits(
     chunk: Sequence[PrefixPack],
     where: Sequence[tuple[int, list[int]]],
     device: torch.device,
+    masked: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One right-padded forward over ``chunk``: the logits [N, V] at the N ``wanted`` [B, T] positions (the
-    packed indices in ``where``), row-major. Packs of one row run with a padding mask, as plain rows;
-    packs that share prefixes with their tree mask and positions."""
-    ids, positions, tree = batch_packs(chunk)
+    packed indices in ``where``), row-major; ``masked``: the model takes ``logits_mask``. Packs of one row
+    run with a padding mask, as plain rows; packs that share prefixes with their tree mask and positions."""
+    ids, positions = batch_packs(chunk)
     wanted = torch.zeros_like(ids, dtype=torch.bool)
     for b, idx in where:
         wanted[b, idx] = True
@@ -110,9 +112,9 @@ def _chunk_logits(
         mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
         inputs = {"attention_mask": mask.to(device)}
     else:
-        inputs = {"attention_mask": tree.to(device), "position_ids": positions.to(device)}
+        inputs = {"attention_mask": tree_mask(chunk).to(device), "position_ids": positions.to(device)}
     ids, wanted = ids.to(device), wanted.to(device)
-    if "logits_mask" in inspect.signature(model.forward).parameters:
+    if masked:
         return model(ids, logits_mask=wanted, **inputs).logits, wanted
     return model(ids, **inputs).logits[wanted], wanted
 
