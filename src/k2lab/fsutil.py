@@ -38,6 +38,14 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
 
 
+def write_synced(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to a new file ``path`` and fsync it (no rename: for files inside a staged directory)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def staging_directory(target: Path) -> Path:
     """A fresh temporary sibling of ``target`` (same filesystem, so the final rename is atomic)."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,6 @@ One process writes a run directory (rank 0, or each rank into its own run direct
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -44,7 +43,8 @@ from typing import Any
 import torch
 
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, staged_directory
+from k2lab.fsutil import read_json_object, staged_directory, write_synced
+from k2lab.train.state_file import file_sha256, write_state
 
 FORMAT = "k2lab-train"
 VERSION = 1
@@ -52,7 +52,6 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_HASH_CHUNK = 1 << 22
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
@@ -97,7 +96,7 @@ def save_training_checkpoint(
     _check_plain(state, "state")
     target = checkpoint_directory(run_dir, step)
     with staged_directory(target) as staging:
-        files = {STATE: _write_synced(staging / STATE, lambda f: torch.save(state, f))}
+        files = {STATE: write_state(staging / STATE, state)}
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -107,28 +106,11 @@ def save_training_checkpoint(
             "torch": torch.__version__,
         }
         text = (json.dumps(manifest, indent=2) + "\n").encode()
-        _write_synced(staging / MANIFEST, lambda f: f.write(text))
+        write_synced(staging / MANIFEST, text)
         _fsync_directory(staging)
     _fsync_directory(target.parent)
     _prune(Path(run_dir), step, keep_last)
     return target
-
-
-def _write_synced(path: Path, write: Callable[[Any], object]) -> dict[str, Any]:
-    """Write ``path`` with ``write(file)``, fsync it and return its size and SHA-256 (read back from disk)."""
-    with open(path, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_directory(path: Path) -> None:
@@ -254,7 +236,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> int:
             raise CheckpointError(
                 f"{path.name}: {name} has {size} bytes, manifest says {entry['bytes']} (truncated?)"
             )
-        if _sha256(file) != entry["sha256"]:
+        if file_sha256(file) != entry["sha256"]:
             raise CheckpointError(f"{path.name}: {name} fails its SHA-256 checksum (corrupt)")
     return step
 
