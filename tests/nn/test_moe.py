@@ -129,6 +129,30 @@ def test_grouped_matmul_matches_loop(dtype, dims):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dims", [(6, 7), (16, 32)], ids=["unaligned-loop", "aligned-fused"])
+def test_eager_path_equals_the_custom_op(dims):
+    """Eager calls skip torch.library's dispatch (``_GroupedMatmul``); products and gradients are the op's."""
+    from k2lab.ops.grouped_mm import _grouped_mm_op
+
+    torch.manual_seed(1)
+    d_in, d_out = dims
+    counts = torch.tensor([4, 0, 7, 2])
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(13, d_in, requires_grad=True)
+    w = torch.randn(4, d_out, d_in, requires_grad=True)
+    upstream = torch.randn(13, d_out)
+    eager = grouped_matmul(x, w, counts)
+    op = _grouped_mm_op(x, w, offsets)
+    assert eager.grad_fn is not None and "GroupedMatmul" in type(eager.grad_fn).__name__
+    assert torch.equal(eager, op)
+    for a, b in zip(
+        torch.autograd.grad(eager, [x, w], upstream), torch.autograd.grad(op, [x, w], upstream), strict=True
+    ):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert grouped_matmul(x, w, counts).grad_fn is None and torch.equal(grouped_matmul(x, w, counts), op)
+
+
 def test_grouped_matmul_follows_autocast_like_mm():
     """Under bf16 autocast the grouped product runs in bf16, as ``x @ w[e].T`` would for each expert."""
     torch.manual_seed(0)
