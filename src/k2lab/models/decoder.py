@@ -23,7 +23,7 @@ from torch import nn
 
 from k2lab.config import ModelConfig, YarnScaling
 from k2lab.infer.cache import LatentCache
-from k2lab.models.init import init_weights
+from k2lab.models.init import constructing_on, init_weights
 from k2lab.models.layer import DecoderLayer, LayerInputs
 from k2lab.models.mtp import MultiTokenPrediction, shifted_embeds
 from k2lab.nn.attnres import AttnRes, BlockAttnResState
@@ -271,7 +271,7 @@ def _positions(valid: torch.Tensor | None, B: int, T: int, device: torch.device)
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int | None = 0) -> CausalLM:
     """Construct and initialise a model. On the meta device nothing is allocated or initialised."""
-    with torch.device(device):
+    with constructing_on(device):
         model = CausalLM(config)
     if torch.device(device).type != "meta":
         init_weights(model, seed=seed)

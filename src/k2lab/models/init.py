@@ -6,8 +6,12 @@ after everything else, so a model's main weights at a seed do not depend on ``nu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from k2lab.nn.attnres import AttnRes
 from k2lab.nn.experts import RoutedExperts
@@ -15,6 +19,37 @@ from k2lab.nn.kda_gate import ForgetGate
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import RotaryEmbedding
 from k2lab.nn.router import SigmoidRouter
+
+
+class _SkipInitOnMeta(TorchFunctionMode):
+    """Returns the tensor untouched from every ``torch.nn.init`` initialiser called on a meta tensor.
+
+    Module constructors initialise their parameters (``nn.Linear``: ``kaiming_uniform_``); on the meta device
+    that runs the initialisers' Python reference kernels, whose first call imports ``torch._dynamo`` (2–3 s,
+    measured on the 2-core Zen 4 VM) to produce no data at all.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor")  # handle_torch_function passes it by name
+        if (
+            getattr(func, "__module__", None) == "torch.nn.init"
+            and isinstance(tensor, torch.Tensor)
+            and tensor.is_meta
+        ):
+            return tensor
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def constructing_on(device: torch.device | str) -> Iterator[None]:
+    """``with torch.device(device)`` for constructing a model; on meta its initialisers are skipped."""
+    if torch.device(device).type != "meta":
+        with torch.device(device):
+            yield
+        return
+    with _SkipInitOnMeta(), torch.device(device):
+        yield
 
 
 @torch.no_grad()
@@ -51,13 +86,15 @@ def init_weights(model: nn.Module, seed: int | None = 0) -> None:
 def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Allocate a meta-device model on ``device`` without initialising weights (they are loaded next).
 
-    Non-persistent buffers (rotary frequencies) are recomputed, since no checkpoint holds them.
+    Non-persistent buffers (rotary frequencies) are recomputed, since no checkpoint holds them. What
+    ``Module.to_empty`` does, with ``torch.empty`` for its ``torch.empty_like``: that one runs the meta
+    tensors' Python reference kernel, whose first call imports sympy (~2 s, measured on the 2-core Zen 4 VM).
     """
-    model.to_empty(device=device)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
-        # to_empty re-creates parameters one by one, untying a tied head
+        # parameters are re-created one by one, untying a tied head
         if hasattr(module, "lm_head") and getattr(module.config, "tie_word_embeddings", False):
             module.lm_head.weight = module.embed.weight
     return model

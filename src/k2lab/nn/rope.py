@@ -32,8 +32,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def yarn_inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
-    """Per-pair inverse frequencies [dim/2] and the cos/sin attention factor."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    """Per-pair inverse frequencies [dim/2] (on the CPU, whatever the default device: constructing on meta
+    must not compute them there) and the cos/sin attention factor."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
     inv_freq = 1.0 / theta**exponents
     if yarn is None:
         return inv_freq, 1.0
@@ -49,7 +50,7 @@ def yarn_inverse_frequencies(dim: int, theta: float, yarn: YarnScaling | None) -
     high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep_original = 1 - ramp
     inv_freq = inv_freq / yarn.factor * ramp + inv_freq * keep_original
     if yarn.mscale and yarn.mscale_all_dim:

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from k2lab.hardware import choose
+from k2lab.optim import dtensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MAX_BATCH = 16  # 2-D matrices per batched Newton–Schulz (an expert tensor's count; 240 ran slower)
@@ -189,18 +189,6 @@ def _apply(p: torch.Tensor, scaled: torch.Tensor, group: dict) -> None:
     p.add_(scaled, alpha=-group["lr"])
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole matrix of a (possibly FSDP2-sharded) tensor: Newton–Schulz must see every row."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _like(full: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """Re-shard ``full`` the way ``reference`` is sharded (each rank keeps its own slice, no communication)."""
-    if isinstance(reference, DTensor):
-        return distribute_tensor(full, reference.device_mesh, reference.placements, src_data_rank=None)
-    return full
-
-
 def _global_rms(square_sum: float, count: int) -> float:
     """RMS over every rank's shard of the updates (plain RMS without a process group)."""
     if dist.is_available() and dist.is_initialized():
@@ -286,7 +274,7 @@ class Muon(Optimizer):
                     self._adamw_step(p, group)
                 continue
             self._advance_momentum(params, group)
-            plain = [] if group["row_blocks"] else [p for p in params if not isinstance(p, DTensor)]
+            plain = [] if group["row_blocks"] else [p for p in params if not dtensor.is_dtensor(p)]
             for batch_squares, batch_count in self._run_batches(same_shape_batches(plain), group):
                 square_sum, count = square_sum + batch_squares, count + batch_count
             batched = {id(p) for p in plain}
@@ -294,7 +282,7 @@ class Muon(Optimizer):
                 if id(p) not in batched:
                     scaled = self._muon_update(p, group)
                     _apply(p, scaled, group)
-                    local = scaled.to_local() if isinstance(scaled, DTensor) else scaled
+                    local = scaled.to_local() if dtensor.is_dtensor(scaled) else scaled
                     square_sum += _square_sum(local)
                     count += local.numel()
         self.last_update_rms = _global_rms(square_sum, count)
@@ -367,7 +355,7 @@ class Muon(Optimizer):
     def _muon_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """The shape-scaled orthogonalised momentum r·NS(U), sharded like ``p`` (lr not applied)."""
         ortho, blocks = orthogonalize(
-            _full(self._momentum_update(p, group)),
+            dtensor.full(self._momentum_update(p, group)),
             group["row_blocks"],
             group["ns_coefficients"],
             group["ns_steps"],
@@ -378,7 +366,7 @@ class Muon(Optimizer):
         ortho = ortho.to(p.dtype)
         for start, rows, cols in blocks:
             ortho[..., start : start + rows, :] *= lr_ratio(group["adjust_lr_fn"], rows, cols)
-        return _like(ortho, p)
+        return dtensor.like(ortho, p)
 
     def _advance_momentum(self, params: list[torch.Tensor], group: dict) -> None:
         """B ← μ·B + (1 − μ)·G for every parameter of the group (one foreach call for plain tensors)."""
@@ -387,13 +375,13 @@ class Muon(Optimizer):
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
             buffers.append(self.state[p]["momentum_buffer"])
-        plain = [i for i, p in enumerate(params) if not isinstance(p, DTensor)]
+        plain = [i for i, p in enumerate(params) if not dtensor.is_dtensor(p)]
         if plain:
             torch._foreach_lerp_(
                 [buffers[i] for i in plain], [params[i].grad for i in plain], 1 - group["momentum"]
             )
         for i, p in enumerate(params):
-            if isinstance(p, DTensor):
+            if dtensor.is_dtensor(p):
                 buffers[i].lerp_(p.grad, 1 - group["momentum"])
 
     def _momentum_update(self, p: torch.Tensor, group: dict, out: torch.Tensor | None = None) -> torch.Tensor:

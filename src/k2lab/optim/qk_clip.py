@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k2lab.nn.mla import MultiHeadLatentAttention
+from k2lab.optim import dtensor
 
 
 @dataclass
@@ -69,10 +69,7 @@ def _per_head_rows(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 
 
 def _scale_rows(weight: torch.Tensor, row_factor: torch.Tensor) -> None:
-    factor = row_factor[:, None].to(weight.device)
-    if isinstance(weight, DTensor):
-        factor = distribute_tensor(factor, weight.device_mesh, weight.placements, src_data_rank=None)
-    weight.mul_(factor)
+    weight.mul_(dtensor.like(row_factor[:, None].to(weight.device), weight))
 
 
 class QKClip:

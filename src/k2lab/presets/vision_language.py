@@ -12,6 +12,7 @@ import torch
 
 from k2lab.config import ConfigError
 from k2lab.data.tokenizer import SPECIAL_TOKENS
+from k2lab.models.init import constructing_on
 from k2lab.params import count_parameters
 from k2lab.presets import available_presets, get_preset, load_preset
 from k2lab.vision.config import VisionConfig
@@ -46,7 +47,7 @@ def load_vlm_preset(
 
 def vlm_parameter_counts(config: VLMConfig) -> dict[str, int]:
     """Exact parameter counts of the VLM built on the meta device: language model, tower, projector, total."""
-    with torch.device("meta"):
+    with constructing_on("meta"):
         model = VisionLanguageModel(config)
 
     def count(module: torch.nn.Module) -> int:

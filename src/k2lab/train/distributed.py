@@ -28,11 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k2lab.data.packing import Batch
 from k2lab.errors import K2LabError
+from k2lab.optim import dtensor
 
 _STATE: dict[str, Any] = {"owned": False, "used": False, "device": torch.device("cpu")}
 
@@ -173,7 +172,8 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """
     if not is_distributed():
         return model
-    from torch.distributed.fsdp import fully_shard  # lazy: 0.6 s to import, only sharding needs it
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: only sharding needs them
+    from torch.distributed.fsdp import fully_shard
 
     target = device()
     model.to(target)
@@ -271,7 +271,7 @@ def on_main(factory: Callable[[], Any]) -> Any:
 # ---- full (unsharded) state -----------------------------------------------------------------------------
 def full_tensor(value: Any) -> Any:
     """A DTensor gathered to a plain tensor (a collective), anything else as is."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return dtensor.full(value)
 
 
 def _gather(value: Any, keep: bool) -> Any:
@@ -279,7 +279,7 @@ def _gather(value: Any, keep: bool) -> Any:
 
     The traversal order is the container order, the same on every rank, so the collectives match.
     """
-    if isinstance(value, DTensor):
+    if dtensor.is_dtensor(value):
         full = value.full_tensor()
         return full.cpu() if keep else None
     if isinstance(value, dict):
@@ -290,7 +290,7 @@ def _gather(value: Any, keep: bool) -> Any:
 
 
 def _has_dtensor(value: Any) -> bool:
-    if isinstance(value, DTensor):
+    if dtensor.is_dtensor(value):
         return True
     if isinstance(value, dict):
         return any(_has_dtensor(item) for item in value.values())
@@ -328,19 +328,14 @@ def load_full_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
 
 def _like(full: Any, reference: Any) -> Any:
     """``full`` sharded like the DTensor ``reference`` (this rank's slice, no communication)."""
-    if not isinstance(reference, DTensor) or not isinstance(full, torch.Tensor) or isinstance(full, DTensor):
+    if not dtensor.is_dtensor(reference) or not isinstance(full, torch.Tensor) or dtensor.is_dtensor(full):
         return full
     if tuple(full.shape) != tuple(reference.shape):
         raise K2LabError(
             f"checkpoint tensor of shape {tuple(full.shape)} does not fit a parameter of shape "
             f"{tuple(reference.shape)}"
         )
-    return distribute_tensor(
-        full.to(device=reference.device, dtype=reference.dtype),
-        reference.device_mesh,
-        reference.placements,
-        src_data_rank=None,
-    )
+    return dtensor.like(full.to(device=reference.device, dtype=reference.dtype), reference)
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -367,7 +362,7 @@ def load_full_optimizer_state_dict(optimizer: Any, state: dict[str, Any]) -> Non
     """
     inner = _torch_optimizer(optimizer)
     params = [p for group in inner.param_groups for p in group["params"]]
-    if any(isinstance(p, DTensor) for p in params):
+    if any(dtensor.is_dtensor(p) for p in params):
         state = _shard_optimizer_state(state, params)
     optimizer.load_state_dict(state)
 

@@ -24,7 +24,7 @@ from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_END, VIDEO_PAD
 from k2lab.infer.cache import LatentCache
 from k2lab.models import CausalLM
 from k2lab.models.decoder import CausalLMOutput
-from k2lab.models.init import init_weights
+from k2lab.models.init import constructing_on, init_weights
 from k2lab.vision.config import VisionConfig
 from k2lab.vision.moonvit import MoonViT3D, vision_token_counts
 
@@ -156,7 +156,7 @@ def build_vlm(
     config: VLMConfig, device: torch.device | str = "cpu", seed: int | None = 0
 ) -> VisionLanguageModel:
     """Construct and initialise (language model as ``build_model``, vision tower truncated normal)."""
-    with torch.device(device):
+    with constructing_on(device):
         model = VisionLanguageModel(config)
     if torch.device(device).type != "meta":
         init_weights(model.language_model, seed=seed)
