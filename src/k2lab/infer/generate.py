@@ -91,17 +91,38 @@ def sample_next(
     """logits [B, V] -> token ids [B]; with one generator per row, row b draws from its own generator."""
     if config.temperature == 0:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, config)
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _exponential_race(probs, generator)
+
+
+def sampling_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """The distribution sampled from: softmax(logits / T) [B, V], cut to the top-p nucleus (unnormalised)."""
     probs = (logits.float() / config.temperature).softmax(dim=-1)
     if config.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= config.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    if isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return torch.cat(
-        [torch.multinomial(probs[b : b + 1], 1, generator=g)[0] for b, g in enumerate(generator)]
-    )
+    return probs
+
+
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One draw per row from probs [B, V], row b from ``generators[b]``: argmax_v p_v / q_v, q_v ~ Exp(1).
+
+    The same draws as ``torch.multinomial(probs[b : b + 1], 1, generator=generators[b])`` row by row (that is
+    how torch samples one token; tests/infer hold it to bit-equality), with only the exponential variates
+    drawn per row and the division and argmax batched (16 rows of 8192: 3.2 -> 2.8 ms a step).
+    """
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise RuntimeError(
+            "probability tensor contains either inf, nan or element < 0"
+        )  # as multinomial says
+    race = torch.empty_like(probs)
+    for row, generator in zip(race, generators, strict=True):
+        row.exponential_(1.0, generator=generator)
+    return (probs / race).argmax(dim=-1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
