@@ -123,6 +123,22 @@ def test_forced_calls_always_parse_and_validate(setup, tool_choice, parallel):
     assert counted >= 12
 
 
+def test_sections_copy_the_grammar_start_and_never_share_it(setup):
+    """Every section starts from a copy of one compiled matcher: advancing one constraint leaves the next
+    one's masks those of a freshly compiled matcher."""
+    tokenizer, _ = setup
+    grammar = ToolCallGrammar.build(tokenizer, 300, TOOLS, "required")
+    first = grammar.constraint()
+    start = first.allowed_tokens().clone()
+    for _ in range(5):  # walk the first one a few tokens into its call
+        first.advance(int(first.allowed_tokens().nonzero()[0]))
+    assert not torch.equal(first.allowed_tokens(), start)
+    second = grammar.constraint()
+    assert torch.equal(second.allowed_tokens(), start)
+    fresh = ToolCallGrammar.build(tokenizer, 300, TOOLS, "required").constraint()
+    assert torch.equal(fresh.allowed_tokens(), start)
+
+
 def test_auto_and_none(setup):
     tokenizer, model = setup
     begin = tokenizer.special_tokens["<|tool_calls_section_begin|>"]

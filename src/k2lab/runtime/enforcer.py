@@ -216,6 +216,15 @@ class ToolCallGrammar:
         return self.trigger[-1]
 
     @cached_property
+    def pristine_matcher(self) -> LLMatcher:
+        """A matcher at the grammar's start, never advanced: each section copies it (``deep_copy``, ~1 µs)
+        instead of compiling the grammar again (``LLMatcher(...)``, ~2 ms)."""
+        matcher = LLMatcher(self.tokenizer, self.grammar)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+    @cached_property
     def trigger_words(self) -> bytes:
         """The bytes between the trigger's first and last tokens (K3: ``tools``; K2: none)."""
         return self.tokenizer.decode_bytes(list(self.trigger[1:-1]))
@@ -335,9 +344,7 @@ class ToolCallConstraint:
         return None if self.max_tokens is None else self.max_tokens - self.used
 
     def _open(self) -> None:
-        self.matcher = LLMatcher(self.grammar.tokenizer, self.grammar.grammar)
-        if self.matcher.is_error():
-            raise GrammarError(self.matcher.get_error())
+        self.matcher = self.grammar.pristine_matcher.deep_copy()
 
     def _trigger_next(self) -> bool:
         """Whether the trigger's last token would complete it now: its first token was sampled and the text
