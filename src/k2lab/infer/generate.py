@@ -115,10 +115,8 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]
     how torch samples one token; tests/infer hold it to bit-equality), with only the exponential variates
     drawn per row and the division and argmax batched (16 rows of 8192: 3.2 -> 2.8 ms a step).
     """
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-        raise RuntimeError(
-            "probability tensor contains either inf, nan or element < 0"
-        )  # as multinomial says
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):  # multinomial's check and words
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
     race = torch.empty_like(probs)
     for row, generator in zip(race, generators, strict=True):
         row.exponential_(1.0, generator=generator)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from k2lab.optim import dtensor
 from k2lab.optim.grouping import OptimizerConfig, build_optimizer
 from k2lab.optim.muon import newton_schulz
 from k2lab.optim.qk_clip import QKClip
@@ -83,7 +84,7 @@ class MuonClip:
         if momentum is None:
             return 0.0
         group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
-        matrix = momentum.full_tensor() if hasattr(momentum, "full_tensor") else momentum
+        matrix = dtensor.full(momentum)
         if matrix.shape[0] > matrix.shape[1]:
             matrix = matrix.T
         ortho = newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
