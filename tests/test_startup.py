@@ -1,6 +1,6 @@
-"""What a process pays before its first token: the CLI, a loaded model and a generation must not import
-``torch._dynamo``, sympy or ``torch.distributed.tensor`` (together 4–5 s of every start on the 2-core VM)
-unless something compiles or shards."""
+"""What a process pays before its first token or step: the CLI, a loaded model, a generation and an
+optimizer's steps and state dict must not import ``torch._dynamo``, sympy or ``torch.distributed.tensor``
+(together 4–5 s of every start on the 2-core VM) unless something compiles or shards."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ build_model(load_preset("k2"), device="meta")
 build_model(load_preset("k3"), device="meta")
 vlm_parameter_counts(load_vlm_preset("k25"))
 seen["meta presets"] = [m for m in HEAVY if m in sys.modules]
+from k2lab.optim.muon import Muon
+matrices = [p for p in model.parameters() if p.dim() > 1]
+others = [p for p in model.parameters() if p.dim() == 1]
+optimizer = Muon([{"params": matrices}, {"params": others, "kind": "adamw"}], lr=1e-3)
+for _ in range(2):
+    model(__import__("torch").tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+optimizer.load_state_dict(optimizer.state_dict())
+seen["optimizer"] = [m for m in HEAVY if m in sys.modules]
 print(json.dumps(seen))
 """
 
@@ -43,4 +53,4 @@ def test_loading_and_generating_import_no_compiler_or_dtensor(tmp_path: Path) ->
         [sys.executable, "-c", script, str(tmp_path / "model")], capture_output=True, text=True, check=True
     )
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert seen == {"cli": [], "load+generate": [], "meta presets": []}
+    assert seen == {"cli": [], "load+generate": [], "meta presets": [], "optimizer": []}

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from k2lab.hardware import choose
 from k2lab.optim import dtensor
+from k2lab.optim.dynamo_free import WithoutDynamoImport
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MAX_BATCH = 16  # 2-D matrices per batched Newton–Schulz (an expert tensor's count; 240 ran slower)
@@ -198,7 +199,7 @@ def _global_rms(square_sum: float, count: int) -> float:
     return math.sqrt(square_sum / max(count, 1))
 
 
-class Muon(Optimizer):
+class Muon(WithoutDynamoImport, Optimizer):
     """Drop-in for ``torch.optim.Muon`` that also takes 3-D expert weights and AdamW groups.
 
     Beyond torch.optim.Muon's arguments: ``ns_dtype`` (``None``: what ``k2lab.hardware.choose`` picks for
