@@ -56,6 +56,24 @@ def test_compiled_decode_equals_eager() -> None:
     assert compiled_out == generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="off"))
 
 
+def test_compiled_decode_with_weights_read_once_for_all_rows(monkeypatch) -> None:
+    """Every product of several rows summed weight-row-major ([O, N], then transposed; in the real model
+    only the LM head is large enough): the compiled steps still equal eager (inductor once misread a
+    transposed product feeding the next RMSNorm)."""
+    monkeypatch.setattr("k2lab.nn.decode_linear.LARGE_WEIGHT_BYTES", 0)
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    model = randomize(build_model(load_preset("k2-nano"))).eval()
+    vocab = model.config.vocab_size
+    prompt, tokens = torch.randint(0, vocab, (3, 5)), torch.randint(0, vocab, (3, 4))
+    with torch.inference_mode():
+        want = decode_logits(model, model, prompt, tokens)
+        got = decode_logits(model, compiled_decode(model), prompt, tokens)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_compiled_decode_rebuilds_when_the_model_state_changes() -> None:
     """What a skipped module guard would have caught (train/eval, a parameter's dtype) gives a new step,
     and the new step compiles its own graph rather than reusing the one built for the old state."""

@@ -69,3 +69,18 @@ def test_compiled_few_rows_take_the_reduction_tier_only_in_fp32_inference() -> N
         assert any("linear" in op for op in _traced_ops(x.bfloat16(), weight.bfloat16()))
         assert any("linear" in op for op in _traced_ops(torch.randn(MAX_ROWS + 1, 32), weight))
     assert any("linear" in op for op in _traced_ops(x, weight.clone().requires_grad_()))
+
+
+def test_compiled_large_weights_sum_weight_row_major(monkeypatch) -> None:
+    """Above LARGE_WEIGHT_BYTES, several rows: the [O, N] reduction transposed, equal to F.linear within
+    rounding; one row keeps the [N, O] form."""
+    monkeypatch.setattr("k2lab.nn.decode_linear.LARGE_WEIGHT_BYTES", 96 * 32 * 4)
+    torch.manual_seed(3)
+    weight = torch.randn(96, 32)
+    with torch.no_grad():
+        for x in (torch.randn(3, 1, 32), torch.randn(2, 2, 32), torch.randn(1, 1, 32)):
+            transposed = "contiguous" in _traced_ops(x, weight)  # the [O, N] result made row-major
+            assert transposed == (x.shape[0] * x.shape[1] > 1)
+            got = torch.compile(decode_linear, backend="eager")(x, weight)
+            assert got.shape == (*x.shape[:-1], 96) and got.is_contiguous()
+            torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
