@@ -7,7 +7,7 @@ after everything else, so a model's main weights at a seed do not depend on ``nu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -44,11 +44,8 @@ class _SkipInitOnMeta(TorchFunctionMode):
 @contextmanager
 def constructing_on(device: torch.device | str) -> Iterator[None]:
     """``with torch.device(device)`` for constructing a model; on meta its initialisers are skipped."""
-    if torch.device(device).type != "meta":
-        with torch.device(device):
-            yield
-        return
-    with _SkipInitOnMeta(), torch.device(device):
+    skip = _SkipInitOnMeta() if torch.device(device).type == "meta" else nullcontext()
+    with skip, torch.device(device):
         yield
 
 
