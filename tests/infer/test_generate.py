@@ -4,7 +4,7 @@ import torch
 from k2lab import build_model, load_preset
 from k2lab.infer import GenerationConfig, generate
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.generate import GenerationCache, sample_next, sampling_probs
+from k2lab.infer.generate import GenerationCache, prefill, sample_next, sampling_probs
 from tests.conftest import KIMI_LINEAR_STYLE, randomize
 
 
@@ -22,6 +22,20 @@ def test_greedy_matches_full_recompute(nano):
     prompt = [5, 17, 33, 2, 90]
     got = generate(nano, [prompt], GenerationConfig(max_new_tokens=12))[0]
     assert got == greedy_without_cache(nano, prompt, 12)
+
+
+def test_prefill_runs_the_head_on_each_rows_last_position_only(nano, monkeypatch):
+    import k2lab.models.decoder as decoder
+
+    rows, plain = [], decoder.decode_linear
+    monkeypatch.setattr(decoder, "decode_linear", lambda h, w: rows.append(h.shape[:-1]) or plain(h, w))
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    cache, logits = prefill(nano, prompts, 4)
+    assert rows == [(2,)]  # not [2, 7]: the prompt's other logits are never needed
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(
+            logits[row], nano(torch.tensor([prompt])).logits[0, -1], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_batch_of_different_lengths_equals_each_alone(nano):

@@ -13,14 +13,16 @@ def test_no_mtp_by_default(nano):
     assert nano(torch.randint(0, 128, (1, 4))).hidden is None
 
 
-def test_hidden_is_the_lm_heads_input_and_follows_logits_mask(nano):
+def test_hidden_is_the_lm_heads_input_at_every_position_under_logits_mask(nano):
     ids = torch.randint(0, 128, (2, 7))
     out = nano(ids, output_hidden=True)
     assert out.hidden.shape == (2, 7, nano.config.hidden_size)
     torch.testing.assert_close(nano.lm_head(out.hidden), out.logits)
     wanted = torch.zeros(2, 7, dtype=torch.bool)
     wanted[0, 1], wanted[1, 3:6] = True, True
-    torch.testing.assert_close(nano(ids, logits_mask=wanted, output_hidden=True).hidden, out.hidden[wanted])
+    masked = nano(ids, logits_mask=wanted, output_hidden=True)
+    torch.testing.assert_close(masked.hidden, out.hidden)  # a prefill's draft needs every position
+    torch.testing.assert_close(masked.logits, out.logits[wanted])
 
 
 def test_mtp_modules_shapes_and_main_weights_unchanged():

@@ -130,6 +130,14 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.T
     return _pad(prompts, pad_id)
 
 
+def last_positions(valid: torch.Tensor) -> torch.Tensor:
+    """The ``logits_mask`` [B, T] of a left-padded batch's last positions (the only logits a prefill needs:
+    the head over a whole prompt, [B·T, V], was ≈ 23 % of a k2-mini prefill)."""
+    last = torch.zeros_like(valid, dtype=torch.bool)
+    last[:, -1] = True
+    return last
+
+
 def _pad(segments: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``left_pad`` that allows empty segments (rows with nothing to add in this forward)."""
     width = max(map(len, segments))
@@ -322,7 +330,9 @@ def prefill(
         ids, valid = left_pad(prompts, config.pad_token_id or 0)
         ids, valid = ids.to(param.device), valid.to(param.device)
         cache = LatentCache(config, len(prompts), ids.shape[1] + room, dtype=param.dtype, device=param.device)
-        return cache, model(ids, attention_mask=valid, cache=cache, **(media or {})).logits[:, -1]
+        return cache, model(
+            ids, attention_mask=valid, cache=cache, logits_mask=last_positions(valid), **(media or {})
+        ).logits
     left_pad(prompts)  # every prompt has a token
     starts = list(starts or [None] * len(prompts))
     if prefix_cache is not None:
@@ -408,9 +418,7 @@ def _prefill_group(
             if split is not None and prefix_cache is not None:
                 prefix_cache.insert(prompt[:split], cache.row(row))
     ids, valid = (t.to(param.device) for t in _pad(seconds, decoder.config.pad_token_id or 0))
-    last = torch.zeros_like(valid)
-    last[:, -1] = True
-    return cache, decoder(ids, attention_mask=valid, cache=cache, logits_mask=last).logits
+    return cache, decoder(ids, attention_mask=valid, cache=cache, logits_mask=last_positions(valid)).logits
 
 
 def _until_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:

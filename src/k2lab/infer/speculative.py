@@ -38,7 +38,7 @@ import torch
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import decode_step
 from k2lab.infer.draft import Draft
-from k2lab.infer.generate import Constraint, GenerationConfig, generate, left_pad
+from k2lab.infer.generate import Constraint, GenerationConfig, generate, last_positions, left_pad
 from k2lab.infer.rollback import CacheWindow, ensure_room
 
 #: k, the tokens the draft proposes per step: the default of ``generate --draft-tokens`` and ``k2lab serve``.
@@ -192,8 +192,14 @@ class SpeculativeStep:
         ``capacity`` (≥ T + new tokens + 2·(k + 1)) sizes both caches; holes from rejections are compacted."""
         param = next(self.model.parameters())
         cache = LatentCache(self.model.config, ids.shape[0], capacity, dtype=param.dtype, device=param.device)
-        out = self.model(ids, attention_mask=valid, cache=cache, output_hidden=self.draft.uses_hidden)
-        self.begin(cache, self.pick(out.logits[:, -1]), ids, valid, out.hidden, capacity)
+        out = self.model(
+            ids,
+            attention_mask=valid,
+            cache=cache,
+            logits_mask=last_positions(valid),
+            output_hidden=self.draft.uses_hidden,
+        )
+        self.begin(cache, self.pick(out.logits), ids, valid, out.hidden, capacity)
         return self.pending
 
     def begin(

@@ -105,8 +105,8 @@ class CausalLM(nn.Module):
     ``logits_mask`` [B, T] (bool) computes the head only where it is True: logits [N, V] for the N selected
     positions in row-major order (scoring a few completion tokens after a long prompt skips the prompt's
     [T, V] logits).
-    ``output_hidden=True`` also returns ``hidden``, the final-normed hidden state (the head's input, [B, T, D],
-    or [N, D] under ``logits_mask``): h^0 of the MTP modules ``self.mtp`` (``mtp_logits``, ``k2lab.models.mtp``).
+    ``output_hidden=True`` also returns ``hidden``, the final-normed hidden state of every position [B, T, D]
+    (the head's input, also under ``logits_mask``): h^0 of the MTP modules ``self.mtp`` (``mtp_logits``, ``k2lab.models.mtp``).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -148,12 +148,15 @@ class CausalLM(nn.Module):
         )
         if cache is not None:
             cache.commit(inputs.valid)
-        if logits_mask is not None:
-            h = h[logits_mask.to(device=h.device, dtype=torch.bool)]
-        h = self.norm(h)
+        keep = None if logits_mask is None else logits_mask.to(device=h.device, dtype=torch.bool)
+        hidden = self.norm(h) if output_hidden else None
+        if hidden is not None:
+            h = hidden if keep is None else hidden[keep]
+        else:  # only the positions the head reads are normed
+            h = self.norm(h if keep is None else h[keep])
         # decode steps (a cache, a few rows): the head's product through decode_linear's decode tiers
         logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight)
-        return CausalLMOutput(logits=logits, hidden=h if output_hidden else None)
+        return CausalLMOutput(logits=logits, hidden=hidden)
 
     def layer_inputs(
         self,

@@ -37,7 +37,7 @@ import torch
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode
 from k2lab.infer.draft import Draft
-from k2lab.infer.generate import GenerationConfig, left_pad, prefill
+from k2lab.infer.generate import GenerationConfig, last_positions, left_pad, prefill
 from k2lab.infer.prefix_cache import PrefixCache
 from k2lab.infer.speculative import (
     DRAFT_TOKENS,
@@ -81,8 +81,8 @@ def prefill_for_draft(
     cache = LatentCache(
         model.config, len(prompts), ids.shape[1] + room, dtype=param.dtype, device=param.device
     )
-    out = model(ids, attention_mask=valid, cache=cache, output_hidden=True)
-    return cache, out.logits[:, -1], DraftForward(ids, valid, out.hidden)
+    out = model(ids, attention_mask=valid, cache=cache, logits_mask=last_positions(valid), output_hidden=True)
+    return cache, out.logits, DraftForward(ids, valid, out.hidden)
 
 
 def _prefill_tail(
@@ -93,8 +93,9 @@ def _prefill_tail(
     param = next(model.parameters())
     cache, _ = prefill(model, [p[:-w] for p in prompts], room + w, prefix_cache=prefix_cache)
     ids = torch.tensor([list(p[-w:]) for p in prompts], device=param.device)
-    out = model(ids, cache=cache, output_hidden=True)
-    return cache, out.logits[:, -1], DraftForward(ids, torch.ones_like(ids, dtype=torch.bool), out.hidden)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    out = model(ids, cache=cache, logits_mask=last_positions(valid), output_hidden=True)
+    return cache, out.logits, DraftForward(ids, valid, out.hidden)
 
 
 class Speculation:

@@ -244,7 +244,7 @@ def test_a_k3_critic_judges_in_k3s_format(small_tokenizer):
     assert critic.chat_format.family == "k3" and not critic.chat_format.thinking
     assert critic.reserved[-4:] == ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
     rows = []
-    model.forward = lambda ids, **kw: rows.append(ids) or type("Out", (), {"logits": torch.zeros(1, 1, 400)})
+    model.forward = lambda ids, **kw: rows.append(ids) or type("Out", (), {"logits": torch.zeros(1, 400)})
     critic.prefer_a("2+3?", "5<|open|>", "describe")  # a stray markup token in an answer is dropped
     text = tokenizer.decode(rows[0][0].tolist())
     assert text.startswith('<|open|>message role="user"<|sep|>Compare two answers')

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from k2lab.data.tokenizer import special_tokens_for
+from k2lab.infer.generate import last_positions, left_pad
 from k2lab.runtime.chat_format import ChatFormat, K3ChatFormat, chat_format_of
 
 __all__ = ["CORE_RUBRICS", "PRESCRIPTIVE_RUBRICS", "Preference", "RubricCritic", "rubric_prompt"]
@@ -95,14 +96,12 @@ class RubricCritic:
             ).ids
             for p, a, b in pairs
         ]
-        width = max(len(row) for row in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        valid = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, row in enumerate(rows):  # left-padded: the last position is every row's next token
-            ids[i, width - len(row) :] = torch.tensor(row)
-            valid[i, width - len(row) :] = True
+        ids, valid = left_pad(rows)  # left-padded: the last position is every row's next token
         device = next(self.model.parameters()).device
-        logits = self.model(ids.to(device), attention_mask=valid.to(device)).logits[:, -1].float()
+        valid = valid.to(device)
+        logits = self.model(
+            ids.to(device), attention_mask=valid, logits_mask=last_positions(valid)
+        ).logits.float()
         return logits[:, [self.token_a, self.token_b]]
 
     @torch.no_grad()
