@@ -57,7 +57,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., D], weight [O, D] -> x Wᵀ [..., O] (``F.linear`` without bias)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    tier = _cpu_fp32_inference(x, weight) and n <= MAX_ROWS
+    tier = cpu_fp32_inference(x, weight) and n <= MAX_ROWS
     if torch.compiler.is_compiling():
         if not tier:
             return F.linear(x, weight)
@@ -73,7 +73,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the decode tiers apply: CPU, fp32 operands, and no gradient to track."""
     return (
         x.device.type == "cpu"

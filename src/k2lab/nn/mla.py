@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k2lab.config import ModelConfig
-from k2lab.nn.decode_linear import decode_linear
+from k2lab.nn.decode_linear import cpu_fp32_inference, decode_linear
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import apply_rotary
 
@@ -228,18 +228,22 @@ class MultiHeadLatentAttention(nn.Module):
         """Attention in latent space over the cached rows keys [B, S, C + r]. Returns [B, Tq, H, v].
 
         The cached rows serve as keys and, sliced to c_KV after the softmax, as values (one shared head).
+        Compiled on CPU in fp32 without gradients (the compiled decode step) it runs as
+        ``reduced_latent_attention``.
         """
         B, Tq, H, _ = q_nope.shape
         w_uk, w_uv = self.up_weights()
-        # q̃^h = (W_UK^h)ᵀ q_C^h for all heads at once: [H, B·Tq, n] @ [H, n, C]
-        q_latent = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * Tq, self.nope_dim), w_uk)
-        q_latent = q_latent.view(H, B, Tq, self.latent_dim).transpose(0, 1)
-        query = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, H, Tq, C + r]
         allowed = mask.allowed
         if allowed is None:  # plain causal, queries aligned to the end of the keys
             allowed = torch.ones(Tq, keys.shape[1], dtype=torch.bool, device=keys.device).tril(
                 keys.shape[1] - Tq
             )
+        if torch.compiler.is_compiling() and cpu_fp32_inference(keys, w_uk):
+            return reduced_latent_attention(q_nope, q_rope, keys, allowed, w_uk, w_uv, self.softmax_scale)
+        # q̃^h = (W_UK^h)ᵀ q_C^h for all heads at once: [H, B·Tq, n] @ [H, n, C]
+        q_latent = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * Tq, self.nope_dim), w_uk)
+        q_latent = q_latent.view(H, B, Tq, self.latent_dim).transpose(0, 1)
+        query = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, H, Tq, C + r]
         keys = keys.unsqueeze(1)
         out = F.scaled_dot_product_attention(
             query, keys, keys, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=True
@@ -248,3 +252,34 @@ class MultiHeadLatentAttention(nn.Module):
         out_latent = out[..., : self.latent_dim].transpose(0, 1).reshape(H, B * Tq, self.latent_dim)
         out = torch.bmm(out_latent, w_uv.transpose(1, 2))
         return out.view(H, B, Tq, self.v_dim).permute(1, 2, 0, 3)
+
+
+def reduced_latent_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    keys: torch.Tensor,
+    allowed: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed attention written as broadcast products and sums, for inductor to fuse (decode steps).
+
+    q_nope [B, Tq, H, n], q_rope [B, Tq, H, r], keys [B, S, C + r], allowed (bool, broadcast to [B, H, Tq, S]),
+    W_UK [H, n, C], W_UV [H, v, C] -> [B, Tq, H, v]:
+
+        q̃ = Σ_n q_C W_UK,  p = softmax(scale · [q̃ ; q_R]·keysᵀ, masked),  o = Σ_C (Σ_S p · c_KV) W_UV
+
+    The same values as the eager form (``F.scaled_dot_product_attention`` between two ``bmm``), summed in
+    another order. At decode sizes those three are fixed-cost calls (k2-mini, batch 4, profiled: the CPU
+    flash kernel ≈ 57 µs for a [4, 4, 1, ~70] attention, each ``bmm`` ≈ 16 µs, six layers); as reductions
+    inductor generates them into its own loops. k2-mini compiled steps, one process, alternating (two copies):
+    batch 4 1.11×, batch 1 1.13×, batch 4 after a 1,024-token prompt 1.15× (docs/generation.md).
+    """
+    q_latent = (q_nope.unsqueeze(-1) * w_uk).sum(-2).transpose(1, 2)  # [B, H, Tq, C]
+    query = torch.cat((q_latent, q_rope.transpose(1, 2)), dim=-1)  # [B, H, Tq, C + r]
+    rows = keys[:, None, None]  # [B, 1, 1, S, C + r]
+    scores = (query.unsqueeze(-2) * rows).sum(-1) * scale  # [B, H, Tq, S]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    latent = (probs.unsqueeze(-1) * rows[..., : w_uk.shape[-1]]).sum(-2)  # [B, H, Tq, C]
+    return (latent.transpose(1, 2).unsqueeze(-2) * w_uv).sum(-1)  # [B, Tq, H, v]
