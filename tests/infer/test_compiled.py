@@ -105,3 +105,18 @@ def test_decode_compile_decision() -> None:
     assert decode_compile_decision("off", "cuda") == (False, "requested")
     assert decode_compile_decision("auto", "cuda")[0] is True
     assert decode_compile_decision("auto", "cpu")[0] is False
+
+
+def test_compiled_step_traces_with_floats_specialized(monkeypatch) -> None:
+    """Every call of the compiled step (so every build) runs under ``TRACE_CONFIG``; nothing leaks out."""
+    seen = []
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda model, **_: lambda *a, **k: seen.append(torch._dynamo.config.specialize_float),
+    )
+    step = compiled_decode(build_model(load_preset("k2-nano")))
+    step(None)
+    step(None)
+    assert seen == [True, True]
+    assert not torch._dynamo.config.specialize_float
