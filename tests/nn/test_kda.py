@@ -21,6 +21,7 @@ def test_window_states_equal_step_by_step_decode():
     torch.manual_seed(0)
     config = load_preset("k3-nano")
     layer = KimiDeltaAttention(config).eval()
+    layer.forget_gate.reset_decay()  # A_log, dt_bias are torch.empty until initialised (NaN on a dirty heap)
     B, T, H, K = 2, 4, config.linear_num_heads, config.linear_head_dim
     C, W = 3 * H * K, config.linear_conv_kernel_dim
     x = torch.randn(B, 3 + T, config.hidden_size)
