@@ -14,11 +14,11 @@ and parameters (~0.5 ms of a ~3 ms k2-mini step at batch 1 on 2 cores). The step
 the global state (grad mode, …). What a module guard would have caught — a parameter's dtype or device
 changed, train/eval switched — is checked here instead: ``compiled_decode`` rebuilds the step when the
 model's ``model_state`` differs from the one it was built for; int and float attributes of modules (the
-config's: eps, scales, top-k) are constants of the graph, unguarded (``TRACE_CONFIG``). Weights updated in place (RL) need nothing:
-parameters are read at every call. Every build is its own region (``isolate_recompiles``): dynamo files
-graphs under ``forward``'s code, which all models of a class share, and without module guards a rebuilt
-step, or another model of the class (say one routing to 3 experts per token instead of 2), would find and
-run a graph built for something else (tests). Isolation costs ≈ 40–70 µs of guard lookup a step (k2-mini,
+config's: eps, scales, top-k) are constants of the graph, unguarded (``TRACE_CONFIG``). Weights updated in
+place (RL) need nothing: parameters are read at every call. Every build is its own region
+(``isolate_recompiles``): dynamo files graphs under ``forward``'s code, which all models of a class share, and
+without module guards a rebuilt step, or another model of the class (say one routing to 3 experts per token
+instead of 2), would find and run a graph built for something else (tests). Isolation costs ≈ 40–70 µs of guard lookup a step (k2-mini,
 batch 1: 82–137 against 40–64 µs); each model then builds its own graphs (inductor's cache makes a rebuild
 of the same graph ≈ 15 s instead of ≈ 38 s).
 

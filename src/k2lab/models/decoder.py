@@ -149,10 +149,11 @@ class CausalLM(nn.Module):
         if cache is not None:
             cache.commit(inputs.valid)
         keep = None if logits_mask is None else logits_mask.to(device=h.device, dtype=torch.bool)
-        hidden = self.norm(h) if output_hidden else None
-        if hidden is not None:
-            h = hidden if keep is None else hidden[keep]
+        if output_hidden:
+            h = hidden = self.norm(h)
+            h = h if keep is None else h[keep]
         else:  # only the positions the head reads are normed
+            hidden = None
             h = self.norm(h if keep is None else h[keep])
         # decode steps (a cache, a few rows): the head's product through decode_linear's decode tiers
         logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight)
