@@ -1,12 +1,18 @@
 """The compiled decode step equals eager over a run of decode steps, with one build for every length."""
 
+import re
+
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from k2lab import build_model, load_preset
 from k2lab.config import ModelConfig
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import compiled_decode, decode_compile_decision, model_state
+from k2lab.infer.compiled import REALIZE_OPCOUNT, compiled_decode, decode_compile_decision, model_state
 from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.nn.decode_linear import decode_linear
+from k2lab.nn.mlp import GatedMLP
+from k2lab.nn.norm import RMSNorm
 from tests.conftest import randomize
 
 
@@ -120,3 +126,39 @@ def test_compiled_step_traces_with_floats_specialized(monkeypatch) -> None:
     step(None)
     assert seen == [True, True]
     assert not torch._dynamo.config.specialize_float
+
+
+def stored_products(threshold: int, monkeypatch) -> list[str]:
+    """The buffers of a compiled decode pattern (RMSNorm → gated MLP → residual → RMSNorm → head, 3 rows)
+    whose shape holds a weight's [O, D]: the broadcast products of ``decode_linear`` stored instead of streamed
+    into their sums. The graph is built as ``compiled_decode`` builds it, Python wrapper so its buffers show."""
+    torch.manual_seed(0)
+    norm, final, mlp = RMSNorm(64), RMSNorm(48 + 16), GatedMLP(64, 192)
+    head = torch.nn.Linear(64, 512, bias=False)
+    for weight in (norm.weight, final.weight):
+        torch.nn.init.normal_(weight, 1.0, 0.1)
+    monkeypatch.setattr(
+        "k2lab.nn.decode_linear.LARGE_WEIGHT_BYTES", head.weight.numel() * 4
+    )  # the [O, N] form
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        h = x + mlp(norm(x))
+        return decode_linear(final(h), head.weight)
+
+    torch._dynamo.reset()
+    options = {"realize_cpu_opcount_threshold": threshold, "cpp_wrapper": False}
+    compiled = torch.compile(step, dynamic=True, options=options)
+    x = torch.randn(3, 1, 64)
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, x)
+        torch.testing.assert_close(out, step(x), rtol=1e-4, atol=1e-5)
+    weights = [set(p.shape) for p in (*mlp.parameters(), head.weight)]
+    shapes = re.findall(r"empty_strided_cpu\(\((.*?)\),", "\n".join(codes))
+    return [s for s in shapes if any(w <= {int(d) for d in re.findall(r"\b\d+\b", s)} for w in weights)]
+
+
+def test_decode_products_stream_their_weights(monkeypatch) -> None:
+    """No [B, O, D] product is stored: ``decode_linear`` stores its rows first (without that, this pattern
+    stores the MLP's gate and up products at threshold 6 and the head's at 4; k2-mini's step stored its dense
+    MLP's at 4 and its head's at 5)."""
+    assert stored_products(REALIZE_OPCOUNT, monkeypatch) == []

@@ -40,13 +40,22 @@ from k2lab.ops.kda import mark_compile_constants
 __all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step"]
 
 # Inductor inlines a pointwise result into each consumer unless its body has more than this many ops
-# (CPU default 50). Decode's consumers are reductions over whole weight matrices (the reduction tiers of
-# decode_linear and of the routed experts): an inlined producer — the final RMSNorm's rsqrt and scale
-# before the head, the experts' SiLU(g)·u before their down projection — is then recomputed once per
-# weight row instead of once per token. Realizing anything larger than a few ops stores it once; measured
-# on k2-mini, Zen 4, 2 threads, in one process against the default: batch 4 +8 %, +9 %, +26 % over three
-# runs, batch 1 within noise (docs/generation.md).
-REALIZE_OPCOUNT = 4
+# (CPU default 50), and stores (realizes) a pointwise node whose body, producers inlined, grows past it.
+# Decode's consumers are reductions over whole weight matrices (the reduction tiers of decode_linear and of
+# the routed experts), fed by the broadcast product W[None] * x[:, None] [B, O, D]:
+# - too high, an inlined producer — the final RMSNorm's rsqrt and scale before the head, the experts'
+#   SiLU(g)·u before their down projection — is recomputed once per weight row instead of once per token
+#   (the default 50 against 4: batch 4 +8 %, +9 %, +26 % on a Zen 4, docs/generation.md);
+# - too low, a small producer (an RMSNorm's scale, at most the threshold, so inlined) made the product's body
+#   pass it, and the product itself was stored: a [B, O, D] buffer written and read back where the weights
+#   should only stream (at 4, k2-mini's dense MLP stored its gate and up products, [B, 768, 256] each; at 5,
+#   the head's, [8192, B, 256], 33 MB a step at batch 4). ``decode_linear`` now stores its rows first
+#   (``stored``), so a product's body is its three ops at any threshold (tests/infer/test_compiled.py).
+# Measured on k2-mini, AVX2 Zen 3, 2 threads, in one process against 4 without the stored rows, alternating,
+# tokens identical (12 rounds each): 6 with them batch 4 1.10× (quartiles 1.09–1.12), batch 1 1.11×
+# (1.06–1.18); 4 with them batch 4 1.06×; 6 without them 1.16× (at 5 without them 0.28×); with and without
+# them at 6, equal (1.01×). k3-mini batch 4: 1.00× (0.97–1.01).
+REALIZE_OPCOUNT = 6
 # On CPU the graph's calling code is generated as C++ (inductor's ``cpp_wrapper``): as Python it allocated the
 # buffers and launched the ~100 kernels of a k2-mini step at ≈ 1.1 ms a step (profiler, batch 4). Measured in
 # one process against the Python wrapper, alternating, tokens identical: batch 1 1.21×, batch 4 1.07×,

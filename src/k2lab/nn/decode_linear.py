@@ -34,6 +34,9 @@ between the row passes, so they are summed [O, N], each weight row read once for
 smaller weights this order made the step slower, 0.71×). The swapped GEMM inside the graph gained only
 9 %, and torch 2.13's CPU inductor miscompiled it at its default realize threshold (a transposed product
 inlined into the next RMSNorm read wrong values at batch 2; tests/infer/test_compiled.py caught it).
+The rows are a buffer of the graph before the product (``stored``): inlined into it, a producer such as an
+RMSNorm's scale could make inductor store the whole [N, O, D] product instead of streaming it into the sum
+(``k2lab.infer.compiled.REALIZE_OPCOUNT``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         if not tier:
             return F.linear(x, weight)
+        rows = stored(rows)
         if n == 1 or weight.numel() * weight.element_size() < LARGE_WEIGHT_BYTES:
             return (weight[None] * rows[:, None, :]).sum(-1).view(*x.shape[:-1], weight.shape[0])
         # [O, N]: each weight row read once for every input row, then the small result transposed
@@ -71,6 +75,13 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = F.pad(rows, (0, 0, 0, 1))
     out = (weight @ rows.T).T[:n].contiguous()
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def stored(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as a buffer of the compiled graph (inductor's ``force_stride_order``, a no-op when it is one)."""
+    from torch._inductor import inductor_prims  # noqa: F401 - registers the prim
+
+    return torch.ops.prims.inductor_force_stride_order(rows, rows.stride())
 
 
 def cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
