@@ -133,13 +133,12 @@ def stored_products(threshold: int, monkeypatch) -> list[str]:
     whose shape holds a weight's [O, D]: the broadcast products of ``decode_linear`` stored instead of streamed
     into their sums. The graph is built as ``compiled_decode`` builds it, Python wrapper so its buffers show."""
     torch.manual_seed(0)
-    norm, final, mlp = RMSNorm(64), RMSNorm(48 + 16), GatedMLP(64, 192)
+    norm, final, mlp = RMSNorm(64), RMSNorm(64), GatedMLP(64, 192)
     head = torch.nn.Linear(64, 512, bias=False)
     for weight in (norm.weight, final.weight):
         torch.nn.init.normal_(weight, 1.0, 0.1)
-    monkeypatch.setattr(
-        "k2lab.nn.decode_linear.LARGE_WEIGHT_BYTES", head.weight.numel() * 4
-    )  # the [O, N] form
+    # the head takes the [O, N] form of large weights
+    monkeypatch.setattr("k2lab.nn.decode_linear.LARGE_WEIGHT_BYTES", head.weight.numel() * 4)
 
     def step(x: torch.Tensor) -> torch.Tensor:
         h = x + mlp(norm(x))

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from k2lab.nn.activations import swiglu
-from k2lab.nn.decode_linear import decode_linear
+from k2lab.nn.decode_linear import decode_linear, stored
 from k2lab.ops.grouped_mm import grouped_matmul
 
 
@@ -50,8 +50,8 @@ def _row_products(h_RI: torch.Tensor, w_EOI: torch.Tensor, expert_R: torch.Tenso
     cast to h's dtype (as autocast casts them for a matmul). On CPU a reduction over I that reads W[e_r] in
     place; elsewhere one batched matmul over the gathered weights."""
     weight = w_EOI.index_select(0, expert_R).to(h_RI.dtype)
-    if h_RI.device.type == "cpu":
-        return (weight * h_RI.unsqueeze(1)).sum(-1)
+    if h_RI.device.type == "cpu":  # h stored first, as in decode_linear's reduction tier
+        return (weight * stored(h_RI).unsqueeze(1)).sum(-1)
     return torch.bmm(h_RI.unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
 
 
