@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from k2lab.config import ModelConfig
-from k2lab.ops.latent_write import write_latent_rows, write_rows
+from k2lab.ops.latent_write import write_rows, write_rows_indexed
 
 
 class _LayerLatents:
@@ -34,11 +34,11 @@ class _LayerLatents:
         """Write latent [B, T, C] and k_rope [B, T, r] after the cached tokens; return all rows [B, S, C + r].
 
         Capacity was checked when the tokens were registered (``LatentCache.begin``). Under ``torch.compile``
-        without gradients the write is the in-place op ``k2lab::write_latent_rows``
-        (``k2lab.ops.latent_write``), which has no autograd formula; with them, the slice assignment."""
+        without gradients the write is one ``index_put_`` on the storage, which the compiled graph performs
+        in place (``k2lab.ops.latent_write``); otherwise, the slice assignment."""
         start, end = self.cache.length, self.cache.length + latent.shape[1]
         in_place = torch.compiler.is_compiling() and not torch.is_grad_enabled()
-        write = write_latent_rows if in_place else write_rows
+        write = write_rows_indexed if in_place else write_rows
         write(self.cache.rows, self.slot, start, latent, k_rope)
         return self.cache.rows[self.slot, :, :end]
 
