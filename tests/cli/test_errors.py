@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from k2lab.cli import main
+
 
 def k2lab(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "k2lab", *args], capture_output=True, text=True, cwd=cwd)
@@ -88,3 +90,19 @@ def test_presets_table_shows_the_layer_mix():
     assert "93 (24 / 69)" in rows["k3"] and "2.78T" in rows["k3"]
     assert "27 (7 / 20)" in rows["kimi-linear-48b-a3b"]
     assert "61 (61 / 0)" in rows["k2"]
+
+
+def test_errors_keep_long_paths_on_one_line_and_brackets_as_text(tmp_path, capsys):
+    """An error naming a path longer than the terminal prints it unbroken (rich wrapped it at 80 columns
+    under capture), and brackets in a message are text, not rich markup (``[vision]`` was swallowed)."""
+    missing = tmp_path / ("d" * 120) / "nothing"
+    with pytest.raises(SystemExit) as done:
+        main(["export", str(missing), "--out", str(tmp_path / "x")])
+    assert done.value.code == 2
+    assert f"{missing} does not exist" in capsys.readouterr().err
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('preset = "k2-nano"\n[vision]\n')
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--recipe", str(recipe), "--out", str(tmp_path / "run")])
+    assert done.value.code == 2
+    assert "[vision] needs a vision-language preset" in capsys.readouterr().err

@@ -65,7 +65,7 @@ class Report:
         write_json(paths[1], results)
         self.plot(results, paths[2])
         self.summary(results, console)
-        console.print("wrote " + ", ".join(map(str, paths)))
+        console.print("wrote " + ", ".join(map(str, paths)), soft_wrap=True)
         return results
 
 

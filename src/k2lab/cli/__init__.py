@@ -20,6 +20,7 @@ import sys
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from k2lab.allocator import keep_freed_memory
 from k2lab.cli.app import app
@@ -41,8 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)  # click reports usage errors itself (exit code 2)
     except K2LabError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except ValidationError as error:
-        err.print(f"[bold red]invalid value:[/] {format_validation_error(error)}", highlight=False)
+        err.print(
+            f"[bold red]invalid value:[/] {escape(format_validation_error(error))}",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(2)

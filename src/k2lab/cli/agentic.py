@@ -121,7 +121,11 @@ def factory_generate(
     result = generate(config)
     summary = result.write(out)
     print_summary(result.summary, console)
-    console.print(f"wrote {len(result.kept)} trajectories to {out} (summary: {summary})", highlight=False)
+    console.print(
+        f"wrote {len(result.kept)} trajectories to {out} (summary: {summary})",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 recipe_app = typer.Typer(help="End-to-end recipes that chain k2lab's stages.", no_args_is_help=True)

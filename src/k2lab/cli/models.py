@@ -146,7 +146,7 @@ def init(
         to_hf(model, out)
     else:
         save_model(model, out)
-    console.print(f"wrote {preset} ({total:,} parameters, seed {seed}) to {out}")
+    console.print(f"wrote {preset} ({total:,} parameters, seed {seed}) to {out}", soft_wrap=True)
 
 
 @app.command()
@@ -179,7 +179,7 @@ def export(
     --quantize mxfp4 stores the routed experts as compressed-tensors MXFP4 (Kimi K3's format), --quantize fp8
     a DeepseekV3 / Kimi-K2 model as block FP8 (the DeepSeek-V3 / Kimi-K2 release format)."""
     out = hf_export.export(
-        config, source, log=lambda line: console.print(line, markup=False, highlight=False)
+        config, source, log=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)
     )
     files = sorted(path.name for path in out.iterdir()) if out.is_dir() else [out.name]  # gguf: one file
-    console.print(f"wrote {out}: {', '.join(files)}", markup=False, highlight=False)
+    console.print(f"wrote {out}: {', '.join(files)}", markup=False, highlight=False, soft_wrap=True)

@@ -66,7 +66,11 @@ def tools_harvest(config: HarvestRun) -> None:
     result = harvest(config.servers, timeout=config.timeout, concurrency=config.concurrency)
     summary = result.write(config.out)
     print_summary(result, console)
-    console.print(f"wrote {len(result.tools)} tools to {config.out} (summary: {summary})", highlight=False)
+    console.print(
+        f"wrote {len(result.tools)} tools to {config.out} (summary: {summary})",
+        highlight=False,
+        soft_wrap=True,
+    )
     if config.strict and result.failed:
         raise typer.Exit(1)
 

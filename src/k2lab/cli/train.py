@@ -128,7 +128,7 @@ def plot(
     if tau is None:
         tau = _recorded_tau(run_dir)
     path = plot_dashboard(run_dir, tau=tau)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", soft_wrap=True)
 
 
 def _recorded_tau(run_dir: Path) -> float | None:
