@@ -1,10 +1,9 @@
-"""The compiled training step equals eager: logits, gradients, QK-Clip maxima and expert loads."""
+"""The compiled training step equals eager: hidden states, loss, gradients, QK-Clip maxima and expert loads."""
 
 import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k2lab import build_model, load_preset
 from k2lab.optim.qk_clip import QKClip
@@ -13,12 +12,13 @@ from tests.conftest import randomize
 
 
 def step(model, forward, ids):
-    """Loss, logits and gradients of one forward+backward through ``forward`` (model's parameters)."""
+    """Loss, head input and gradients of one forward+backward through ``forward`` (model's parameters),
+    called as the trainer calls it: with labels, so eager runs the fused head + loss and the compiled graph
+    the plain expression inductor fuses."""
     model.zero_grad(set_to_none=True)
-    logits = forward(ids[:, :-1]).logits
-    loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    return logits.detach(), {
+    out = forward(ids[:, :-1], labels=ids[:, 1:], output_hidden=True)
+    out.loss.backward()
+    return (out.hidden.detach(), out.loss.detach()), {
         name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
     }
 
@@ -37,11 +37,11 @@ def test_compiled_step_equals_eager(preset):
     for clip in clips:
         clip.record()
     ids = torch.randint(0, eager.config.vocab_size, (2, 17))
-    want_logits, want_grads = step(eager, eager, ids)
+    want_outputs, want_grads = step(eager, eager, ids)
     forward = compiled(ours)
     for _ in range(2):  # the second call runs the cached graph
-        got_logits, got_grads = step(ours, forward, ids)
-        torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
+        got_outputs, got_grads = step(ours, forward, ids)
+        torch.testing.assert_close(got_outputs, want_outputs, rtol=1e-4, atol=1e-5)
         assert got_grads.keys() == want_grads.keys()
         for name, grad in want_grads.items():
             torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -32,6 +32,7 @@ from k2lab.nn.mla import AttentionMask
 from k2lab.nn.moe import MoE
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import RotaryEmbedding
+from k2lab.ops.linear_cross_entropy import linear_cross_entropy
 
 __all__ = [
     "CausalLM",
@@ -48,8 +49,9 @@ __all__ = [
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V] ([N, V] under logits_mask)
+    logits: torch.Tensor | None  # [B, T, V] ([N, V] under logits_mask); None when ``labels`` gave ``loss``
     hidden: torch.Tensor | None = None  # [B, T, D] final-normed hidden (the lm_head's input) if asked for
+    loss: torch.Tensor | None = None  # mean next-token cross-entropy against ``labels`` (scalar)
 
 
 def document_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -107,6 +109,9 @@ class CausalLM(nn.Module):
     [T, V] logits).
     ``output_hidden=True`` also returns ``hidden``, the final-normed hidden state of every position [B, T, D]
     (the head's input, also under ``logits_mask``): h^0 of the MTP modules ``self.mtp`` (``mtp_logits``, ``k2lab.models.mtp``).
+    ``labels`` [B, T] (the token each position predicts, -100 where none) returns ``loss``, their mean
+    cross-entropy, instead of the logits: the head and the loss run fused (``ops.linear_cross_entropy``),
+    without the [B, T, V] logits.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -135,9 +140,12 @@ class CausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         logits_mask: torch.Tensor | None = None,
         output_hidden: bool = False,
+        labels: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
+        if labels is not None and (cache is not None or logits_mask is not None):
+            raise ValueError("labels give a training loss: pass them without cache and logits_mask")
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = h.shape[:2]
         inputs = self.layer_inputs(B, T, h.device, attention_mask, position_ids, cache, segment_ids)
@@ -155,6 +163,9 @@ class CausalLM(nn.Module):
         else:  # only the positions the head reads are normed
             hidden = None
             h = self.norm(h if keep is None else h[keep])
+        if labels is not None:
+            loss = linear_cross_entropy(h, self.lm_head.weight, labels.to(h.device))
+            return CausalLMOutput(logits=None, hidden=hidden, loss=loss)
         # decode steps (a cache, a few rows): the head's product through decode_linear's decode tiers
         logits = self.lm_head(h) if cache is None else decode_linear(h, self.lm_head.weight)
         return CausalLMOutput(logits=logits, hidden=hidden)

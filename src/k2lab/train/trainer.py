@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -114,10 +113,11 @@ class Trainer:
         run_mtp = self.mtp and self.model.training
         extra = {"output_hidden": True} if run_mtp else {}
         with self.autocast():
-            out = forward(batch.input_ids, segment_ids=batch.segment_ids, **(batch.media or {}), **extra)
+            out = forward(
+                batch.input_ids, segment_ids=batch.segment_ids, labels=labels, **(batch.media or {}), **extra
+            )
             depths = self.lm.mtp_logits(batch.input_ids, out.hidden, batch.segment_ids) if run_mtp else None
-        logits = out.logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss = out.loss
         aux = sum((moe.aux_loss for moe in self.lm.moe_layers() if moe.aux_loss is not None), torch.zeros(()))
         return loss, aux, None if depths is None else mtp_loss(depths, labels)
 

@@ -142,6 +142,7 @@ class VisionLanguageModel(nn.Module):
         cache: LatentCache | None = None,
         segment_ids: torch.Tensor | None = None,
         logits_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         return self.language_model(
@@ -151,6 +152,7 @@ class VisionLanguageModel(nn.Module):
             segment_ids=segment_ids,
             inputs_embeds=embeds,
             logits_mask=logits_mask,
+            labels=labels,
         )
 
 

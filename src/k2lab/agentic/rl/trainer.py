@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.agentic.episodes.env import Environment
@@ -444,8 +443,7 @@ class RLTrainer(IterativeTrainer):
     def _ptx_loss(self) -> torch.Tensor:
         batch = next(self.ptx)
         device = next(self.model.parameters()).device
-        logits = self.model(batch.input_ids.to(device)).logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), batch.labels.to(device).flatten())
+        return self.model(batch.input_ids.to(device), labels=batch.labels.to(device)).loss
 
     # ---- metrics
     def _metrics(

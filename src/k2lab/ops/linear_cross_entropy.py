@@ -1,0 +1,115 @@
+"""The language-model head and its cross-entropy in one pass over row chunks (fused linear cross-entropy).
+
+For hidden states H [N, D], the head W [V, D] and labels y [N] (``ignore_index`` where a position has none):
+
+    z_i = W h_i,   ℓ_i = logsumexp(z_i) − z_i[y_i],   L = Σ_{i valid} ℓ_i / n_valid
+    ∂L/∂z_i = (softmax(z_i) − onehot(y_i)) / n_valid  (0 for ignored rows)
+    ∂L/∂H = G W,   ∂L/∂W = Gᵀ H   with G [N, V] the rows ∂L/∂z_i
+
+Unfused, the logits [N, V] are written, log_softmax writes a second [N, V], NLL's backward a zeroed third,
+and log_softmax's backward reads two of them and takes a second exp. Here the rows are taken ``chunk_rows``
+at a time (at most 64 MiB of fp32 logits a chunk); the chunk's loss and its gradient rows
+(softmax − onehot) / n_valid are formed in place with one exp, and ∂L/∂H, ∂L/∂W are computed right away
+(the gradient in the forward pass, as Liger-Kernel's fused linear cross-entropy does); backward only scales
+them by the incoming gradient. The matrix products are the unfused ones (2·N·D·V forward, 4·N·D·V
+backward); under autocast they run in its dtype and the softmax in fp32, as
+``F.cross_entropy(F.linear(H, W).float(), y)`` does. What it buys is memory: a k2-mini forward + backward
+at 8 × 1,024 tokens adds 2.3 GB instead of 3.3 GB; on K2's 163,840-way vocabulary the logits of one
+8 × 4,096 micro-batch alone would be 21 GB in fp32. Speed on a CPU (AVX2 Zen 3): the head and the loss
+1.07× with the freed memory kept mapped (``k2lab.allocator``), 1.3–1.4× without; the whole k2-mini step
+unchanged with it (docs/performance.md, "The head and its loss fused").
+
+Traced by ``torch.compile`` the plain expression is used instead: inductor fuses it itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # F.cross_entropy's default
+CHUNK_BYTES = (
+    64 << 20
+)  # fp32 logits of one chunk at most (k2-mini's 2,048 × 8,192 in one; K2's vocab: 102 rows)
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Rows per chunk so that its fp32 logits [rows, V] take at most ``CHUNK_BYTES`` (at least 16 rows)."""
+    return max(16, CHUNK_BYTES // (4 * vocab))
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of logits ``hidden @ weight.T`` against ``labels``, without the [N, V] logits.
+
+    hidden [N, D] (or [B, T, D]), weight [V, D], labels [N] (or [B, T]); returns a scalar, equal to
+    ``F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index)``.
+    """
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"{hidden.shape[0]} hidden rows but {labels.shape[0]} labels")
+    if torch.compiler.is_compiling():
+        return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index)
+    rows = chunk_rows or default_chunk_rows(weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, rows)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows):  # noqa: ANN001, ANN205 - torch's API
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        valid = labels != ignore_index
+        count = valid.sum()
+        scale = valid / count.clamp(min=1)  # ∂L/∂ℓ_i: 1 / n_valid, 0 where ignored
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            h = hidden[rows]
+            logits = F.linear(h, weight).float()  # [n, V]
+            losses, grad = _losses_and_grad(logits, labels[rows].clamp(min=0)[:, None], scale[rows])
+            total += (losses * valid[rows]).sum()
+            if want_hidden:
+                grad_hidden[rows] = grad @ weight
+            if want_weight:
+                _accumulate(grad_weight, grad.mT, h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # noqa: ANN001, ANN205 - torch's API
+        grad_hidden, grad_weight = ctx.saved_tensors
+        dh = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
+        dw = None if grad_weight is None else grad_weight * grad_loss
+        return dh, dw, None, None, None
+
+
+def _losses_and_grad(
+    logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ℓ [n] and the rows of G, (softmax(z) − onehot(y))·scale [n, V], over a chunk's fp32 logits z [n, V],
+    which are overwritten: one exp over the chunk (max, exp in place, sum, scale), where log_softmax and its
+    backward take two and the NLL's backward a zeroed [n, V] gradient."""
+    picked = logits.gather(1, target).squeeze(1)
+    peak = logits.amax(-1, keepdim=True)
+    exp = logits.sub_(peak).exp_()
+    sums = exp.sum(-1, keepdim=True)
+    losses = (peak + sums.log()).squeeze(1) - picked
+    grad = exp.mul_(scale[:, None] / sums)
+    grad.scatter_add_(1, target, -scale[:, None].to(grad.dtype))
+    return losses, grad
+
+
+def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """total [V, D] fp32 += left [V, n] @ right [n, D]: in place when both are fp32 and autocast is off
+    (no [V, D] temporary a chunk), else through the product autocast gives."""
+    if left.dtype == right.dtype == total.dtype and not torch.is_autocast_enabled(total.device.type):
+        total.addmm_(left, right)
+    else:
+        total += left @ right
