@@ -6,11 +6,13 @@ the median wall time as a throughput (higher is better) and ``ratio = k2lab / tr
 
 Comparisons:
 
-* ``forward_backward_tokens_per_s`` — one training step without the optimizer: ``logits = model(ids)``,
-  fp32 cross-entropy against the next tokens (labels shifted, last position ignored), ``loss.backward()``
+* ``forward_backward_tokens_per_s`` — one training step without the optimizer: the forward, fp32
+  cross-entropy against the next tokens (labels shifted, last position ignored), ``loss.backward()``
   (gradients cleared before each call), both sides under the same ``--precision`` (``auto``: what
   ``k2lab.hardware`` picks for this CPU — bf16 autocast where bf16 is native, fp32 where it is emulated).
-  Throughput is ``batch × seq / seconds``. Default: batch 8 × seq 256.
+  transformers: ``logits = model(ids)`` and ``F.cross_entropy``; k2lab: ``model(ids, labels=labels).loss``
+  (head and loss fused). A third side, timed in the same rotation, runs k2lab the transformers way
+  (``unfused_loss_tok_s`` in the notes). Throughput is ``batch × seq / seconds``. Default: batch 8 × seq 256.
 * ``greedy_decode_tokens_per_s`` — greedy generation of ``--new-tokens`` tokens per prompt, prefill included:
   ``k2lab.infer.generate`` (latent MLA cache, absorbed decode) versus ``model.generate(do_sample=False)``
   with transformers' default ``DynamicCache``. EOS is disabled on both sides so every sequence produces all
@@ -114,17 +116,29 @@ def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(
-    model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, hf: bool, dtype: torch.dtype
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    hf: bool,
+    dtype: torch.dtype,
+    fused_loss: bool = True,
 ) -> None:
-    """Forward, next-token cross-entropy in fp32 over all B·T logits, backward. ids, labels: [B, T].
+    """Forward, next-token cross-entropy over all B·T positions, backward; ids, labels: [B, T].
 
-    Shifting the labels rather than slicing the logits (as transformers' own causal-LM loss does) keeps
-    the [B, T, V] logits free of copies on both sides.
+    Each side as its library trains: transformers' logits [B, T, V], then the fp32 cross-entropy its own
+    causal-LM loss computes (shifted labels rather than sliced logits, so no copies of the logits); k2lab's
+    ``model(ids, labels=labels).loss``, the head and the loss fused (``k2lab.ops.linear_cross_entropy``:
+    the same products, the [B, T, V] logits never written whole). ``fused_loss=False`` runs k2lab the
+    transformers way, for the fused loss's own A/B.
     """
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        if not hf and fused_loss:
+            loss = model(ids, labels=labels).loss
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids).logits
+    if hf or not fused_loss:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
     loss.backward()
 
 
@@ -136,10 +150,11 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
     ours.train()
     theirs.train()
     dtype = choose("benchmark", args.precision).dtype
-    t_ours, t_theirs = alternating_medians(
+    t_ours, t_theirs, t_unfused = alternating_medians(
         [
             lambda: train_step(ours, ids, labels, hf=False, dtype=dtype),
             lambda: train_step(theirs, ids, labels, hf=True, dtype=dtype),
+            lambda: train_step(ours, ids, labels, hf=False, dtype=dtype, fused_loss=False),
         ],
         args.repeats,
     )
@@ -153,7 +168,10 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
         t_theirs,
         args,
         {"batch": args.batch, "seq": args.seq},
-        {"precision": "bf16" if dtype == torch.bfloat16 else "fp32"},
+        {
+            "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
+            "unfused_loss_tok_s": round(tokens / t_unfused, 1),  # k2lab with logits + F.cross_entropy
+        },
     )
 
 

@@ -18,17 +18,20 @@ keep_freed_memory()  # as the k2lab command does (k2lab.allocator); both sides o
 def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
     """Median wall time of each ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
 
-    Calls are interleaved (a, b, a, b, ...) so that load from other processes hits every side alike.
+    Calls are interleaved so that load from other processes hits every side alike, and the order rotates
+    each round (a, b, c; b, c, a; c, a, b; ...) so that no side always runs right after the same other one
+    (whose leftovers in the caches and the heap it would otherwise always meet).
     """
     for fn in fns:
         for _ in range(warmup):
             fn()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, fn_times in zip(fns, times, strict=True):
+    for round_ in range(repeats):
+        for i in range(len(fns)):
+            index = (i + round_) % len(fns)
             start = time.perf_counter()
-            fn()
-            fn_times.append(time.perf_counter() - start)
+            fns[index]()
+            times[index].append(time.perf_counter() - start)
     return [statistics.median(fn_times) for fn_times in times]
 
 

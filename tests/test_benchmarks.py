@@ -43,3 +43,13 @@ def test_benchmark_smoke_run(script, tmp_path):
         machine = [json.loads(line) for line in lines]
         text = json.dumps(machine)
         assert '"capability"' in text and "peak_gflops" in text  # every table states its machine
+
+
+def test_alternating_medians_rotate_the_order_of_the_sides(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from timing import alternating_medians
+
+    calls: list[str] = []
+    medians = alternating_medians([lambda n=n: calls.append(n) for n in "abc"], repeats=3, warmup=1)
+    assert len(medians) == 3
+    assert "".join(calls) == "abc" + "abc" + "bca" + "cab"  # warm-up, then one rotation per round
