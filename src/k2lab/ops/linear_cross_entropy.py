@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # F.cross_entropy's default
-CHUNK_BYTES = (
-    64 << 20
-)  # fp32 logits of one chunk at most (k2-mini's 2,048 × 8,192 in one; K2's vocab: 102 rows)
+# fp32 logits of one chunk at most (k2-mini's 2,048 × 8,192 rows in one; K2's 163,840-way vocabulary: 102 rows)
+CHUNK_BYTES = 64 << 20
 
 
 def default_chunk_rows(vocab: int) -> int:
@@ -56,13 +55,15 @@ def linear_cross_entropy(
     if torch.compiler.is_compiling():
         return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index)
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, rows)
+    # autograd's needs_input_grad stays True for a parameter under no_grad: scoring must not form gradients
+    track = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, rows, track)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows):  # noqa: ANN001, ANN205 - torch's API
-        want_hidden, want_weight = ctx.needs_input_grad[:2]
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows, track):  # noqa: ANN001, ANN205 - torch's API
+        want_hidden, want_weight = (track and wanted for wanted in ctx.needs_input_grad[:2])
         valid = labels != ignore_index
         count = valid.sum()
         scale = valid / count.clamp(min=1)  # ∂L/∂ℓ_i: 1 / n_valid, 0 where ignored
@@ -75,10 +76,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(h, weight).float()  # [n, V]
             losses, grad = _losses_and_grad(logits, labels[rows].clamp(min=0)[:, None], scale[rows])
             total += (losses * valid[rows]).sum()
-            if want_hidden:
-                grad_hidden[rows] = grad @ weight
-            if want_weight:
-                _accumulate(grad_weight, grad.mT, h)
+            if want_hidden or want_weight:
+                _chunk_grads(grad, h, weight, None if grad_hidden is None else grad_hidden[rows], grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total / count
 
@@ -87,7 +86,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
         dw = None if grad_weight is None else grad_weight * grad_loss
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def _losses_and_grad(
@@ -106,10 +105,21 @@ def _losses_and_grad(
     return losses, grad
 
 
-def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """total [V, D] fp32 += left [V, n] @ right [n, D]: in place when both are fp32 and autocast is off
-    (no [V, D] temporary a chunk), else through the product autocast gives."""
-    if left.dtype == right.dtype == total.dtype and not torch.is_autocast_enabled(total.device.type):
-        total.addmm_(left, right)
+def _chunk_grads(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """A chunk's ∂L/∂H = G W into ``grad_hidden`` [n, D] and ∂L/∂W += Gᵀ H into ``grad_weight`` [V, D] fp32
+    (each where given): in place when everything is fp32 and autocast is off (no [V, D] temporary a chunk),
+    else through the products autocast gives."""
+    if grad_hidden is not None:
+        grad_hidden.copy_(grad @ weight)
+    if grad_weight is None:
+        return
+    if grad.dtype == hidden.dtype == grad_weight.dtype and not torch.is_autocast_enabled(grad.device.type):
+        grad_weight.addmm_(grad.mT, hidden)
     else:
-        total += left @ right
+        grad_weight += grad.mT @ hidden
