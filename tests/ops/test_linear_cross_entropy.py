@@ -79,9 +79,12 @@ def test_chunk_rows_bound_the_logits() -> None:
     assert default_chunk_rows(10**9) == 16
 
 
-def test_the_model_returns_the_loss_of_its_logits() -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_model_returns_the_loss_of_its_logits(tied: bool) -> None:
+    """With tied embeddings the head's gradient and the embedding's accumulate in one weight."""
     torch.manual_seed(0)
-    model = randomize(build_model(load_preset("k2-nano"))).train()
+    model = randomize(build_model(load_preset("k2-nano", tie_word_embeddings=tied))).train()
+    assert (model.lm_head.weight is model.embed.weight) == tied
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     model.zero_grad()
