@@ -133,12 +133,12 @@ def train_step(
     """
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        if not hf and fused_loss:
-            loss = model(ids, labels=labels).loss
-        else:
-            logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids).logits
-    if hf or not fused_loss:
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        out = (
+            model(input_ids=ids, use_cache=False) if hf else model(ids, labels=labels if fused_loss else None)
+        )
+    loss = out.loss  # None without labels, on either side
+    if loss is None:
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
     loss.backward()
 
 

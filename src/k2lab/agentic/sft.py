@@ -55,6 +55,7 @@ from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.model_dir import load_model
 from k2lab.models import CausalLM, build_model
+from k2lab.ops.linear_cross_entropy import IGNORE_INDEX
 from k2lab.runtime.chat import normalize_messages
 from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.train import distributed
@@ -75,7 +76,7 @@ __all__ = [
     "load_sft_checkpoint",
 ]
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # label of a position the loss skips (the prompt's tokens)
 STATE_VERSION = 1
 
 

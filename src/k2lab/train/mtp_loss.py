@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # F.cross_entropy's default, used by the main loss
+from k2lab.ops.linear_cross_entropy import IGNORE_INDEX  # the main loss's
 
 
 @dataclass

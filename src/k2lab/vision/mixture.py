@@ -31,6 +31,7 @@ import torch
 
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, Tokenizer
+from k2lab.ops.linear_cross_entropy import IGNORE_INDEX
 from k2lab.train.sections import VisionDataConfig
 from k2lab.vision.config import VisionConfig
 from k2lab.vision.moonvit import vision_token_counts
@@ -48,7 +49,7 @@ __all__ = [
     "vision_rows_at",
 ]
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # label of a position the loss skips
 HELD_OUT_SEED = 1_000_003  # evaluation samples come from seeds the training stream never draws
 
 
