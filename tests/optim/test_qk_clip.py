@@ -52,6 +52,29 @@ def test_recorded_maxima_equal_brute_force(padded):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_max_logits_of_large_scores_exact_and_of_no_allowed_pair_minus_inf():
+    """Integer scores up to 6·10⁴ (exact in fp32 in any summation order) through the additive mask bias: the
+    maxima equal the written-out ones bit for bit; a masked-out key with scores far above the rest never
+    counts; a head that may see nothing keeps −inf."""
+    from k2lab.nn.mla import AttentionMask
+
+    attn = nano_variant().layers[0].attn
+    attn.MAX_LOGIT_BLOCK = 4
+    generator = torch.Generator().manual_seed(0)
+    B, T, H = 2, 9, attn.n_heads
+    query = torch.randint(-50, 51, (B, T, H, 24), generator=generator).float()
+    key = torch.randint(-50, 51, (B, T, H, 24), generator=generator).float()
+    allowed = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    allowed[1, :, :, :3] = False  # left padding of row 1
+    scores = (query.transpose(1, 2) @ key.transpose(1, 2).mT).masked_fill(~allowed, float("-inf"))
+    expected = scores.amax(dim=(0, 2, 3)) * attn.softmax_scale
+    assert torch.equal(attn._max_logits(query, key, AttentionMask(allowed)), expected)
+    key[1, 0] = 1e6  # a padded key with scores up to 10⁹
+    assert torch.equal(attn._max_logits(query, key, AttentionMask(allowed)), expected)
+    nothing = AttentionMask(torch.zeros(B, 1, T, T, dtype=torch.bool))
+    assert torch.equal(attn._max_logits(query, key, nothing), torch.full((H,), float("-inf")))
+
+
 @pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}], ids=["q-lora", "no-q-lora"])
 def test_clipping_measured_weights_pins_clipped_heads_at_tau(overrides):
     model = nano_variant(**overrides, num_attention_heads=4)
