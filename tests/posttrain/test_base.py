@@ -138,15 +138,15 @@ def test_no_checkpoint_starts_over_and_drops_old_metrics(tmp_path):
     ("every", "keep", "expected"), [(3, None, [7, 6, 3]), (3, 2, [7, 6]), (1, 2, [7, 6]), (10, 3, [7])]
 )
 def test_checkpoints_follow_the_cadence_and_the_last_iteration(tmp_path, every, keep, expected):
-    newest: list[int | None] = []  # the newest checkpoint when on_metrics sees iteration i
+    newest: list[int | None] = []  # the newest checkpoint once the save started before on_metrics lands
+    trainer = Dummy(DummyConfig(iterations=7, checkpoint_every=every, keep_checkpoints=keep), tmp_path)
 
     def record(metrics):
+        trainer.checkpoints.wait()  # the save of this iteration is written in the background
         found = list_checkpoints(tmp_path)
         newest.append(found[0][0] if found else None)
 
-    Dummy(DummyConfig(iterations=7, checkpoint_every=every, keep_checkpoints=keep), tmp_path).run(
-        None, record
-    )
+    trainer.run(None, record)
     assert [s for s, _ in list_checkpoints(tmp_path)] == expected
     for i, top in enumerate(newest):  # a checkpoint after every `every` iterations and after the last
         if (i + 1) % every == 0 or i + 1 == 7:

@@ -211,27 +211,33 @@ KILLED_RUN = """
 import os, signal, sys
 from k2lab.swarm.parl import CompactOrchestrator, ParlConfig, ParlTrainer, make_env
 config = ParlConfig.model_validate_json(sys.argv[2])
+trainer = ParlTrainer(CompactOrchestrator.from_config(config), make_env(config), config, sys.argv[1])
 def hook(metrics):
+    if sys.argv[3] == "durable":
+        trainer.checkpoints.wait()  # the checkpoint of this iteration is written in the background
     if metrics["iteration"] == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-ParlTrainer(CompactOrchestrator.from_config(config), make_env(config), config, sys.argv[1]).run(on_iteration=hook)
+trainer.run(on_iteration=hook)
 """
 
 
-def test_sigkilled_trainer_resumes_to_uninterrupted_metrics(tmp_path):
+@pytest.mark.parametrize("when", ["durable", "in-flight"])
+def test_sigkilled_trainer_resumes_to_uninterrupted_metrics(tmp_path, when):
+    """Killed once iteration 2's checkpoint is on disk, or while it may still be being written (then the
+    run resumes from iteration 1's): either way the resumed run logs the uninterrupted run's metrics."""
     config = tiny_config()
     expected = ParlTrainer(
         CompactOrchestrator.from_config(config), make_env(config), config, tmp_path / "a"
     ).run()
     run_dir = tmp_path / "killed"
     process = subprocess.run(
-        [sys.executable, "-c", KILLED_RUN, str(run_dir), config.model_dump_json()],
+        [sys.executable, "-c", KILLED_RUN, str(run_dir), config.model_dump_json(), when],
         capture_output=True,
         timeout=60,
     )
     assert process.returncode == -signal.SIGKILL, process.stderr.decode()[-2000:]
     resumed = ParlTrainer(CompactOrchestrator.from_config(config), make_env(config), config, run_dir)
-    assert resumed.iteration == 2
+    assert resumed.iteration == 2 if when == "durable" else resumed.iteration in (1, 2)
     resumed.run()
     drop = lambda rows: [{k: v for k, v in m.items() if k != "seconds"} for m in rows]  # noqa: E731
     assert drop(resumed.history()) == drop(expected)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -20,15 +21,18 @@ from k2lab import build_model, load_preset
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import staging_directory
 from k2lab.optim import MuonClip, OptimizerConfig
+from k2lab.train import state_file
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
 from k2lab.train.run_checkpoints import (
     CheckpointWarning,
+    CheckpointWriter,
     checkpoint_directory,
     list_checkpoints,
     load_latest_checkpoint,
     save_training_checkpoint,
     verify_checkpoint,
 )
+from k2lab.train.state_file import StateBuffer
 
 
 def make_state(step: int) -> dict:
@@ -252,3 +256,91 @@ def test_rng_capture_restore_reproduces_draws(tmp_path: Path) -> None:
     draw()
     restore_rng_state(load_latest_checkpoint(tmp_path)[1]["rng"])  # also after a weights_only round trip
     assert draw() == first
+
+
+# ---- CheckpointWriter: the same checkpoints, written in the background -----------------------------------
+def test_writer_snapshots_the_state_and_writes_the_same_checkpoint(tmp_path: Path) -> None:
+    """The caller changes its tensors as soon as save returns: the checkpoint holds the values at the
+    call, byte for byte the checkpoint save_training_checkpoint writes."""
+    state = make_state(5)
+    expected = save_training_checkpoint(tmp_path / "sync", 5, state)
+    writer = CheckpointWriter()
+    path = writer.save(tmp_path / "async", 5, state)
+    state["model"]["w"].add_(100.0)  # the next optimizer step
+    writer.wait()
+    assert path == checkpoint_directory(tmp_path / "async", 5)
+    assert (path / "state.pt").read_bytes() == (expected / "state.pt").read_bytes()
+    files = [json.loads((p / "manifest.json").read_text())["files"] for p in (path, expected)]
+    assert files[0] == files[1]
+    assert torch.equal(load_latest_checkpoint(tmp_path / "async")[1]["model"]["w"], torch.full((64, 32), 5.0))
+
+
+def test_writer_returns_before_the_write_and_waits_for_it(tmp_path: Path, monkeypatch) -> None:
+    """save returns while the disk work is still held up; wait() returns once it is done."""
+    release, written = threading.Event(), threading.Event()
+    real_write_to = StateBuffer.write_to
+
+    def held_write_to(self, path):
+        assert release.wait(timeout=30), "save did not return before its write"
+        record = real_write_to(self, path)
+        written.set()
+        return record
+
+    monkeypatch.setattr(StateBuffer, "write_to", held_write_to)
+    writer = CheckpointWriter()
+    writer.save(tmp_path, 1, make_state(1))
+    assert not written.is_set() and steps_on_disk(tmp_path) == []
+    release.set()
+    writer.wait()
+    assert written.is_set() and steps_on_disk(tmp_path) == [1]
+
+
+def test_writer_keeps_the_last_and_raises_a_failed_write(tmp_path: Path, monkeypatch) -> None:
+    writer = CheckpointWriter()
+    for step in (1, 2, 3):
+        writer.save(tmp_path, step, make_state(step), keep_last=2)
+    writer.wait()
+    assert steps_on_disk(tmp_path) == [2, 3]
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StateBuffer, "write_to", full_disk)
+    writer.save(tmp_path, 4, make_state(4), keep_last=2)
+    with pytest.raises(OSError, match="No space"):
+        writer.wait()
+    writer.wait()  # reported once
+    assert steps_on_disk(tmp_path) == [2, 3]  # no half checkpoint, nothing pruned
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_writer_checks_the_state_before_returning(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="cannot go into a training checkpoint"):
+        CheckpointWriter().save(tmp_path, 1, {"bad": object()})
+    with pytest.raises(ValueError, match="step"):
+        CheckpointWriter().save(tmp_path, -1, make_state(1))
+
+
+def test_writer_saves_a_large_state_synchronously(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(state_file, "REUSE_LIMIT", 100)
+    monkeypatch.setattr(StateBuffer, "serialise", None)  # the buffered path must not be reached
+    writer = CheckpointWriter()
+    writer.save(tmp_path, 3, make_state(3))
+    assert steps_on_disk(tmp_path) == [3]  # before any wait
+    assert torch.equal(load_latest_checkpoint(tmp_path)[1]["model"]["w"], torch.full((64, 32), 3.0))
+
+
+def test_writer_block_waits_on_exit_and_keeps_the_block_error(tmp_path: Path, monkeypatch) -> None:
+    with CheckpointWriter() as writer:
+        writer.save(tmp_path, 1, make_state(1))
+    assert steps_on_disk(tmp_path) == [1]  # durable on leaving the block
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StateBuffer, "write_to", full_disk)
+    with pytest.raises(KeyboardInterrupt) as raised, CheckpointWriter() as writer:
+        writer.save(tmp_path, 2, make_state(2))
+        raise KeyboardInterrupt
+    assert "No space" in "".join(getattr(raised.value, "__notes__", []))
+    assert steps_on_disk(tmp_path) == [1]

@@ -12,8 +12,10 @@ A trainer subclasses ``IterativeTrainer``, builds its model and optimizer, sets 
 * ``settings()`` (optional): what a resumed run must share with its checkpoint (default: the config).
 
 ``run_loop(total, on_metrics)`` advances until the counter reaches ``total`` and writes a checkpoint
-(``save_training_checkpoint``, keeping ``config.keep_checkpoints``) whenever the counter is a multiple of
-``config.checkpoint_every`` and after the last iteration. A checkpoint is::
+(keeping ``config.keep_checkpoints``) whenever the counter is a multiple of ``config.checkpoint_every`` and
+after the last iteration. The state is snapshotted at once and written by a ``CheckpointWriter``'s background
+thread while the next iteration runs; the loop waits for it before the next save and before it returns
+(also when an iteration raises), so on return the last checkpoint is durable. A checkpoint is::
 
     {counter: n, **state_parts(), "rng": capture_rng_state(), "config": settings()}
 
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
-from k2lab.train.run_checkpoints import save_training_checkpoint
+from k2lab.train.run_checkpoints import CheckpointWriter
 
 __all__ = ["METRICS", "IterativeTrainer", "LoopConfig", "rounded_mean"]
 
@@ -66,6 +68,7 @@ class IterativeTrainer(ABC):
         self.config = config
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = CheckpointWriter()
 
     # ---- what a subclass supplies
     @abstractmethod
@@ -93,16 +96,18 @@ class IterativeTrainer(ABC):
     def run_loop(
         self, total: int, on_metrics: Callable[[dict[str, Any]], None] | None = None
     ) -> list[dict[str, Any]]:
-        """``advance()`` until ``total`` iterations are done, checkpointing on the cadence and after the last;
-        ``on_metrics`` sees each metrics line after its checkpoint. Returns this call's metrics lines."""
+        """``advance()`` until ``total`` iterations are done, checkpointing on the cadence and after the last
+        (written in the background, durable when this returns); ``on_metrics`` sees each metrics line once
+        its checkpoint has been started. Returns this call's metrics lines."""
         history = []
-        while self.completed < total:
-            metrics = self.advance()
-            history.append(metrics)
-            if self.completed % self.config.checkpoint_every == 0 or self.completed == total:
-                self.save_checkpoint()
-            if on_metrics is not None:
-                on_metrics(metrics)
+        with self.checkpoints:
+            while self.completed < total:
+                metrics = self.advance()
+                history.append(metrics)
+                if self.completed % self.config.checkpoint_every == 0 or self.completed == total:
+                    self.save_checkpoint(wait=False)
+                if on_metrics is not None:
+                    on_metrics(metrics)
         return history
 
     # ---- persistence
@@ -115,11 +120,15 @@ class IterativeTrainer(ABC):
             "config": self.settings(),
         }
 
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoint_state()`` as the checkpoint of the current count; returns its directory."""
-        return save_training_checkpoint(
+    def save_checkpoint(self, wait: bool = True) -> Path:
+        """Write ``checkpoint_state()`` as the checkpoint of the current count; returns its directory.
+        ``wait=False`` returns once the state is snapshotted, the write going on in the background."""
+        directory = self.checkpoints.save(
             self.out, self.completed, self.checkpoint_state(), self.config.keep_checkpoints
         )
+        if wait:
+            self.checkpoints.wait()
+        return directory
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint of ``out_dir``, if any (refused when the settings differ);

@@ -37,6 +37,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ import torch
 
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import read_json_object, staged_directory, write_synced
-from k2lab.train.state_file import file_sha256, write_state
+from k2lab.train import state_file
+from k2lab.train.state_file import StateBuffer, file_sha256, tensor_bytes, write_state
 
 FORMAT = "k2lab-train"
 VERSION = 1
@@ -89,14 +91,76 @@ def save_training_checkpoint(
     wrong file size) and leftover staging directories of killed saves are deleted. Checkpoints newer than ``step`` are left
     alone. Raises ``TypeError`` (naming the key) for values ``torch.load(weights_only=True)`` cannot read.
     """
+    _check_request(step, state, keep_last)
+    return _commit(Path(run_dir), step, lambda path: write_state(path, state), keep_last)
+
+
+class CheckpointWriter:
+    """``save_training_checkpoint`` with the disk work in a background thread, overlapping training.
+
+    ``save`` checks the state and serialises it into the writer's own buffer (``StateBuffer``: a snapshot,
+    so the caller may update its weights as soon as ``save`` returns), then hands writing, hashing, the
+    rename and pruning to one background thread. The next ``save`` and ``wait()`` first wait for the
+    previous one, and raise its error if it failed; so at most one save is in flight, its checkpoint
+    appears complete or not at all (the same staging and rename), and ``wait()`` makes the last one durable.
+    As a context manager it waits on leaving the block, also when the block raises.
+    A state above ``state_file.REUSE_LIMIT`` bytes is saved synchronously (streamed, never held twice).
+
+    Measured on the AVX2 Zen 3 VM (2 cores), the agentic-mini RL policy with its MuonClip state (195 MB):
+    a synchronous save took 0.43 s, 0.11 s of it serialising (docs/agentic-sft-rl.md).
+    """
+
+    def __init__(self) -> None:
+        self._buffer = StateBuffer()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="k2lab-checkpoint")
+        self._pending: Future[Path] | None = None
+
+    def save(
+        self, run_dir: str | os.PathLike[str], step: int, state: dict[str, Any], keep_last: int | None = 3
+    ) -> Path:
+        """Start saving ``state`` as the checkpoint of ``step``; returns the directory it will have."""
+        self.wait()
+        _check_request(step, state, keep_last)
+        if tensor_bytes(state) > state_file.REUSE_LIMIT:
+            return _commit(Path(run_dir), step, lambda path: write_state(path, state), keep_last)
+        self._buffer.serialise(state)
+        self._pending = self._pool.submit(_commit, Path(run_dir), step, self._buffer.write_to, keep_last)
+        return checkpoint_directory(run_dir, step)
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is durable; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        """``wait()``; when the block is already raising, its error stays the one raised (a failed write
+        becomes a note on it)."""
+        if error is None:
+            self.wait()
+            return
+        try:
+            self.wait()
+        except Exception as failed:  # noqa: BLE001 - reported on the error already propagating
+            error.add_note(f"the checkpoint being written when it was raised failed too: {failed!r}")
+
+
+def _check_request(step: int, state: dict[str, Any], keep_last: int | None) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     _check_plain(state, "state")
+
+
+def _commit(run_dir: Path, step: int, write: Callable[[Path], dict[str, Any]], keep_last: int | None) -> Path:
+    """``write`` the state file into a staging directory with its manifest, rename it into place, prune."""
     target = checkpoint_directory(run_dir, step)
     with staged_directory(target) as staging:
-        files = {STATE: write_state(staging / STATE, state)}
+        files = {STATE: write(staging / STATE)}
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -109,7 +173,7 @@ def save_training_checkpoint(
         write_synced(staging / MANIFEST, text)
         _fsync_directory(staging)
     _fsync_directory(target.parent)
-    _prune(Path(run_dir), step, keep_last)
+    _prune(run_dir, step, keep_last)
     return target
 
 

@@ -11,8 +11,10 @@ write of the same bytes took 0.07–0.11 s. So ``write_state``:
    where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems) it writes buffered and
    fsyncs, as before.
 
-A state whose tensors exceed ``REUSE_LIMIT`` bytes is streamed into the file and hashed from it, as before,
-so a large run never holds a second copy of its state in memory. The bytes on disk and the manifest's
+Both steps are methods of a ``StateBuffer``, so they can run apart: ``CheckpointWriter``
+(``k2lab.train.run_checkpoints``) serialises on the training thread, a snapshot, and writes from a background
+thread while training goes on. A state whose tensors exceed ``REUSE_LIMIT`` bytes is streamed into the file
+and hashed from it, as before, so a large run never holds a second copy of its state in memory. The bytes on disk and the manifest's
 checksum are the same either way: ``torch.load`` reads the file as it reads any ``torch.save`` output.
 """
 
@@ -43,8 +45,15 @@ def _round_up(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-class _SaveBuffer:
-    """A growable, page-aligned anonymous mapping that ``torch.save`` writes into (it only calls ``write``)."""
+class StateBuffer:
+    """A growable, page-aligned anonymous mapping a state is serialised into, then written and hashed from.
+
+    ``serialise(state)`` runs ``torch.save`` into it (it only calls ``write``): the bytes are a snapshot, so
+    the state's tensors may change as soon as it returns. ``write_to(path)`` writes those bytes to a new
+    file with ``O_DIRECT`` (buffered where refused) and fsyncs it while a thread hashes them. The mapping is
+    kept from one save to the next, its pages already faulted in. Not for concurrent use: one owner at a
+    time (``write_state`` holds a lock around the module's buffer; a ``CheckpointWriter`` owns its own).
+    """
 
     def __init__(self) -> None:
         self.memory = mmap.mmap(-1, _ALIGN)
@@ -70,8 +79,23 @@ class _SaveBuffer:
     def flush(self) -> None:
         pass
 
+    def serialise(self, state: Any) -> None:
+        """``torch.save(state)`` into the buffer, replacing what it held."""
+        self.size = 0
+        self.reserve(tensor_bytes(state) + (1 << 20))
+        torch.save(state, self)
 
-_buffer: _SaveBuffer | None = None
+    def write_to(self, path: Path) -> dict[str, Any]:
+        """The serialised bytes into a new file ``path``, fsynced; returns ``{"bytes": ..., "sha256": ...}``."""
+        size = self.size
+        with memoryview(self.memory) as memory, ThreadPoolExecutor(1) as pool:
+            digest = pool.submit(lambda: hashlib.sha256(memory[:size]).hexdigest())
+            if not _write_direct(path, memory, size):
+                write_synced(path, memory[:size])
+            return {"bytes": size, "sha256": digest.result()}
+
+
+_buffer: StateBuffer | None = None
 _lock = threading.Lock()
 
 
@@ -88,22 +112,14 @@ def tensor_bytes(value: Any) -> int:
 
 def write_state(path: Path, state: Any) -> dict[str, Any]:
     """``torch.save(state)`` into a new file ``path``, fsynced; returns ``{"bytes": ..., "sha256": ...}``."""
-    nbytes = tensor_bytes(state)
-    if nbytes > REUSE_LIMIT:
-        return _stream(path, state)
+    if tensor_bytes(state) > REUSE_LIMIT:
+        return stream_state(path, state)
     global _buffer
     with _lock:
         if _buffer is None:
-            _buffer = _SaveBuffer()
-        _buffer.size = 0
-        _buffer.reserve(nbytes + (1 << 20))
-        torch.save(state, _buffer)
-        size = _buffer.size
-        with memoryview(_buffer.memory) as memory, ThreadPoolExecutor(1) as pool:
-            digest = pool.submit(lambda: hashlib.sha256(memory[:size]).hexdigest())
-            if not _write_direct(path, memory, size):
-                write_synced(path, memory[:size])
-            return {"bytes": size, "sha256": digest.result()}
+            _buffer = StateBuffer()
+        _buffer.serialise(state)
+        return _buffer.write_to(path)
 
 
 def _write_direct(path: Path, memory: memoryview, size: int) -> bool:
@@ -136,7 +152,7 @@ def _write_direct(path: Path, memory: memoryview, size: int) -> bool:
     return True
 
 
-def _stream(path: Path, state: Any) -> dict[str, Any]:
+def stream_state(path: Path, state: Any) -> dict[str, Any]:
     """The large-state path: ``torch.save`` into the file, fsync, then hash the file."""
     with open(path, "wb") as handle:
         torch.save(state, handle)

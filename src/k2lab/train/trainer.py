@@ -48,7 +48,11 @@ from k2lab.train.data import TrainingData, language_model
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
-from k2lab.train.run_checkpoints import list_checkpoints, load_latest_checkpoint, save_training_checkpoint
+from k2lab.train.run_checkpoints import (
+    CheckpointWriter,
+    list_checkpoints,
+    load_latest_checkpoint,
+)
 from k2lab.train.schedule import lr_multiplier
 
 console = Console()
@@ -302,7 +306,8 @@ def train_loop(trainer: Trainer, data: TrainingData, metrics: MetricsLogger) -> 
     Closes ``metrics``."""
     config, run_dir = trainer.config, trainer.run_dir
     val_loss = float("nan")
-    with (progress := progress_bar()), metrics:
+    checkpoints = CheckpointWriter()  # written while the next steps run; durable when the loop ends
+    with (progress := progress_bar()), metrics, checkpoints:
         task = progress.add_task(
             "train", total=config.steps, completed=trainer.step, loss=0.0, tps=0.0, logit=0.0, clipped=0
         )
@@ -331,7 +336,7 @@ def train_loop(trainer: Trainer, data: TrainingData, metrics: MetricsLogger) -> 
             if trainer.step % config.save_every == 0 or trainer.step == config.steps:
                 state = training_state(trainer, data)  # a collective under FSDP2
                 if distributed.is_main():
-                    save_training_checkpoint(run_dir, trainer.step, state, config.keep_last)
+                    checkpoints.save(run_dir, trainer.step, state, config.keep_last)
     return val_loss
 
 

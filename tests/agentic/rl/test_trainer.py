@@ -306,7 +306,8 @@ def test_rl_run_writes_metrics_checkpoints_and_resumes_after_sigkill(policy_dir,
     assert (reference / "partial_rollouts.jsonl").is_file()
     assert load_model(reference / "model") is not None
 
-    # the same run in a subprocess, SIGKILLed right after iteration 1's checkpoint, then resumed here
+    # the same run in a subprocess, SIGKILLed once iteration 1's checkpoint (written in the background)
+    # is durable, then resumed here
     killed = tmp_path / "killed"
     script = (
         "import os, signal, sys\n"
@@ -315,6 +316,7 @@ def test_rl_run_writes_metrics_checkpoints_and_resumes_after_sigkill(policy_dir,
         "original = rl.RLTrainer.run\n"
         "def run(self, iterations=None, on_iteration=None):\n"
         "    def kill(m):\n"
+        "        self.checkpoints.wait()\n"
         "        if m['iteration'] == 0: os.kill(os.getpid(), signal.SIGKILL)\n"
         "    return original(self, iterations, kill)\n"
         "rl.RLTrainer.run = run\n"
