@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from k2lab import load_preset
-from k2lab.nn.mla import AttentionMask, MultiHeadLatentAttention, reduced_latent_attention
+from k2lab.nn.mla import AttentionMask, MultiHeadLatentAttention, max_logits_paused, reduced_latent_attention
+from tests.conftest import nano_variant
 
 
 @pytest.mark.parametrize("queries", [1, 3])
@@ -23,3 +24,16 @@ def test_reduced_latent_attention_equals_the_eager_absorbed_form(queries):
         reduced = reduced_latent_attention(q_nope, q_rope, keys, allowed, w_uk, w_uv, attn.softmax_scale)
     assert reduced.shape == (B, queries, H, config.v_head_dim)
     torch.testing.assert_close(reduced, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_max_logits_paused_restores_each_layer_setting_even_on_error():
+
+    model = nano_variant()
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+    layers[0].record_max_logits = True  # the others off
+    with pytest.raises(RuntimeError), max_logits_paused(model):
+        assert not any(layer.record_max_logits for layer in layers)
+        model(torch.randint(0, 128, (1, 6)))
+        raise RuntimeError
+    assert layers[0].max_logits is None
+    assert [layer.record_max_logits for layer in layers] == [True] + [False] * (len(layers) - 1)

@@ -31,6 +31,8 @@ Weight layout (matches the public checkpoints): ``q_up`` rows per head are n nop
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -290,3 +292,19 @@ def reduced_latent_attention(
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     latent = (probs.unsqueeze(-1) * rows[..., : w_uk.shape[-1]]).sum(-2)  # [B, H, Tq, C]
     return (latent.transpose(1, 2).unsqueeze(-2) * w_uv).sum(-1)  # [B, Tq, H, v]
+
+
+@contextmanager
+def max_logits_paused(model: nn.Module) -> Iterator[None]:
+    """Inside the block no MLA layer of ``model`` records QK-Clip's max logits; each layer's setting is
+    restored after. For forwards that are not the update's (sampling rollouts, validation): S_max is
+    measured on the forwards whose gradients the optimizer step applies, and the recomputation is skipped."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+    saved = [layer.record_max_logits for layer in layers]
+    for layer in layers:
+        layer.record_max_logits = False
+    try:
+        yield
+    finally:
+        for layer, setting in zip(layers, saved, strict=True):
+            layer.record_max_logits = setting

@@ -39,6 +39,7 @@ from k2lab.infer import GenerationConfig, generate
 from k2lab.model_dir import save_model
 from k2lab.models import CausalLM
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
+from k2lab.nn.mla import max_logits_paused
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train import distributed
 from k2lab.train.compile import compile_decision, compiled
@@ -174,9 +175,8 @@ class Trainer:
     @torch.no_grad()
     def validation_loss(self) -> float:
         self.model.eval()
-        self.muonclip.qk_clip.record(False)
-        losses = [self.loss_of(batch)[0].item() for batch in self.val_batches]  # main model only
-        self.muonclip.qk_clip.record(True)
+        with max_logits_paused(self.model):
+            losses = [self.loss_of(batch)[0].item() for batch in self.val_batches]  # main model only
         return distributed.all_reduce_mean(sum(losses) / max(len(losses), 1))
 
     def metrics(

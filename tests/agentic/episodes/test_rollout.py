@@ -136,3 +136,24 @@ def test_dropping_finished_rows_changes_no_rollout(model, small_tokenizer):
     assert episodes_of(played) == episodes_of(play(full))
     lengths = [len(t.completion_ids) for r in played for t in r.turns]
     assert min(lengths) < max(lengths)  # some rows ended before others: there was something to drop
+
+
+def test_sampling_rollouts_record_no_max_logits(model, small_tokenizer):
+    """A policy's rollouts are not the update's forwards: with QK-Clip recording on (MuonClip turns it on),
+    sampling leaves no max logits behind, and recording is on again afterwards."""
+    from k2lab.optim import QKClip
+
+    clip = QKClip(model)
+    clip.record()
+    try:
+        policy = LocalPolicy(model, small_tokenizer, temperature=1.0, max_new_tokens=8)
+        env = ArithmeticEnv()
+        run_episodes(env, policy, [Rollout(env.reset(s)) for s in range(3)], [1, 2, 3])
+        assert all(layer.max_logits is None for layer in clip.layers)
+        assert all(layer.record_max_logits for layer in clip.layers)
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7]]))
+        assert all(layer.max_logits is not None for layer in clip.layers)  # an ordinary forward records
+    finally:
+        clip.recorded_maxima()
+        clip.record(False)

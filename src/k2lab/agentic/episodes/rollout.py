@@ -44,6 +44,7 @@ import torch
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.infer.prefix_cache import PrefixCache
+from k2lab.nn.mla import max_logits_paused
 from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
 from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.runtime.enforcer import ToolCallGrammar, pack_token_mask
@@ -226,18 +227,19 @@ class LocalPolicy:
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(rows), batch_size):
-                chunk = rows[start : start + batch_size]
-                outputs = generate(
-                    self.model,
-                    [prompts[i] for i in chunk],
-                    config,
-                    constraints=[self._grammar(requests[i][1]).constraint() for i in chunk],
-                    row_seeds=[requests[i][2] for i in chunk],
-                    prefix_cache=self.prefix_cache,
-                )
-                for i, ids in zip(chunk, outputs, strict=True):
-                    replies[i] = self._reply(ids)
+            with max_logits_paused(self.model):  # rollouts are not the update's forwards
+                for start in range(0, len(rows), batch_size):
+                    chunk = rows[start : start + batch_size]
+                    outputs = generate(
+                        self.model,
+                        [prompts[i] for i in chunk],
+                        config,
+                        constraints=[self._grammar(requests[i][1]).constraint() for i in chunk],
+                        row_seeds=[requests[i][2] for i in chunk],
+                        prefix_cache=self.prefix_cache,
+                    )
+                    for i, ids in zip(chunk, outputs, strict=True):
+                        replies[i] = self._reply(ids)
         finally:
             self.model.train(was_training)
         return [(prompt, reply) for prompt, reply in zip(prompts, replies, strict=True)]  # type: ignore[misc]
