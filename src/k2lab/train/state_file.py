@@ -14,8 +14,9 @@ write of the same bytes took 0.07–0.11 s. So ``write_state``:
 Both steps are methods of a ``StateBuffer``, so they can run apart: ``CheckpointWriter``
 (``k2lab.train.run_checkpoints``) serialises on the training thread, a snapshot, and writes from a background
 thread while training goes on. A state whose tensors exceed ``REUSE_LIMIT`` bytes is streamed into the file
-and hashed from it, as before, so a large run never holds a second copy of its state in memory. The bytes on disk and the manifest's
-checksum are the same either way: ``torch.load`` reads the file as it reads any ``torch.save`` output.
+and hashed from it, as before, so a large run never holds a second copy of its state in memory. The bytes
+on disk and the manifest's checksum are the same either way: ``torch.load`` reads the file as it reads any
+``torch.save`` output.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def tensor_bytes(value: Any) -> int:
 def write_state(path: Path, state: Any) -> dict[str, Any]:
     """``torch.save(state)`` into a new file ``path``, fsynced; returns ``{"bytes": ..., "sha256": ...}``."""
     if tensor_bytes(state) > REUSE_LIMIT:
-        return stream_state(path, state)
+        return _stream(path, state)
     global _buffer
     with _lock:
         if _buffer is None:
@@ -152,7 +153,7 @@ def _write_direct(path: Path, memory: memoryview, size: int) -> bool:
     return True
 
 
-def stream_state(path: Path, state: Any) -> dict[str, Any]:
+def _stream(path: Path, state: Any) -> dict[str, Any]:
     """The large-state path: ``torch.save`` into the file, fsync, then hash the file."""
     with open(path, "wb") as handle:
         torch.save(state, handle)
