@@ -49,11 +49,7 @@ from k2lab.train.data import TrainingData, language_model
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
-from k2lab.train.run_checkpoints import (
-    CheckpointWriter,
-    list_checkpoints,
-    load_latest_checkpoint,
-)
+from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from k2lab.train.schedule import lr_multiplier
 
 console = Console()
