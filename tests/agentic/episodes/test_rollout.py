@@ -14,6 +14,7 @@ from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, run_episode, ru
 from k2lab.agentic.recipe.mini import RecipeConfig, RecipeToolTasks
 from k2lab.agentic.rl.envs import ArithmeticEnv
 from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.optim import QKClip
 from tests.conftest import randomize
 
 
@@ -141,8 +142,6 @@ def test_dropping_finished_rows_changes_no_rollout(model, small_tokenizer):
 def test_sampling_rollouts_record_no_max_logits(model, small_tokenizer):
     """A policy's rollouts are not the update's forwards: with QK-Clip recording on (MuonClip turns it on),
     sampling leaves no max logits behind, and recording is on again afterwards."""
-    from k2lab.optim import QKClip
-
     clip = QKClip(model)
     clip.record()
     try:
