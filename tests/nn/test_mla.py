@@ -27,7 +27,6 @@ def test_reduced_latent_attention_equals_the_eager_absorbed_form(queries):
 
 
 def test_max_logits_paused_restores_each_layer_setting_even_on_error():
-
     model = nano_variant()
     layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
     layers[0].record_max_logits = True  # the others off

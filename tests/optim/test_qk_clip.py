@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from k2lab.nn.mla import AttentionMask
 from k2lab.optim import OptimizerConfig, QKClip
 from k2lab.optim.stability import stability_run
 from k2lab.presets import load_preset
@@ -56,8 +57,6 @@ def test_max_logits_of_large_scores_exact_and_of_no_allowed_pair_minus_inf():
     """Integer scores up to 6·10⁴ (exact in fp32 in any summation order) through the additive mask bias: the
     maxima equal the written-out ones bit for bit; a masked-out key with scores far above the rest never
     counts; a head that may see nothing keeps −inf."""
-    from k2lab.nn.mla import AttentionMask
-
     attn = nano_variant().layers[0].attn
     attn.MAX_LOGIT_BLOCK = 4
     generator = torch.Generator().manual_seed(0)

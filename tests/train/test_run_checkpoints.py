@@ -259,6 +259,11 @@ def test_rng_capture_restore_reproduces_draws(tmp_path: Path) -> None:
 
 
 # ---- CheckpointWriter: the same checkpoints, written in the background -----------------------------------
+def full_disk(buffer: StateBuffer, path: Path) -> dict:
+    """A ``StateBuffer.write_to`` on a full disk."""
+    raise OSError(28, "No space left on device")
+
+
 def test_writer_snapshots_the_state_and_writes_the_same_checkpoint(tmp_path: Path) -> None:
     """The caller changes its tensors as soon as save returns: the checkpoint holds the values at the
     call, byte for byte the checkpoint save_training_checkpoint writes."""
@@ -302,9 +307,6 @@ def test_writer_keeps_the_last_and_raises_a_failed_write(tmp_path: Path, monkeyp
     writer.wait()
     assert steps_on_disk(tmp_path) == [2, 3]
 
-    def full_disk(self, path):
-        raise OSError(28, "No space left on device")
-
     monkeypatch.setattr(StateBuffer, "write_to", full_disk)
     writer.save(tmp_path, 4, make_state(4), keep_last=2)
     with pytest.raises(OSError, match="No space"):
@@ -334,9 +336,6 @@ def test_writer_block_waits_on_exit_and_keeps_the_block_error(tmp_path: Path, mo
     with CheckpointWriter() as writer:
         writer.save(tmp_path, 1, make_state(1))
     assert steps_on_disk(tmp_path) == [1]  # durable on leaving the block
-
-    def full_disk(self, path):
-        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(StateBuffer, "write_to", full_disk)
     with pytest.raises(KeyboardInterrupt) as raised, CheckpointWriter() as writer:

@@ -120,9 +120,9 @@ class CheckpointWriter:
     ) -> Path:
         """Start saving ``state`` as the checkpoint of ``step``; returns the directory it will have."""
         self.wait()
-        _check_request(step, state, keep_last)
         if tensor_bytes(state) > state_file.REUSE_LIMIT:
-            return _commit(Path(run_dir), step, lambda path: write_state(path, state), keep_last)
+            return save_training_checkpoint(run_dir, step, state, keep_last)
+        _check_request(step, state, keep_last)
         self._buffer.serialise(state)
         self._pending = self._pool.submit(_commit, Path(run_dir), step, self._buffer.write_to, keep_last)
         return checkpoint_directory(run_dir, step)
