@@ -161,3 +161,12 @@ def test_decode_products_stream_their_weights(monkeypatch) -> None:
     stores the MLP's gate and up products at threshold 6 and the head's at 4; k2-mini's step stored its dense
     MLP's at 4 and its head's at 5)."""
     assert stored_products(REALIZE_OPCOUNT, monkeypatch) == []
+
+
+def test_compile_settings_this_torch_lacks_are_left_out(monkeypatch):
+    import k2lab.infer.compiled as compiled
+
+    options = {"guard_filter_fn": len, "cpp_wrapper": True, "a_setting_no_torch_has": 1}
+    assert compiled._known(options) == {"guard_filter_fn": len, "cpp_wrapper": True}
+    monkeypatch.setattr(compiled, "_ISOLATE", {})  # a torch without isolate_recompiles keeps module guards
+    assert compiled._known(options) == {"cpp_wrapper": True}

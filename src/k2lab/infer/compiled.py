@@ -29,6 +29,7 @@ it pays only for a long-running server or long generations (figures in docs/gene
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 
@@ -80,6 +81,24 @@ def model_state(model: torch.nn.Module) -> tuple:
     return model.training, frozenset((p.dtype, p.device) for p in model.parameters())
 
 
+# torch 2.13's own graph cache per compiled model. An older torch (a GPU machine's own build) has none, so there
+# the module guards stay (without them another model of the class could run this one's graph), and inductor
+# settings it does not know are left out rather than failing.
+_ISOLATE = (
+    {"isolate_recompiles": True}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    else {}
+)
+
+
+def _known(options: dict[str, object]) -> dict[str, object]:
+    """``options`` less the inductor settings this torch lacks, and less the skipped module guards
+    (``guard_filter_fn``, dynamo's) where builds are not isolated."""
+    from torch._inductor import config  # lazy: importing inductor costs seconds
+
+    return {k: v for k, v in options.items() if (k == "guard_filter_fn" and _ISOLATE) or hasattr(config, k)}
+
+
 def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
     """``model``'s forward compiled for decode steps (dynamic shapes), built once per model state and reused.
 
@@ -95,7 +114,7 @@ def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
             "realize_cpu_opcount_threshold": REALIZE_OPCOUNT,
             "cpp_wrapper": next(model.parameters()).device.type in CPP_WRAPPER_DEVICES,
         }
-        step = torch.compile(model, dynamic=True, options=options, isolate_recompiles=True)
+        step = torch.compile(model, dynamic=True, options=_known(options), **_ISOLATE)
         built = state, _traced_with(step, TRACE_CONFIG)
         _COMPILED[model] = built
     return built[1]
