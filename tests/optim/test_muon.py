@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
+from k2lab.hardware import Choice
 from k2lab.optim.grouping import OptimizerConfig, build_optimizer, parameter_groups
 from k2lab.optim.muon import (
     MAX_BATCH,
@@ -190,3 +191,20 @@ def test_build_optimizer_prints_grouping(capsys):
     build_optimizer(model, OptimizerConfig())
     out = capsys.readouterr().out
     assert "muon" in out and "adamw" in out and "e_score_correction_bias" in out
+
+
+def test_newton_schulz_precision_is_chosen_for_the_parameters_device(monkeypatch):
+    import k2lab.optim.grouping as grouping
+    import k2lab.optim.muon as muon
+
+    asked: list[str] = []
+
+    def choose(path, requested="auto", device="cpu"):
+        asked.append(device)
+        return Choice(torch.float32, "test")
+
+    monkeypatch.setattr(muon, "choose", choose)
+    monkeypatch.setattr(grouping, "choose", choose)
+    Muon([torch.nn.Parameter(torch.empty(4, 4, device="meta"))])  # where the parameters live, not the CPU
+    build_optimizer(torch.nn.Linear(4, 4, bias=False).to("meta"), OptimizerConfig(), verbose=False)
+    assert asked == ["meta", "meta"]

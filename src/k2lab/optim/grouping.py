@@ -24,7 +24,7 @@ from rich.table import Table
 from k2lab.hardware import Precision, choose
 from k2lab.nn.kda import KimiDeltaAttention
 from k2lab.nn.mla import MultiHeadLatentAttention
-from k2lab.optim.muon import NS_COEFFICIENTS, Muon
+from k2lab.optim.muon import NS_COEFFICIENTS, Muon, device_type
 
 
 class OptimizerConfig(BaseModel):
@@ -127,7 +127,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, verbose: bo
         ns_coefficients=config.ns_coefficients,
         ns_steps=config.ns_steps,
         adjust_lr_fn=config.adjust_lr_fn,
-        ns_dtype=choose("newton_schulz", config.ns_precision).dtype,
+        ns_dtype=choose("newton_schulz", config.ns_precision, device_type(model.parameters())).dtype,
     )
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]

@@ -199,6 +199,12 @@ def _global_rms(square_sum: float, count: int) -> float:
     return math.sqrt(square_sum / max(count, 1))
 
 
+def device_type(params: Iterable[torch.Tensor]) -> str:
+    """``cuda`` or ``cpu``: where the first of ``params`` lives (and so its Newton–Schulz runs)."""
+    first = next(iter(params), None)
+    return "cpu" if first is None else first.device.type
+
+
 class Muon(WithoutDynamoImport, Optimizer):
     """Drop-in for ``torch.optim.Muon`` that also takes 3-D expert weights and AdamW groups.
 
@@ -242,13 +248,15 @@ class Muon(WithoutDynamoImport, Optimizer):
             eps=eps,
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype or choose("newton_schulz").dtype,
+            ns_dtype=ns_dtype,  # None: what k2lab.hardware picks for the group's device (below)
             row_blocks=None,
             betas=(0.9, 0.95),
             adam_eps=1e-8,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
+            if group["ns_dtype"] is None:
+                group["ns_dtype"] = choose("newton_schulz", device=device_type(group["params"])).dtype
             if group["kind"] not in ("muon", "adamw"):
                 raise ValueError(f"parameter group kind must be 'muon' or 'adamw', got {group['kind']!r}")
             for p in group["params"]:
