@@ -48,6 +48,7 @@ ENV_PATH = {"newton_schulz": "K2LAB_NS_PRECISION"}
 
 
 CompileMode = Literal["auto", "on", "off"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]  # where one process runs (k2lab.train.distributed)
 
 
 def compile_decision(

@@ -185,3 +185,23 @@ def test_without_a_launcher_everything_is_the_identity():
     model = torch.nn.Linear(2, 2)
     assert distributed.shard_model(model) is model
     assert distributed.gather_model(model, lambda: None) is model
+
+
+def test_one_process_device_follows_the_recipe_and_ends_with_the_session(monkeypatch):
+    assert distributed.local_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.local_device("auto") == torch.device("cpu")  # no GPU: the CPU
+    with pytest.raises(K2LabError, match="sees no CUDA device"):
+        distributed.local_device("cuda")
+    with pytest.raises(K2LabError), distributed.session("cuda"):
+        pass
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert distributed.local_device("auto") == torch.device("cuda", 0)
+    assert distributed.local_device("cpu") == torch.device("cpu")  # the recipe can keep it on the CPU
+    with distributed.session("auto") as several:
+        assert not several and distributed.device() == torch.device("cuda", 0)
+    assert distributed.device() == torch.device("cpu")  # outside a session: the CPU again
+    with pytest.raises(RuntimeError, match="boom"), distributed.session("auto"):
+        raise RuntimeError("boom")
+    assert distributed.device() == torch.device("cpu")

@@ -37,6 +37,7 @@ ResumeOption = Annotated[bool, typer.Option("--resume", help="Continue from the 
             "optimizer.ns_precision", help="Newton–Schulz precision (env K2LAB_NS_PRECISION for auto)."
         ),
         "compile_step": Opt("compile", "--compile"),
+        "device": Opt("device"),
     },
 )
 def train(

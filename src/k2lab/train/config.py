@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from k2lab.hardware import CompileMode, Precision
+from k2lab.hardware import CompileMode, DeviceChoice, Precision
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.presets import available_presets, get_preset
 from k2lab.recipes import is_set, load_config, read_recipe, unset_defaults
@@ -72,6 +72,11 @@ class TrainConfig(BaseModel):
         default="auto",
         description="torch.compile the training forward+backward: auto = on for CUDA, off on CPU "
         "(k2lab.train.compile).",
+    )
+    device: DeviceChoice = Field(
+        default="auto",
+        description="Where a one-process run trains: auto = the GPU where torch sees one, else the CPU "
+        "(under torchrun each rank takes its local GPU; k2lab.train.distributed).",
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

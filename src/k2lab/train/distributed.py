@@ -3,7 +3,8 @@
 ``torchrun --nproc_per_node W -m k2lab train ...`` runs ``W`` processes; ``setup()`` reads torchrun's
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and starts a process group (gloo on CPU; NCCL for CUDA tensors
 plus gloo for CPU ones when CUDA is available). Without those variables (or with ``WORLD_SIZE=1``)
-everything here is the identity and training is one plain process.
+training is one plain process on ``local_device`` (the GPU where torch sees one, unless the recipe says
+``device = "cpu"``): the model and every batch are moved there, and the reductions are the identity.
 
 Data parallelism is exact with respect to one process with the same *global* batch ``B``: every rank
 runs the same deterministic batch iterator and keeps rows ``[r·B/W, (r+1)·B/W)`` (``local_rows``), its
@@ -31,9 +32,15 @@ import torch.distributed as dist
 
 from k2lab.data.packing import Batch
 from k2lab.errors import K2LabError
+from k2lab.hardware import DeviceChoice
 from k2lab.optim import dtensor
 
-_STATE: dict[str, Any] = {"owned": False, "used": False, "device": torch.device("cpu")}
+_STATE: dict[str, Any] = {
+    "owned": False,
+    "used": False,
+    "device": torch.device("cpu"),  # this rank's device in a process group
+    "local": torch.device("cpu"),  # the one process's device inside a session (``local_device``)
+}
 
 
 # ---- process group ------------------------------------------------------------------------------------
@@ -44,8 +51,9 @@ def launched_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def setup() -> bool:
-    """Start the process group from torchrun's environment when there are several processes.
+def setup(requested: DeviceChoice = "auto") -> bool:
+    """Start the process group from torchrun's environment when there are several processes; alone, put
+    the process on ``local_device(requested)``.
 
     Returns whether this process is one of several data-parallel ranks. A process group that the caller
     already started is used as is (and left for the caller to destroy).
@@ -54,6 +62,7 @@ def setup() -> bool:
         _STATE["device"] = _pick_device()
         return True
     if launched_world_size() <= 1 or not dist.is_available():
+        _STATE["local"] = local_device(requested)
         return False
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -65,6 +74,18 @@ def setup() -> bool:
     _STATE["owned"] = True
     _STATE["device"] = _pick_device()
     return True
+
+
+def local_device(requested: DeviceChoice = "auto") -> torch.device:
+    """Where one process trains: the current CUDA device for ``cuda``, and for ``auto`` where torch sees
+    one; else the CPU. Several ranks ignore it: each takes its local GPU under NCCL (``setup``)."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise K2LabError(
+            f"device = 'cuda' but this torch ({torch.__version__}) sees no CUDA device; use 'auto' or 'cpu'"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _pick_device() -> torch.device:
@@ -83,10 +104,11 @@ def shutdown() -> None:
 
 
 @contextlib.contextmanager
-def session() -> Iterator[bool]:
-    """``setup()`` on entry; on a normal exit ``shutdown()``; on an error the group is just destroyed
-    (no barrier: the other ranks may never reach it; torchrun stops them when this one fails)."""
-    distributed = setup()
+def session(requested: DeviceChoice = "auto") -> Iterator[bool]:
+    """``setup(requested)`` on entry; on a normal exit ``shutdown()``; on an error the group is just
+    destroyed (no barrier: the other ranks may never reach it; torchrun stops them when this one fails).
+    A one-process session's device lasts as long as the session."""
+    distributed = setup(requested)
     try:
         yield distributed
     except BaseException:
@@ -95,7 +117,10 @@ def session() -> Iterator[bool]:
             _STATE["owned"] = False
             _STATE["used"] = True
         raise
-    shutdown()
+    else:
+        shutdown()
+    finally:
+        _STATE["local"] = torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -144,8 +169,9 @@ def is_main() -> bool:
 
 
 def device() -> torch.device:
-    """Where this rank's model and batches live (``cuda:LOCAL_RANK`` under NCCL, else the CPU)."""
-    return _STATE["device"] if is_distributed() else torch.device("cpu")
+    """Where this rank's model and batches live: ``cuda:LOCAL_RANK`` under NCCL, else the CPU; alone, the
+    session's ``local_device`` (the CPU outside a session)."""
+    return _STATE["device"] if is_distributed() else _STATE["local"]
 
 
 def barrier() -> None:
@@ -168,10 +194,11 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
     Every rank must hold the same weights beforehand (the model is built from the same seed on each):
-    each keeps its own slice, nothing is broadcast. Without a process group the model is returned as is.
+    each keeps its own slice, nothing is broadcast. Without a process group the model is moved to
+    ``device()`` (in place, as ``Module.to`` does) and returned.
     """
     if not is_distributed():
-        return model
+        return model.to(device())
     from torch.distributed.device_mesh import init_device_mesh  # lazy: only sharding needs them
     from torch.distributed.fsdp import fully_shard
 
@@ -201,7 +228,7 @@ def local_rows(tensor: torch.Tensor) -> torch.Tensor:
     each then computes the same value, so averaging over ranks still gives the one-process result.
     """
     if not is_distributed():
-        return tensor
+        return tensor.to(device())
     rows, world = tensor.shape[0], world_size()
     if rows % world == 0:
         share = rows // world
@@ -210,9 +237,9 @@ def local_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def local_batch(batch: Batch) -> Batch:
-    """This rank's rows of every tensor of a global ``Batch`` (identity alone)."""
+    """This rank's rows of every tensor of a global ``Batch`` (alone: the batch, on ``device()``)."""
     if not is_distributed():
-        return batch
+        return batch if device().type == "cpu" else batch.to(device())
     if batch.media is not None:
         raise NotImplementedError(
             "joint vision-text batches are not split across data-parallel ranks yet; train them in one process"
@@ -226,9 +253,9 @@ def local_batch(batch: Batch) -> Batch:
 
 
 def local_batches(batches: Iterable[Batch]) -> Iterator[Batch]:
-    """Global training batches -> this rank's rows of each (identity alone)."""
+    """Global training batches -> this rank's rows of each (alone: each batch, on ``device()``)."""
     if not is_distributed():
-        yield from batches
+        yield from map(local_batch, batches)
         return
     for batch in batches:
         if batch.input_ids.shape[0] % world_size():

@@ -247,7 +247,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     # agentic and vision packages, which build on this one)
     from k2lab.train.sources import build_training_data  # lazy: a layer above the trainer
 
-    with distributed.session():
+    with distributed.session(config.device):
         console.quiet = not distributed.is_main()
         run_dir = Path(config.out)
         if list_checkpoints(run_dir) and not resume:
