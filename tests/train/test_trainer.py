@@ -48,9 +48,10 @@ def losses(run_dir):
     return [(row["step"], row["loss"]) for row in read_metrics(run_dir)]
 
 
-def test_short_run_writes_everything(tmp_path, corpus):
+def test_short_run_writes_everything(tmp_path, corpus, capsys):
     out = tmp_path / "run"
-    summary = run_training(load_train_config(recipe(tmp_path, corpus, out, steps=6)))
+    summary = run_training(load_train_config(recipe(tmp_path, corpus, out, steps=6), device="cpu"))
+    assert "device: cpu (device = 'cpu')" in capsys.readouterr().out
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))
     required = {"loss", "lr", "tokens_per_s", "max_logit", "qk_clipped_heads", "expert_load/layer1"}

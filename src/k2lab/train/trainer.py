@@ -277,6 +277,7 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     for path, choice in trainer.precision.items():
         console.print(f"precision of {path.replace('_', '-')}: {choice.describe()}", markup=False)
+    console.print(f"device: {distributed.device()} (device = {config.device!r})")
     console.print(f"compiled training step: {'on' if trainer.compiled else 'off'} ({trainer.compile_reason})")
     return finish_run(trainer, data, train_loop(trainer, data, metrics))
 
