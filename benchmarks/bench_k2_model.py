@@ -57,8 +57,10 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
+    gpu_report,
     machine_line,
     run_machine_report,
+    synced,
 )
 
 import k2lab
@@ -70,6 +72,7 @@ from k2lab.infer import GenerationConfig, generate
 from k2lab.infer.draft import EagleDraft, find_draft
 from k2lab.infer.speculative import speculative_generate
 from k2lab.model_dir import load_model
+from k2lab.train.compile import compiled
 from k2lab.train.draft import corpus_windows
 
 
@@ -122,6 +125,7 @@ def train_step(
     hf: bool,
     dtype: torch.dtype,
     fused_loss: bool = True,
+    forward: torch.nn.Module | None = None,
 ) -> None:
     """Forward, next-token cross-entropy over all B·T positions, backward; ids, labels: [B, T].
 
@@ -129,12 +133,16 @@ def train_step(
     causal-LM loss computes (shifted labels rather than sliced logits, so no copies of the logits); k2lab's
     ``model(ids, labels=labels).loss``, the head and the loss fused (``k2lab.ops.linear_cross_entropy``:
     the same products, the [B, T, V] logits never written whole). ``fused_loss=False`` runs k2lab the
-    transformers way, for the fused loss's own A/B.
+    transformers way, for the fused loss's own A/B. ``forward``: what runs the model's forward (its
+    compiled twin, ``--compile-train``), ``model`` by default.
     """
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+    forward = model if forward is None else forward
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         out = (
-            model(input_ids=ids, use_cache=False) if hf else model(ids, labels=labels if fused_loss else None)
+            model(input_ids=ids, use_cache=False)
+            if hf
+            else forward(ids, labels=labels if fused_loss else None)
         )
     loss = out.loss  # None without labels, on either side
     if loss is None:
@@ -146,17 +154,21 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
     """Training tokens/s of forward + backward on a random batch [batch, seq]."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq), generator=generator)
+    ids = ids.to(args.device)
     labels = next_token_labels(ids)
     ours.train()
     theirs.train()
-    dtype = choose("benchmark", args.precision).dtype
-    t_ours, t_theirs, t_unfused = alternating_medians(
-        [
-            lambda: train_step(ours, ids, labels, hf=False, dtype=dtype),
-            lambda: train_step(theirs, ids, labels, hf=True, dtype=dtype),
-            lambda: train_step(ours, ids, labels, hf=False, dtype=dtype, fused_loss=False),
-        ],
-        args.repeats,
+    dtype = choose("benchmark", args.precision, args.device).dtype
+    forward = compiled(ours) if args.compile_train else ours
+    sides = [
+        lambda: train_step(ours, ids, labels, hf=False, dtype=dtype, forward=forward),
+        lambda: train_step(theirs, ids, labels, hf=True, dtype=dtype),
+        lambda: train_step(ours, ids, labels, hf=False, dtype=dtype, fused_loss=False, forward=forward),
+    ]
+    if args.compile_train:  # k2lab eager too, in the same rotation
+        sides.append(lambda: train_step(ours, ids, labels, hf=False, dtype=dtype))
+    t_ours, t_theirs, t_unfused, *t_eager = alternating_medians(
+        [synced(side, args.device) for side in sides], args.repeats
     )
     ours.zero_grad(set_to_none=True)
     theirs.zero_grad(set_to_none=True)
@@ -171,6 +183,8 @@ def bench_forward_backward(ours, theirs, args) -> Comparison:
         {
             "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
             "unfused_loss_tok_s": round(tokens / t_unfused, 1),  # k2lab with logits + F.cross_entropy
+            "compiled_train": args.compile_train,
+            **({"eager_tok_s": round(tokens / t_eager[0], 1)} if t_eager else {}),
         },
     )
 
@@ -182,7 +196,7 @@ def bench_greedy_decode(
     batch = args.decode_batch[0] if batch is None else batch
     generator = torch.Generator().manual_seed(1)
     # Token ids >= 3 keep pad/bos/eos out of the prompts.
-    ids = torch.randint(3, ours.config.vocab_size, (batch, prompt_len), generator=generator)
+    ids = torch.randint(3, ours.config.vocab_size, (batch, prompt_len), generator=generator).to(args.device)
     n_new = args.new_tokens
     ours.eval()
     theirs.eval()
@@ -210,7 +224,9 @@ def bench_greedy_decode(
     same = run_ours() == run_theirs().tolist()
     if not same:
         warnings.warn("greedy outputs differ between k2lab and transformers", stacklevel=1)
-    t_ours, t_theirs = alternating_medians([run_ours, run_theirs], args.repeats)
+    t_ours, t_theirs = alternating_medians(
+        [synced(run_ours, args.device), synced(run_theirs, args.device)], args.repeats
+    )
     tokens = batch * n_new
     shape = {"batch": batch, "prompt": prompt_len, "new_tokens": n_new}
     extra = {"same_tokens": same, "compiled_decode": args.compile_decode}
@@ -222,11 +238,11 @@ def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[
     an untrained model with an MTP layer on random prompts."""
     count = max(args.spec_eval, *args.spec_batches)
     if args.spec_model is None:
-        target = k2lab.build_model(config.replace(num_nextn_predict_layers=1), seed=0).eval()
+        target = k2lab.build_model(config.replace(num_nextn_predict_layers=1), seed=0).eval().to(args.device)
         generator = torch.Generator().manual_seed(2)
         prompts = torch.randint(3, config.vocab_size, (count, args.prompt), generator=generator).tolist()
         return target, EagleDraft(target, target.mtp[0]), prompts, args.preset, "untrained MTP layer"
-    target = load_model(args.spec_model).eval()
+    target = load_model(args.spec_model).eval().to(args.device)
     draft = find_draft(args.spec_model, target)
     if draft is None:
         raise SystemExit(f"{args.spec_model} has no draft/ (k2lab draft train) and no MTP layer")
@@ -270,8 +286,8 @@ def speculative_row(target, draft, prompts, generation: GenerationConfig, args) 
         warnings.warn("speculative greedy output differs from plain decoding", stacklevel=1)
     t_spec, t_plain = alternating_medians(
         [
-            lambda: speculative_generate(target, draft, prompts, generation, k),
-            lambda: generate(target, prompts, generation),
+            synced(lambda: speculative_generate(target, draft, prompts, generation, k), args.device),
+            synced(lambda: generate(target, prompts, generation), args.device),
         ],
         args.repeats,
     )
@@ -369,6 +385,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="decode batches (the first names the rows)",
     )
     parser.add_argument("--compile-decode", action="store_true", help="k2lab decodes with the compiled step")
+    parser.add_argument(
+        "--compile-train",
+        action="store_true",
+        help="k2lab's forward+backward runs compiled (k2lab.train.compile)",
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: one GPU)"
+    )
     parser.add_argument("--prompt", type=int, default=64, help="prompt length for decoding")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
@@ -405,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = apply_smoke(parser.parse_args(argv), **tiny)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device")
     return args
 
 
@@ -416,8 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         ours = theirs = None
     else:
         ours = k2lab.build_model(config, seed=0)
-        theirs = to_transformers(ours)
+        theirs = to_transformers(ours).to(args.device)
+        ours.to(args.device)
     machine = run_machine_report(args)
+    if args.device == "cuda":
+        torch.set_float32_matmul_precision("highest")  # fp32 sides in fp32, not TF32
+        machine.update(gpu_report(1024 if args.smoke else 8192))
     rows = []
     if args.only in (None, "train"):
         rows.append(bench_forward_backward(ours, theirs, args))

@@ -1,5 +1,6 @@
-"""Kimi Delta Attention on CPU: k2lab's chunked (WY) and recurrent forms against flash-linear-attention's naive
-references (``fla/ops/kda/naive.py``: ``naive_chunk_kda``, ``naive_recurrent_kda``).
+"""Kimi Delta Attention: k2lab's chunked (WY) and recurrent forms against flash-linear-attention's naive
+references (``fla/ops/kda/naive.py``: ``naive_chunk_kda``, ``naive_recurrent_kda``); with ``--device cuda``
+also fla's triton kernel (``fla_kernel``), all on one GPU.
 
 For each sequence length T, medians of ``--repeats`` interleaved calls after a warmup (benchmarks/timing.py),
 one process, ``--threads`` intra-op threads (default 2):
@@ -43,36 +44,36 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
+    gpu_report,
     machine_line,
     run_machine_report,
+    synced,
 )
 
-from k2lab.ops.kda import chunk_kda, recurrent_kda
+from k2lab.ops.kda import chunk_kda, kda, recurrent_kda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.fla_naive import load_naive  # noqa: E402 - fla's naive.py is importable only by file path
 
-IMPLEMENTATIONS = (
-    "k2lab_chunk",
-    "k2lab_chunk_autograd",
-    "k2lab_recurrent",
-    "fla_naive_chunk",
-    "fla_naive_recurrent",
-)
 MODES = ("forward", "fwd+bwd")
 
 KdaFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def implementations() -> dict[str, KdaFn]:
+def implementations(device: str = "cpu") -> dict[str, KdaFn]:
+    """The forms timed; on CUDA also ``fla_kernel``: fla's triton ``chunk_kda`` (``k2lab.ops.kda.kda``'s
+    ``backend="fla"``, what the model runs there)."""
     naive = load_naive("kda")
-    return {
+    fns = {
         "k2lab_chunk": chunk_kda,
         "k2lab_chunk_autograd": functools.partial(chunk_kda, backward="autograd"),
         "k2lab_recurrent": recurrent_kda,
         "fla_naive_chunk": naive.naive_chunk_kda,
         "fla_naive_recurrent": naive.naive_recurrent_kda,
     }
+    if device == "cuda":
+        fns["fla_kernel"] = functools.partial(kda, backend="fla")
+    return fns
 
 
 def make_inputs(args: argparse.Namespace, T: int) -> dict[str, torch.Tensor]:
@@ -80,7 +81,7 @@ def make_inputs(args: argparse.Namespace, T: int) -> dict[str, torch.Tensor]:
     B, H, D = 1, args.heads, args.head_dim
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen)
+        return torch.randn(*shape, generator=gen).to(args.device)
 
     x = randn(B, T, H, D)
     g = {
@@ -127,11 +128,11 @@ def bench_length(
     rows = []
     for mode in MODES:
         timed, skipped = [], {}
-        for name in IMPLEMENTATIONS:
+        for name in fns:
             if name == "k2lab_chunk_autograd" and mode == "forward":
                 skipped[name] = "forward without gradients is k2lab_chunk's code"
                 continue
-            if name.startswith("k2lab_chunk") or args.loop_max_t >= T:
+            if name.startswith("k2lab_chunk") or name == "fla_kernel" or args.loop_max_t >= T:
                 timed.append(name)
                 continue
             last = previous.get((name, mode))
@@ -141,7 +142,9 @@ def bench_length(
             skipped[name] = (
                 f"T > --loop-max-t {args.loop_max_t} (a Python loop over tokens or columns{projected})"
             )
-        times = alternating_medians([runner(fns[name], inputs, mode) for name in timed], args.repeats)
+        times = alternating_medians(
+            [synced(runner(fns[name], inputs, mode), args.device) for name in timed], args.repeats
+        )
         seconds = dict(zip(timed, times, strict=True))
         for name, t in seconds.items():
             previous[(name, mode)] = (T, t)
@@ -182,6 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU, with fla's kernel as a side"
+    )
+    parser.add_argument(
         "--loop-max-t",
         type=int,
         default=4096,
@@ -193,13 +199,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return apply_smoke(parser.parse_args(argv), **tiny)
 
 
-def print_table(rows: list[dict]) -> None:
-    others = IMPLEMENTATIONS[1:]
-    header = f"{'T':>6} {'mode':<8} " + " ".join(f"{name:>20}" for name in IMPLEMENTATIONS)
+def print_table(rows: list[dict], names: list[str]) -> None:
+    others = names[1:]
+    header = f"{'T':>6} {'mode':<8} " + " ".join(f"{name:>20}" for name in names)
     print(header + "   ratios other / k2lab_chunk (" + ", ".join(others) + ")")
     for row in rows:
         cells = []
-        for name in IMPLEMENTATIONS:
+        for name in names:
             t = row["seconds"].get(name)
             cells.append(f"{'skipped':>20}" if t is None else f"{t * 1e3:>17.1f} ms")
         ratios = ", ".join(
@@ -214,15 +220,17 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    fns = implementations()
+    fns = implementations(args.device)
     previous: dict[tuple[str, str], tuple[int, float]] = {}
     load_before = os.getloadavg()[0]
     machine = run_machine_report(args)
+    if args.device == "cuda":
+        machine.update(gpu_report(1024 if args.smoke else 8192))
     rows = [row for T in sorted(args.lengths) for row in bench_length(args, fns, T, previous)]
     load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     if args.json:
         report = {
-            "name": "kda_cpu",
+            "name": f"kda_{args.device}",
             "machine": machine,
             "threads": args.threads,
             "shape": {"B": 1, "H": args.heads, "HV": args.heads, "K": args.head_dim, "V": args.head_dim},
@@ -235,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print(
-            f"KDA on CPU, {args.threads} threads, B=1 H=HV={args.heads} K=V={args.head_dim}, gate {args.gate}, "
+            f"KDA on {args.device}, {args.threads} threads, B=1 H=HV={args.heads} K=V={args.head_dim}, gate {args.gate}, "
             f"median of {args.repeats}; 1-min load average {load['before']:.1f} before, {load['after']:.1f} after "
             f"on {load['cpus']} CPUs"
         )
         print(machine_line(machine))
-        print_table(rows)
+        print_table(rows, list(fns))
         cache = decode_cache_bytes(args.cache_png)
         print("decode cache per sequence (MiB, bf16 latents + fp32 KDA states):")
         for preset, values in cache["bytes"].items():

@@ -32,8 +32,10 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
+    gpu_report,
     machine_line,
     run_machine_report,
+    synced,
 )
 
 import k2lab
@@ -48,10 +50,10 @@ def muon_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def bench_muon_step(args: argparse.Namespace) -> dict:
     model = k2lab.build_model(k2lab.load_preset(args.preset))
-    ours = [torch.nn.Parameter(p.detach().clone()) for p in muon_matrices(model)]
+    ours = [torch.nn.Parameter(p.detach().clone().to(args.device)) for p in muon_matrices(model)]
     generator = torch.Generator().manual_seed(0)
     for p in ours:
-        p.grad = torch.randn(p.shape, generator=generator)
+        p.grad = torch.randn(p.shape, generator=generator).to(args.device)
 
     def as_matrices(tensor: torch.Tensor) -> list[torch.Tensor]:
         return list(tensor.unbind(0)) if tensor.ndim == 3 else [tensor]
@@ -64,7 +66,9 @@ def bench_muon_step(args: argparse.Namespace) -> dict:
     kwargs = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
     our_opt, torch_opt = Muon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs)
     load_before = os.getloadavg()[0]
-    t_ours, t_torch = alternating_medians([our_opt.step, torch_opt.step], args.repeats)
+    t_ours, t_torch = alternating_medians(
+        [synced(our_opt.step, args.device), synced(torch_opt.step, args.device)], args.repeats
+    )
     return {
         "name": "muon_step_s",
         "k2lab": t_ours,
@@ -123,6 +127,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--muon-only", action="store_true", help="skip the QK-Clip share (full training steps)"
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the Muon step runs (cuda: implies --muon-only)",
+    )
     add_smoke_argument(parser)
     return apply_smoke(parser.parse_args(argv), preset="k2-nano", batch=2, seq=16)
 
@@ -131,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = run_machine_report(args)
+    if args.device == "cuda":
+        machine.update(gpu_report(1024 if args.smoke else 8192))
+        args.muon_only = True  # the QK-Clip share is a CPU training step
     rows = [bench_muon_step(args)] + ([] if args.muon_only else [bench_qk_clip_share(args)])
     if args.json:
         print(json.dumps(machine), flush=True)

@@ -35,6 +35,41 @@ def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: i
     return [statistics.median(fn_times) for fn_times in times]
 
 
+def synced(fn: Callable[[], object], device: torch.device | str) -> Callable[[], object]:
+    """``fn`` that returns only when the work it queued on a CUDA ``device`` has finished (so that wall
+    time measures the kernels, not their launch); ``fn`` itself on the CPU."""
+    if torch.device(device).type != "cuda":
+        return fn
+
+    def call() -> object:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return call
+
+
+def gpu_report(size: int = 8192, repeats: int = 10) -> dict[str, object]:
+    """The CUDA device, torch's CUDA version and its measured square-matmul peaks (TFLOP/s, fastest of
+    ``repeats``): bf16, and fp32 with TF32 off (the precision the fp32 sides run in)."""
+    from k2lab.hardware import matmul_rate
+
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        fp32 = matmul_rate(torch.float32, size, repeats, device="cuda")
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "gpu_bf16_peak_tflops": round(matmul_rate(torch.bfloat16, size, repeats, device="cuda") / 1e12, 1),
+        "gpu_fp32_peak_tflops": round(fp32 / 1e12, 1),
+        "gpu_peak_size": size,
+    }
+
+
 # ---- what every benchmark states about its machine, and its smoke mode ------------------------------------
 EMULATED_BF16_PEAK_SIZE = 256  # an emulated bf16 2048³ product takes ~1 min on an AVX2-only CPU
 
