@@ -57,24 +57,27 @@ LARGE_WEIGHT_BYTES = 4 << 20
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., D], weight [O, D] -> x Wᵀ [..., O] (``F.linear`` without bias)."""
-    rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    tier = cpu_fp32_inference(x, weight) and n <= MAX_ROWS
+    """x [..., D], weight [O, D] -> x Wᵀ [..., O] (``F.linear`` without bias).
+
+    Eager calls that take no tier leave after the cheapest checks (shapes first, no reshape): a decode step
+    makes ~200 of them, most for weights the swap does not help (an expert's gate and up, O < D)."""
+    O, D = weight.shape
+    n = x.numel() // D
     if torch.compiler.is_compiling():
-        if not tier:
+        if n > MAX_ROWS or not cpu_fp32_inference(x, weight):
             return F.linear(x, weight)
-        rows = stored(rows)
+        rows = stored(x.reshape(-1, D))
         if n == 1 or weight.numel() * weight.element_size() < LARGE_WEIGHT_BYTES:
-            return (weight[None] * rows[:, None, :]).sum(-1).view(*x.shape[:-1], weight.shape[0])
+            return (weight[None] * rows[:, None, :]).sum(-1).view(*x.shape[:-1], O)
         # [O, N]: each weight row read once for every input row, then the small result transposed
-        return (weight[:, None, :] * rows[None]).sum(-1).T.contiguous().view(*x.shape[:-1], weight.shape[0])
-    if not tier or (n == 1 and weight.numel() < MIN_SINGLE_ROW) or weight.shape[1] > weight.shape[0]:
+        return (weight[:, None, :] * rows[None]).sum(-1).T.contiguous().view(*x.shape[:-1], O)
+    if n > MAX_ROWS or D > O or (n == 1 and O * D < MIN_SINGLE_ROW) or not cpu_fp32_inference(x, weight):
         return F.linear(x, weight)
+    rows = x.reshape(n, D)
     if n == 1:
         rows = F.pad(rows, (0, 0, 0, 1))
     out = (weight @ rows.T).T[:n].contiguous()
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], O)
 
 
 def stored(rows: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,8 @@ class RoutedExperts(nn.Module):
         """W_down[e] act(W_gate[e] x, W_up[e] x) for x [n, D] (weights cast to x's dtype, as autocast does)."""
 
         def linear(h: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
-            return decode_linear(h, w[expert].to(h.dtype))
+            weight = w[expert]
+            return decode_linear(h, weight if weight.dtype == h.dtype else weight.to(h.dtype))
 
         return linear(self.activation(linear(x, self.gate_proj), linear(x, self.up_proj)), self.down_proj)
 
