@@ -163,3 +163,15 @@ def test_grouped_matmul_follows_autocast_like_mm():
         want = grouped_matmul_loop(x, w, counts.tolist())
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+
+
+def test_routing_stays_fp32_under_bf16_autocast():
+    config = load_preset("k2-nano")
+    router = SigmoidRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.2)
+    x = torch.randn(5, config.hidden_size)
+    plain = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = router(x)
+    assert cast.scores.dtype == torch.float32 and torch.equal(cast.scores, plain.scores)
+    assert torch.equal(cast.indices, plain.indices) and torch.equal(cast.weights, plain.weights)

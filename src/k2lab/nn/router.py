@@ -52,8 +52,7 @@ class SigmoidRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> Routing:
-        with torch.autocast(x.device.type, enabled=False):  # routing stays fp32 under bf16 autocast
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = self._scores(x)
         choice = scores.detach() + self.e_score_correction_bias
         if self.n_group > 1:
             choice = self._mask_unselected_groups(choice)
@@ -62,6 +61,13 @@ class SigmoidRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return Routing(weights * self.scaling, indices, scores)
+
+    def _scores(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(W_r x) in fp32 [N, E]; under bf16 autocast too (leaving it costs ~10 µs, so only then)."""
+        if not torch.is_autocast_enabled(x.device.type):
+            return F.linear(x.float(), self.weight.float()).sigmoid()
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float()).sigmoid()
 
     def _mask_unselected_groups(self, choice: torch.Tensor) -> torch.Tensor:
         grouped = choice.view(choice.shape[0], self.n_group, -1)
