@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from timing import (  # benchmarks/timing.py
+    add_device_argument,
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
@@ -390,9 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="k2lab's forward+backward runs compiled (k2lab.train.compile)",
     )
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (cuda: one GPU)"
-    )
+    add_device_argument(parser, "where both sides run (cuda: one GPU)")
     parser.add_argument("--prompt", type=int, default=64, help="prompt length for decoding")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
@@ -429,8 +428,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = apply_smoke(parser.parse_args(argv), **tiny)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: this torch sees no CUDA device")
     return args
 
 

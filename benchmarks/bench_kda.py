@@ -41,6 +41,7 @@ import cache_bytes  # benchmarks/cache_bytes.py
 import torch
 import torch.nn.functional as F
 from timing import (  # benchmarks/timing.py
+    add_device_argument,
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
@@ -184,9 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cache-png", default="kda_cache_bytes.png", help="plot of decode-cache bytes vs context length"
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU, with fla's kernel as a side"
-    )
+    add_device_argument(parser, "cuda: one GPU, with fla's kernel as a side")
     parser.add_argument(
         "--loop-max-t",
         type=int,

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from timing import (  # benchmarks/timing.py
+    add_device_argument,
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
@@ -127,12 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--muon-only", action="store_true", help="skip the QK-Clip share (full training steps)"
     )
-    parser.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="where the Muon step runs (cuda: implies --muon-only)",
-    )
+    add_device_argument(parser, "where the Muon step runs (cuda: implies --muon-only)")
     add_smoke_argument(parser)
     return apply_smoke(parser.parse_args(argv), preset="k2-nano", batch=2, seq=16)
 

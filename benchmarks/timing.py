@@ -114,6 +114,17 @@ def machine_line(report: dict[str, object]) -> str:
     )
 
 
+def _device(name: str) -> str:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("this torch sees no CUDA device")
+    return name
+
+
+def add_device_argument(parser: argparse.ArgumentParser, description: str) -> None:
+    """``--device cpu|cuda`` (default cpu); ``cuda`` is refused with a clear message where there is none."""
+    parser.add_argument("--device", type=_device, choices=["cpu", "cuda"], default="cpu", help=description)
+
+
 def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--smoke",

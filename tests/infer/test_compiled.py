@@ -8,7 +8,13 @@ from torch._inductor.utils import run_and_get_code
 from k2lab import build_model, load_preset
 from k2lab.config import ModelConfig
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import REALIZE_OPCOUNT, compiled_decode, decode_compile_decision, model_state
+from k2lab.infer.compiled import (
+    REALIZE_OPCOUNT,
+    _known,
+    compiled_decode,
+    decode_compile_decision,
+    model_state,
+)
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.mlp import GatedMLP
@@ -164,9 +170,7 @@ def test_decode_products_stream_their_weights(monkeypatch) -> None:
 
 
 def test_compile_settings_this_torch_lacks_are_left_out(monkeypatch):
-    import k2lab.infer.compiled as compiled
-
     options = {"guard_filter_fn": len, "cpp_wrapper": True, "a_setting_no_torch_has": 1}
-    assert compiled._known(options) == {"guard_filter_fn": len, "cpp_wrapper": True}
-    monkeypatch.setattr(compiled, "_ISOLATE", {})  # a torch without isolate_recompiles keeps module guards
-    assert compiled._known(options) == {"cpp_wrapper": True}
+    assert _known(options) == {"guard_filter_fn": len, "cpp_wrapper": True}
+    monkeypatch.setattr("k2lab.infer.compiled._ISOLATE", {})  # no isolate_recompiles: module guards kept
+    assert _known(options) == {"cpp_wrapper": True}

@@ -5,6 +5,8 @@ import threading
 import pytest
 import torch
 
+import k2lab.optim.grouping as grouping
+import k2lab.optim.muon as muon
 from k2lab import build_model, load_preset
 from k2lab.hardware import Choice
 from k2lab.optim.grouping import OptimizerConfig, build_optimizer, parameter_groups
@@ -194,9 +196,6 @@ def test_build_optimizer_prints_grouping(capsys):
 
 
 def test_newton_schulz_precision_is_chosen_for_the_parameters_device(monkeypatch):
-    import k2lab.optim.grouping as grouping
-    import k2lab.optim.muon as muon
-
     asked: list[str] = []
 
     def choose(path, requested="auto", device="cpu"):
