@@ -5,8 +5,8 @@
 # own time limit and log: OUT_DIR/<step>.log; a summary line per step goes to stdout.
 #
 # Run it with a python that has a CUDA torch and triton, never this project's .venv (which must stay free of
-# triton): PYTHON=python3 scripts/cuda_check.sh OUT_DIR. What that python lacks (pydantic, fla) goes on
-# PYTHONPATH beforehand. SKIP="step step ..." leaves steps out. fla's kernels autotune at their first call for
+# triton): PYTHON=python3 scripts/cuda_check.sh OUT_DIR. What that python lacks (pydantic, llguidance, fla...)
+# goes on PYTHONPATH beforehand: scripts/cuda_wheels.sh fetches it as wheels. SKIP="step step ..." leaves steps out. fla's kernels autotune at their first call for
 # each shape (minutes on an H200), so the steps that need them come last.
 set -u
 out=${1:?usage: scripts/cuda_check.sh OUT_DIR}
