@@ -37,23 +37,29 @@ from timing import (  # benchmarks/timing.py
 
 import k2lab
 from k2lab.data.packing import Batch
-from k2lab.train.config import load_train_config
+from k2lab.train.config import TrainConfig, load_train_config
 from k2lab.train.trainer import Trainer
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-def trainer_steps(recipe: str, args: argparse.Namespace, scratch: Path) -> tuple[Callable[[], None], ...]:
-    """(full step, forward + backward) of a fresh model under ``recipe``'s optimizer and balancing."""
+def trainer_config(recipe: str, args: argparse.Namespace, scratch: Path) -> TrainConfig:
+    """``recipe``'s training config with this run's batch, length, precision and ``--compile``."""
     overrides = {
         "batch_size": args.batch,
         "seq_len": args.seq,
         "precision": args.precision,
+        "compile": args.compile,
         "out": str(scratch),
     }
     if args.smoke:
         overrides["preset"] = args.presets[recipe]
-    config = load_train_config(RECIPES / recipe, **overrides)
+    return load_train_config(RECIPES / recipe, **overrides)
+
+
+def trainer_steps(recipe: str, args: argparse.Namespace, scratch: Path) -> tuple[Callable[[], None], ...]:
+    """(full step, forward + backward) of a fresh model under ``recipe``'s optimizer and balancing."""
+    config = trainer_config(recipe, args, scratch)
     model = k2lab.build_model(k2lab.load_preset(config.preset), seed=0)
     generator = torch.Generator().manual_seed(1)
     window = torch.randint(3, model.config.vocab_size, (args.batch, args.seq + 1), generator=generator)

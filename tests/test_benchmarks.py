@@ -53,3 +53,13 @@ def test_alternating_medians_rotate_the_order_of_the_sides(monkeypatch):
     medians = alternating_medians([lambda n=n: calls.append(n) for n in "abc"], repeats=3, warmup=1)
     assert len(medians) == 3
     assert "".join(calls) == "abc" + "abc" + "bca" + "cab"  # warm-up, then one rotation per round
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_bench_k3_step_passes_its_compile_flag_to_both_trainers(mode, monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_k3_step
+
+    args = bench_k3_step.parse_args(["--compile", mode])
+    for recipe in args.presets:
+        assert bench_k3_step.trainer_config(recipe, args, tmp_path).compile == mode
