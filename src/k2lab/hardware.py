@@ -1,6 +1,6 @@
 """Which precision each hot path computes in, decided once from what this device runs fast.
 
-Machines of one class differ: a CPU with AMX or AVX512-BF16 multiplies bf16 matrices natively (≈ 4–6× its
+Machines of one class differ: a CPU with AMX or AVX512-BF16 multiplies bf16 matrices natively (≈ 2.5–6× its
 fp32 rate), one with AVX2 only emulates bf16 (≈ 250× *slower* than fp32). Every path that could compute in
 bf16 (the model step under autocast, Newton–Schulz, benchmarks) asks :func:`choose` instead of hard-coding
 a dtype (decoding runs in the checkpoint's own dtype):
