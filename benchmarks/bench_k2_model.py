@@ -58,7 +58,6 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
-    gpu_report,
     machine_line,
     run_machine_report,
     synced,
@@ -444,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
     machine = run_machine_report(args)
     if args.device == "cuda":
         torch.set_float32_matmul_precision("highest")  # fp32 sides in fp32, not TF32
-        machine.update(gpu_report(1024 if args.smoke else 8192))
     rows = []
     if args.only in (None, "train"):
         rows.append(bench_forward_backward(ours, theirs, args))

@@ -45,7 +45,6 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
-    gpu_report,
     machine_line,
     run_machine_report,
     synced,
@@ -223,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     previous: dict[tuple[str, str], tuple[int, float]] = {}
     load_before = os.getloadavg()[0]
     machine = run_machine_report(args)
-    if args.device == "cuda":
-        machine.update(gpu_report(1024 if args.smoke else 8192))
     rows = [row for T in sorted(args.lengths) for row in bench_length(args, fns, T, previous)]
     load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     if args.json:

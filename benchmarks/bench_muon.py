@@ -33,7 +33,6 @@ from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     alternating_medians,
     apply_smoke,
-    gpu_report,
     machine_line,
     run_machine_report,
     synced,
@@ -138,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     machine = run_machine_report(args)
     if args.device == "cuda":
-        machine.update(gpu_report(1024 if args.smoke else 8192))
         args.muon_only = True  # the QK-Clip share is a CPU training step
     rows = [bench_muon_step(args)] + ([] if args.muon_only else [bench_qk_clip_share(args)])
     if args.json:

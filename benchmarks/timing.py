@@ -143,8 +143,13 @@ def apply_smoke(args: argparse.Namespace, **tiny: object) -> argparse.Namespace:
 
 
 def run_machine_report(args: argparse.Namespace) -> dict[str, object]:
-    """``machine_report`` of a benchmark run: the peaks measured at 2048³, or 256³ under ``--smoke``."""
-    return machine_report(256 if getattr(args, "smoke", False) else 2048)
+    """``machine_report`` of a benchmark run: the peaks measured at 2048³, or 256³ under ``--smoke``; with
+    ``--device cuda`` also the GPU's (``gpu_report`` at 8192², 1024² under ``--smoke``)."""
+    smoke = getattr(args, "smoke", False)
+    report = machine_report(256 if smoke else 2048)
+    if getattr(args, "device", "cpu") == "cuda":
+        report.update(gpu_report(1024 if smoke else 8192))
+    return report
 
 
 def serve_concurrently(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
