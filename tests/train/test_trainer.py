@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -122,20 +123,22 @@ def test_refuses_to_overwrite_a_run(tmp_path, corpus):
 
 @pytest.mark.timeout(300)
 def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(tmp_path, corpus):
+    """The reference runs as a subprocess like the killed and resumed runs: in this process, settings earlier
+    tests leave (thread count, the caches) could change CPU kernels' sums and so the losses' last bits."""
     steps = 30
+    env = {**os.environ, "K2LAB_CACHE_DIR": str(tmp_path / "cache")}
+
+    def train_command(out: Path) -> list[str]:
+        config = tmp_path / f"{out.name}.toml"
+        config.write_text(recipe(tmp_path, corpus, out, steps).read_text())
+        return [sys.executable, "-m", "k2lab", "train", "--recipe", str(config)]
+
     reference = tmp_path / "reference"
-    run_training(load_train_config(recipe(tmp_path, corpus, reference, steps=steps)))
+    done = subprocess.run(train_command(reference), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
     killed = tmp_path / "killed"
-    command = [
-        sys.executable,
-        "-m",
-        "k2lab",
-        "train",
-        "--recipe",
-        str(recipe(tmp_path, corpus, killed, steps)),
-    ]
-    env = {**os.environ, "K2LAB_CACHE_DIR": str(tmp_path / "cache")}
+    command = train_command(killed)
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 200
     while time.time() < deadline and len(losses(killed) if (killed / "metrics.jsonl").exists() else []) < 8:
