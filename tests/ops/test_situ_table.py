@@ -86,11 +86,10 @@ def test_gradients_are_the_exact_derivative_within_bf16_rounding(scale):
     for got, want in ((dg, want_g), (du, want_u)):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, rtol=2**-8 * 1.01, atol=1e-37)
-    if (
-        scale > 10
-    ):  # autograd through the fp32 chain: 1 − tanh² cancels in fp32 for |g/β1| ≳ 4 (0 or off by %)
+    # autograd through the fp32 chain: its 1 − tanh² cancels in fp32 for |g/β1| ≳ 4 (0, or off by percents)
+    if scale > 10:
         return
-    # there it agrees to one bf16 step, up to its own fp32 rounding of the two terms of A' (which cancel near
+    # for moderate inputs it agrees to one bf16 step, up to its own fp32 rounding of the two terms of A' (which cancel near
     # A''s zero, g ≈ −1.3)
     _, chain_g, chain_u = grads(lambda g, u: situ_glu(g.float(), u.float()).bfloat16(), gate, up, dh)
     g, d = gate.double(), (dh.double() * B2 * torch.tanh(up.double() / B2)).abs()
