@@ -21,8 +21,9 @@ def chain(gate: torch.Tensor, up: torch.Tensor, b1: float = B1, b2: float = B2) 
 def reference_grads(
     gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of Σ dh ⊙ h in float64 at the same (bf16) inputs, by hand: ∂h/∂g = B(u)·A'(g), ∂h/∂u = A(g)·B'(u),
-    with sech² as 1/cosh² (autograd's 1 − tanh² cancels to nothing in float64 once |x| ≳ 17)."""
+    """Gradients of Σ dh ⊙ h in float64 at the same (bf16) inputs, by hand: ∂h/∂g = B(u)·A'(g),
+    ∂h/∂u = A(g)·B'(u), with sech² as 1/cosh² (autograd's 1 − tanh² cancels to nothing in float64 once
+    |x| ≳ 17)."""
     g, u, d = gate.double(), up.double(), dh.double()
     s = torch.sigmoid(g)
     a = B1 * torch.tanh(g / B1) * s
@@ -34,7 +35,8 @@ def reference_grads(
 def autograd_grads(
     gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same by float64 autograd of the formula (independent of the hand derivation; exact for |x| ≲ 10)."""
+    """The same by float64 autograd of the formula (independent of the hand derivation; exact for
+    |x| ≲ 10)."""
     g, u = gate.double().requires_grad_(), up.double().requires_grad_()
     h = B1 * torch.tanh(g / B1) * torch.sigmoid(g) * (B2 * torch.tanh(u / B2))
     h.backward(dh.double())
@@ -89,8 +91,8 @@ def test_gradients_are_the_exact_derivative_within_bf16_rounding(scale):
     # autograd through the fp32 chain: its 1 − tanh² cancels in fp32 for |g/β1| ≳ 4 (0, or off by percents)
     if scale > 10:
         return
-    # for moderate inputs it agrees to one bf16 step, up to its own fp32 rounding of the two terms of A' (which cancel near
-    # A''s zero, g ≈ −1.3)
+    # for moderate inputs it agrees to one bf16 step, up to its own fp32 rounding of the two terms of A'
+    # (which cancel near A''s zero, g ≈ −1.3)
     _, chain_g, chain_u = grads(lambda g, u: situ_glu(g.float(), u.float()).bfloat16(), gate, up, dh)
     g, d = gate.double(), (dh.double() * B2 * torch.tanh(up.double() / B2)).abs()
     s = torch.sigmoid(g)

@@ -4,8 +4,8 @@
     SiTU-GLU  h = [β1·tanh(g/β1) ⊙ σ(g)] ⊙ [β2·tanh(u/β2)],  β1 = 4, β2 = 25   (K3, every MLP)
 
 g = W_gate x and u = W_up x, both [..., F]. SiTU-GLU caps the gate branch in (−β1, β1)·σ(g) and the up branch in
-(−β2, β2), so |h| ≤ β1·β2 (= 100) for any input; it is computed in fp32 and cast back to the input dtype. bf16
-inputs on CPU (bf16 autocast) take the same values from tables over all 2¹⁶ bf16 patterns
+(−β2, β2), so |h| ≤ β1·β2 (= 100) for any input; it is computed in fp32 and cast back to the input dtype.
+bf16 inputs on CPU (bf16 autocast) take the same values from tables over all 2¹⁶ bf16 patterns
 (``k2lab.ops.situ_table``): bit-identical forward, ≈ 1.4–1.5× faster forward + backward; not under
 ``torch.compile``, whose fused kernel computes the chain itself.
 Released K3 names: ``hidden_act: "situ"``, β1 = ``activation_situ_beta``, β2 = ``activation_situ_linear_beta``, on

@@ -6,10 +6,10 @@
 
 Under bf16 autocast the expert products hand the activation bf16 ``g`` and ``u``: each is one of 2¹⁶ bit
 patterns, so A and B (and their derivatives) are functions on 65,536 points. The tables hold them for every
-pattern ([65536] fp32 each, 256 KiB; a pass reads two of them); a value's row is its int16 bits + 32768. The forward is two
-gathers and one product instead of two fp32 ``tanh`` (each 6–8× a ``sigmoid`` on the Zen 5 measured) and ten
-more elementwise passes, and the backward two gathers and four products instead of autograd's chain
-(docs/performance.md: SiTU-GLU 1.4–1.5× faster forward + backward on a Zen 5).
+pattern ([65536] fp32 each, 256 KiB; a pass reads two of them); a value's row is its int16 bits + 32768.
+The forward is two gathers and one product instead of two fp32 ``tanh`` (each 6–8× a ``sigmoid`` on the
+Zen 5 measured) and ten more elementwise passes, and the backward two gathers and four products instead of
+autograd's chain (docs/performance.md: SiTU-GLU 1.4–1.5× faster forward + backward on a Zen 5).
 
 Numerics: A and B are computed by the same fp32 ops as ``k2lab.nn.activations.situ_glu`` (on the fp32 value
 of each pattern), and h = (A·B) rounded once to bf16 as there, so the forward is bit-identical to the plain
