@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from k2lab.config import ModelConfig
-from k2lab.ops.situ_table import situ_glu_bf16
+from k2lab.ops import situ_table
 
 __all__ = ["GLUActivation", "mlp_activation", "situ_glu", "swiglu"]
 
@@ -40,7 +40,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
     ``torch.compile`` take the table tier (``k2lab.ops.situ_table``), bit-identical in the forward.
     """
     if _table_tier(gate, up):
-        return situ_glu_bf16(gate, up, beta1, beta2)
+        return situ_table.situ_glu_bf16(gate, up, beta1, beta2)
     g, u = gate.float(), up.float()
     out = (beta1 * torch.tanh(g / beta1)) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))
     return out.to(gate.dtype)
@@ -48,12 +48,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
 
 def _table_tier(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """bf16 CPU tensors of one shape, not being compiled (inductor fuses the fp32 chain instead)."""
-    return (
-        gate.dtype == up.dtype == torch.bfloat16
-        and gate.device.type == "cpu"
-        and gate.shape == up.shape
-        and not torch.compiler.is_compiling()
-    )
+    return situ_table.takes(gate, up) and gate.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 @dataclass(frozen=True)

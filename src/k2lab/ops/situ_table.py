@@ -28,7 +28,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["situ_glu_bf16", "situ_tables"]
+__all__ = ["situ_glu_bf16", "situ_tables", "takes"]
 
 # the int16 bit patterns in table order: row j holds the bf16 value whose bits are j − 32768
 _OFFSET = 32768
@@ -77,9 +77,14 @@ class _SituTable(torch.autograd.Function):
         return dg.to(torch.bfloat16).view(dh.shape), du.to(torch.bfloat16).view(dh.shape), None
 
 
+def takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the tables serve these inputs: both bf16, of one shape."""
+    return gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape
+
+
 def situ_glu_bf16(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
     """SiTU-GLU of bf16 ``gate`` and ``up`` (same shape) by table lookup -> bf16 (module docstring)."""
-    if gate.dtype != torch.bfloat16 or up.dtype != torch.bfloat16 or gate.shape != up.shape:
+    if not takes(gate, up):
         raise ValueError(
             f"situ_glu_bf16 takes bf16 gate and up of one shape, got {gate.dtype} {tuple(gate.shape)} "
             f"and {up.dtype} {tuple(up.shape)}"
