@@ -1,7 +1,8 @@
 """k2lab versus transformers' ``DeepseekV3ForCausalLM`` on the same K2 model, CPU, one process.
 
 Both models hold exactly the same weights (``k2lab.hf.bridge.to_transformers``) and run under the same
-``torch.set_num_threads``. Each comparison runs a warmup call, then ``--repeats`` timed calls, and reports
+``torch.set_num_threads``. Each comparison runs warmup calls until the heap is steady
+(``timing.warm_until_steady``), then ``--repeats`` timed calls, and reports
 the median wall time as a throughput (higher is better) and ``ratio = k2lab / transformers``.
 
 Comparisons:

@@ -3,8 +3,9 @@
 Each side is one step of ``k2lab.train.trainer.Trainer`` exactly as ``k2lab train`` runs it with its
 recipe (``recipes/k2-mini-demo.toml``: MuonClip, DeepSeek-V3 bias rule; ``recipes/k3-mini.toml``: MuonClip
 with Per-Head Muon, Quantile Balancing, document masking), on the same random batch [batch, seq] (one
-document per row), at the precision ``k2lab.hardware`` picks (``--precision`` forces one). Timing: one
-warmup step each, then ``--repeats`` steps alternating k2 / k3, medians. Rows: the full step
+document per row), at the precision ``k2lab.hardware`` picks (``--precision`` forces one). Timing: warmup
+steps until the heap is steady (``timing.warm_until_steady``: ≈ 8–10 steps; the first steps of a run
+first-touch fresh memory), then ``--repeats`` steps alternating k2 / k3, medians. Rows: the full step
 (``train_step`` + ``update``) and the forward + backward alone (``loss_of`` + ``backward``).
 ``ratio = k3 seconds ÷ k2 seconds`` (lower is better; the issue-20 target is ≤ 1.5 for the full step).
 ``--compile on`` compiles both sides' training forward (``k2lab.train.compile``).
@@ -97,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile",
         choices=["auto", "on", "off"],
         default="auto",
-        help="compile both training steps (the warmup step then includes inductor's build)",
+        help="compile both training steps (the first warmup step then includes inductor's build)",
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", action="store_true", help="one JSON object per line: machine, then rows")

@@ -19,8 +19,10 @@ Sides:
   same optimizer algorithm and the ratio isolates model + trainer.
 
 Each row runs in fp32 and, where the CPU has native bf16 (``--precision`` overrides), under bf16 autocast
-(``torch.autocast("cpu", bfloat16)`` around the forward on both sides; the loss is computed in fp32). Timing: one warmup step per side, then ``--repeats`` steps
-alternating k2lab / transformers (so machine noise hits both alike), median wall time per side.
+(``torch.autocast("cpu", bfloat16)`` around the forward on both sides; the loss is computed in fp32).
+Timing: warmup steps until the heap is steady (``timing.warm_until_steady``: ≈ 8–10 steps a side), then
+``--repeats`` steps alternating k2lab / transformers (so machine noise hits both alike), median wall time
+per side.
 ``ratio = k2lab tokens/s ÷ transformers tokens/s`` (> 1: k2lab faster).
 
 MFU (model FLOPs utilisation) = achieved model FLOP/s ÷ this machine's measured matmul peak for the

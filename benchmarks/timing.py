@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import threading
 import time
@@ -15,16 +16,50 @@ from k2lab.allocator import keep_freed_memory
 keep_freed_memory()  # as the k2lab command does (k2lab.allocator); both sides of a comparison share it
 
 
+# A side is warm once one call of it faults in fewer fresh pages than this (8 MiB of 4 KiB pages).
+STEADY_FAULTS = 2048
+MAX_WARMUP_ROUNDS = 30
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far (first touches of fresh memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def warm_until_steady(
+    fns: list[Callable[[], object]], rounds: int = 1, max_rounds: int = MAX_WARMUP_ROUNDS
+) -> int:
+    """Untimed rounds of every ``fn()`` until the process heap is steady; returns the rounds run.
+
+    At least ``rounds`` rounds, then more until, in one round, no call faulted in ``STEADY_FAULTS`` fresh
+    pages or more (``max_rounds`` at most). A training step frees and re-allocates hundreds of MB of
+    activations each call; with freed memory kept (``k2lab.allocator``) the heap still grows for the first
+    few steps, until its free blocks fit every allocation, and till then each step first-touches fresh pages
+    (≈ 20,000 faults a k2-mini or k3-mini step on a KVM guest, ≈ 150–250 ms of it; steady after ≈ 8–10 steps).
+    A long training run lives in the steady state, so that is what the timed calls measure.
+    """
+    if rounds <= 0:
+        return 0
+    for round_ in range(max_rounds):
+        faulted = []
+        for fn in fns:
+            before = page_faults()
+            fn()
+            faulted.append(page_faults() - before)
+        if round_ + 1 >= rounds and max(faulted) < STEADY_FAULTS:
+            return round_ + 1
+    return max_rounds
+
+
 def alternating_medians(fns: list[Callable[[], object]], repeats: int, warmup: int = 1) -> list[float]:
-    """Median wall time of each ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls each.
+    """Median wall time of each ``fn()`` over ``repeats`` calls, after ``warmup`` or more untimed rounds
+    (``warm_until_steady``).
 
     Calls are interleaved so that load from other processes hits every side alike, and the order rotates
     each round (a, b, c; b, c, a; c, a, b; ...) so that no side always runs right after the same other one
     (whose leftovers in the caches and the heap it would otherwise always meet).
     """
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
+    warm_until_steady(fns, warmup)
     times: list[list[float]] = [[] for _ in fns]
     for round_ in range(repeats):
         for i in range(len(fns)):

@@ -5,6 +5,7 @@ is measured by running the scripts, never asserted in tests).
 """
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -63,3 +64,29 @@ def test_bench_k3_step_passes_its_compile_flag_to_both_trainers(mode, monkeypatc
     args = bench_k3_step.parse_args(["--compile", mode])
     for recipe in args.presets:
         assert bench_k3_step.trainer_config(recipe, args, tmp_path).compile == mode
+
+
+def _touch_fresh_pages(pages: int = 4096) -> None:
+    """Map ``pages`` fresh pages and write one byte to each: that many minor page faults."""
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as memory:
+        for offset in range(0, len(memory), mmap.PAGESIZE):
+            memory[offset] = 1
+
+
+def test_warm_until_steady_stops_once_no_call_faults_in_fresh_memory(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from timing import STEADY_FAULTS, warm_until_steady
+
+    calls: list[str] = []
+    assert warm_until_steady([lambda: calls.append("a"), lambda: calls.append("b")], rounds=3) == 3
+    assert "".join(calls) == "ababab"  # quiet sides: exactly the rounds asked for
+    assert warm_until_steady([lambda: None], rounds=0) == 0
+
+    growing = iter(range(100))
+
+    def settles_after_two_calls() -> None:
+        if next(growing) < 2:
+            _touch_fresh_pages(2 * STEADY_FAULTS)
+
+    assert warm_until_steady([lambda: None, settles_after_two_calls], rounds=1) == 3
+    assert warm_until_steady([lambda: _touch_fresh_pages(2 * STEADY_FAULTS)], max_rounds=4) == 4
