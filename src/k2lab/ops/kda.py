@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, chunk_kda_backward
+from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, chunk_kda_backward, matmul_operand
 
 # Decays below exp(-DECAY_FLOOR) ≈ 1e-13 are held there (see _decay).
 DECAY_FLOOR = 30.0
@@ -269,6 +269,14 @@ def _decay(exponent: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     return exponent.clamp(min=-DECAY_FLOOR).exp()
 
 
+def _level_product(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``rows @ colsᵀ`` for one level: [..., 2h, K] × [..., h, K] -> [..., 2h, h]. At the finest level (h = 1) a
+    batched matmul spends its time per 2 × 1 block: there the products are summed in fp32 instead."""
+    if cols.shape[-2] == 1:
+        return (rows * cols).sum(-1, keepdim=True)
+    return rows @ cols.transpose(-1, -2)
+
+
 def _intra_chunk_scores(
     q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, keep: list[LevelFactors] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +303,7 @@ def _intra_chunk_scores(
         e_first = _decay(ref - g_first, scratch=True)  # exp(R − G_j)
         rows = (qk_second * e_second.unsqueeze(-2)).view(*lead, nb, 2 * h, K)
         cols = e_first * qk_first[..., 1, :]  # [..., nb, h, K]
-        parts.append((rows @ cols.transpose(-1, -2)).flatten(-3))
+        parts.append(_level_product(rows, cols).flatten(-3))
         if keep is not None:
             keep.append(LevelFactors(e_first, e_second, rows, cols))
     parts.append((q * k).sum(-1))
@@ -323,7 +331,7 @@ def _wy_transform(
     eye = torch.eye(a_kk.shape[-1], dtype=a_kk.dtype, device=a_kk.device)
     system = torch.addcmul(eye, beta[..., None], a_kk)
     inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
-    transform = inverse * beta[..., None, :]
+    transform = matmul_operand(inverse * beta[..., None, :])  # cast once for its two products
     return transform @ k_decayed, transform @ v, inverse
 
 
@@ -340,7 +348,7 @@ def _chunk_transitions(
     to_end = _decay(last - gcum, scratch=True)
     k_to_end = to_end * k
     keep = _decay(last.squeeze(-2))
-    k_to_end_t = k_to_end.transpose(-1, -2)  # [B, HV, N, K, C]
+    k_to_end_t = matmul_operand(k_to_end.transpose(-1, -2))  # [B, HV, N, K, C]; cast once for two products
     transition = torch.baddbmm(
         _batched(torch.diag_embed(keep)), _batched(k_to_end_t), _batched(w), alpha=-1
     ).view(*keep.shape, keep.shape[-1])
@@ -366,6 +374,7 @@ def _chunk_outputs(
     q_decayed: torch.Tensor, a_qk: torch.Tensor, w: torch.Tensor, u: torch.Tensor, states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``O = (exp(G)⊙Q) S₀ + A_qk (U − W S₀)`` per chunk: (O [B, HV, N, C, V], the writes ``U − W S₀``)."""
+    states = matmul_operand(states)  # cast once for its two products
     writes = torch.baddbmm(_batched(u), _batched(w), _batched(states), alpha=-1)
     o = torch.baddbmm(_batched(q_decayed) @ _batched(states), _batched(a_qk), writes)
     return o.view_as(u), writes.view_as(u)
@@ -388,9 +397,10 @@ def _chunk_forward(
     decay = _decay(gcum)
     q_decayed, k_decayed = q * decay, k * decay
     w, u, inverse = _wy_transform(a_kk, k_decayed, v, beta)
-    transition, write, k_to_end, to_end, last = _chunk_transitions(w, u, k, gcum)
+    w_operand = matmul_operand(w)  # cast once for its two products
+    transition, write, k_to_end, to_end, last = _chunk_transitions(w_operand, u, k, gcum)
     states, final = _propagate_states(transition, write, state)
-    o, writes = _chunk_outputs(q_decayed, a_qk, w, u, states)
+    o, writes = _chunk_outputs(q_decayed, a_qk, w_operand, u, states)
     if keep is None:
         return o, final, None
     saved = ChunkSaved(
