@@ -34,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, chunk_kda_backward, matmul_operand
+from k2lab.ops.kda_backward import (
+    ChunkSaved,
+    LevelFactors,
+    block_product,
+    chunk_kda_backward,
+    matmul_operand,
+)
 
 # Decays below exp(-DECAY_FLOOR) ≈ 1e-13 are held there (see _decay).
 DECAY_FLOOR = 30.0
@@ -269,14 +275,6 @@ def _decay(exponent: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     return exponent.clamp(min=-DECAY_FLOOR).exp()
 
 
-def _level_product(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """``rows @ colsᵀ`` for one level: [..., 2h, K] × [..., h, K] -> [..., 2h, h]. At the finest level (h = 1) a
-    batched matmul spends its time per 2 × 1 block: there the products are summed in fp32 instead."""
-    if cols.shape[-2] == 1:
-        return (rows * cols).sum(-1, keepdim=True)
-    return rows @ cols.transpose(-1, -2)
-
-
 def _intra_chunk_scores(
     q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, keep: list[LevelFactors] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +301,7 @@ def _intra_chunk_scores(
         e_first = _decay(ref - g_first, scratch=True)  # exp(R − G_j)
         rows = (qk_second * e_second.unsqueeze(-2)).view(*lead, nb, 2 * h, K)
         cols = e_first * qk_first[..., 1, :]  # [..., nb, h, K]
-        parts.append(_level_product(rows, cols).flatten(-3))
+        parts.append(block_product(rows, cols.transpose(-1, -2)).flatten(-3))  # [..., nb, 2h, h]
         if keep is not None:
             keep.append(LevelFactors(e_first, e_second, rows, cols))
     parts.append((q * k).sum(-1))

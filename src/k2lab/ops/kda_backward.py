@@ -131,13 +131,16 @@ def _wy_backward(s: ChunkSaved, d_writes: torch.Tensor) -> tuple[torch.Tensor, .
     return y_w * beta, y_u * beta, d_beta, minus_d_system * -beta
 
 
-def _block_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for [..., M, J] @ [..., J, K]; with J = 1 or M = 1 (the finest level's 2 × 1 and 1 × 2 blocks, where
-    a batched matmul spends its time per tiny block) as a broadcast product instead."""
+def block_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for [..., M, J] @ [..., J, N]; with J = 1, M = 1 or N = 1 (the finest level's 2 × 1 and 1 × 2
+    blocks, where a batched matmul spends its time per tiny block) as a broadcast product in the inputs' dtype
+    instead (the forward's scores and this backward's level gradients)."""
     if a.shape[-1] == 1:
         return a * b
     if a.shape[-2] == 1:
         return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    if b.shape[-1] == 1:
+        return (a * b.mT).sum(-1, keepdim=True)
     return a @ b
 
 
@@ -165,10 +168,10 @@ def _scores_backward(
         d_block = d_scores.index_select(1, gather_back[start : start + C * h]).view(*lead, nb, 2 * h, h)
         d_block = matmul_operand(d_block) if h > 1 else d_block
         start += C * h
-        d_level_rows = _block_product(d_block, level.cols).view(*lead, nb, h, 2, K).movedim(-2, -4)
+        d_level_rows = block_product(d_block, level.cols).view(*lead, nb, h, 2, K).movedim(-2, -4)
         d_rows.view(*lead, 2, nb, 2, h, K)[..., 1, :, :].addcmul_(d_level_rows, level.e_second.unsqueeze(-4))
         d_cols.view(*lead, nb, 2, h, K)[..., 0, :, :].addcmul_(
-            _block_product(d_block.mT, level.rows), level.e_first
+            block_product(d_block.mT, level.rows), level.e_first
         )
     d_diag = d_scores.index_select(1, gather_back[start:]).view(*lead, C, 1)
     d_q, d_k = d_rows.unbind(-3)
