@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from k2lab.ops.autocast import matmul_operand
+
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
@@ -129,10 +131,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     Under autocast both operands are cast to the autocast dtype, as autocast does for ``mm`` (it does not
     know this op); otherwise the weights are cast to the activations' dtype when they differ.
     """
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x = x.to(dtype)
+    x = matmul_operand(x)
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
     offsets = counts.cumsum(0).to(torch.int32)

@@ -34,13 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from k2lab.ops.kda_backward import (
-    ChunkSaved,
-    LevelFactors,
-    block_product,
-    chunk_kda_backward,
-    matmul_operand,
-)
+from k2lab.ops.autocast import matmul_operand
+from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, block_product, chunk_kda_backward
 
 # Decays below exp(-DECAY_FLOOR) ≈ 1e-13 are held there (see _decay).
 DECAY_FLOOR = 30.0

@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from k2lab.ops.autocast import matmul_operand
+
 
 class LevelFactors(NamedTuple):
     """One level of the forward's binary split (blocks of b = 2h tokens, nb = C / b of them per chunk):
@@ -60,16 +62,6 @@ class ChunkSaved(NamedTuple):
     k_to_end: torch.Tensor  # K̃ [B, HV, N, C, K]
     to_end: torch.Tensor  # exp(G_C − G) [B, HV, N, C, K]
     last: torch.Tensor  # exp(G_C) [B, HV, N, K]
-
-
-def matmul_operand(x: torch.Tensor, otherwise: torch.dtype | None = None) -> torch.Tensor:
-    """``x`` as autocast would hand it to a matmul (its low-precision dtype where autocast is on for ``x``'s
-    device; else ``x`` in ``otherwise``, or unchanged): a tensor that feeds several products is then cast
-    once, not at every product. The values reaching the products are the same either way."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x if otherwise is None else x.to(otherwise)
 
 
 def _state_backward(

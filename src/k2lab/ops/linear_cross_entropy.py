@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k2lab.ops.autocast import matmul_operand
+
 IGNORE_INDEX = -100  # F.cross_entropy's default
 # fp32 logits of one chunk at most (k2-mini's 2,048 × 8,192 rows in one; K2's 163,840-way vocabulary: 102 rows)
 CHUNK_BYTES = 64 << 20
@@ -117,10 +119,8 @@ def _chunk_grads(
     else through the products autocast gives. Under autocast G [n, V] is cast to its dtype once for both
     products (autocast would cast it, and its transpose, once each: the same values, one 2·n·V-byte pass
     fewer; ≈ 3 ms of k2-mini's step on a Zen 5)."""
-    device = grad.device.type
-    autocast = torch.is_autocast_enabled(device)
-    if autocast:
-        grad = grad.to(torch.get_autocast_dtype(device))
+    autocast = torch.is_autocast_enabled(grad.device.type)
+    grad = matmul_operand(grad)
     if grad_hidden is not None:
         grad_hidden.copy_(grad @ weight)
     if grad_weight is None:
