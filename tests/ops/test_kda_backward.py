@@ -117,25 +117,103 @@ def test_bf16_autocast_backward_stays_near_fp32():
         assert max_diff(manual[name], exact[name]) <= 2 * max_diff(auto[name], exact[name]) + 1e-3 * scale
 
 
-def test_chunk_function_gradcheck_fp64():
-    """Finite differences on the autograd.Function itself (chunked fp64 inputs: 2 chunks of 4 tokens)."""
-    gen = torch.Generator().manual_seed(0)
-    B, HV, N, C, K, V = 1, 2, 2, 4, 3, 2
+def chunked_fp64_inputs(HV: int, C: int, gate, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g = gate(N), beta, state of _ChunkKDA (chunked [1, HV, 2, C, ·], K = 3, V = 2), fp64."""
+    gen = torch.Generator().manual_seed(seed)
+    B, N, K, V = 1, 2, 3, 2
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     q = torch.nn.functional.normalize(randn(B, HV, N, C, K), dim=-1) * K**-0.5
     k = torch.nn.functional.normalize(randn(B, HV, N, C, K), dim=-1)
-    v, g = randn(B, HV, N, C, V), -torch.nn.functional.softplus(randn(B, HV, N, C, K))
-    beta, state = torch.sigmoid(randn(B, HV, N, C)), randn(B, HV, K, V)
-    inputs = tuple(t.requires_grad_() for t in (q, k, v, g, beta, state))
+    v, g = randn(B, HV, N, C, V), gate(randn(B, HV, N, C, K))
+    return q, k, v, g, torch.sigmoid(randn(B, HV, N, C)), randn(B, HV, K, V)
+
+
+def assert_gradcheck(inputs: tuple[torch.Tensor, ...]) -> None:
+    inputs = tuple(t.requires_grad_() for t in inputs)
+    chunk = inputs[0].shape[-2]
     assert torch.autograd.gradcheck(
-        lambda *a: kda_ops._ChunkKDA.apply(*a, C), inputs, eps=1e-6, atol=1e-8, rtol=1e-6
+        lambda *a: kda_ops._ChunkKDA.apply(*a, chunk), inputs, eps=1e-6, atol=1e-8, rtol=1e-6
     )
+
+
+def test_chunk_function_gradcheck_fp64():
+    """Finite differences on the autograd.Function itself (chunked fp64 inputs: 2 chunks of 4 tokens)."""
+    assert_gradcheck(chunked_fp64_inputs(2, 4, lambda x: -torch.nn.functional.softplus(x), seed=0))
 
 
 def test_unknown_backward_is_refused():
     x = make_inputs(8, B=1, K=4, V=4, state=False)
     with pytest.raises(ValueError, match="backward must be"):
         chunk_kda(**x, backward="Manual")
+
+
+# ------------------------------------------------------------------------------------------- tile level
+
+
+def _tile_taken(monkeypatch: pytest.MonkeyPatch, force_split: bool = False) -> list[bool]:
+    """Records, per call, whether the tile level ran (``force_split``: never let it)."""
+    taken: list[bool] = []
+    tile_factors = kda_ops._tile_factors
+
+    def spy(g, gcum):
+        factors = None if force_split else tile_factors(g, gcum)
+        taken.append(factors is not None)
+        return factors
+
+    monkeypatch.setattr(kda_ops, "_tile_factors", spy)
+    return taken
+
+
+@pytest.mark.parametrize("resets", [False, True])
+def test_tile_level_matches_the_binary_split(monkeypatch, resets):
+    """K3's bounded gate, with and without packed-document resets: outputs and gradients of the tile level
+    equal those of the split levels it replaces (and of fla's naive recurrence)."""
+    x = make_inputs(150, K=16, V=24, kind="lower_bound", seed=11)
+    if resets:
+        x["g"][:, [0, 20, 21, 47, 64, 100]] = RESET_LOG_DECAY
+    weights = loss_weights(x)
+    taken = _tile_taken(monkeypatch)
+    o, got = grads(chunk_kda, x, weights, chunk_size=64)
+    assert taken == [True]
+    _tile_taken(monkeypatch, force_split=True)
+    o_split, want = grads(chunk_kda, x, weights, chunk_size=64)
+    assert max_diff(o, o_split) <= 1e-5
+    assert_close_grads(got, want, 1e-5)
+    _, naive = grads(load_naive("kda").naive_recurrent_kda, x, weights)
+    assert_close_grads(got, naive, 1e-4)
+
+
+def test_tile_factors_only_where_the_spans_fit():
+    """The tile level needs |G_t − R| ≤ TILE_EXPONENT_LIMIT: K3's gate (> −5) always fits, a gate of −6 per
+    token over 8 tokens does not, a reset token (≤ −DECAY_FLOOR in every channel) inside a tile is masked rather than
+    refused, and one channel that low alone is refused."""
+    x = make_inputs(64, B=1, HV=2, K=8, V=8, kind="lower_bound", seed=12)
+    g = x["g"].transpose(1, 2).contiguous()  # [B, HV, T, K]: one chunk
+    factors = kda_ops._tile_factors(g, g.cumsum(-2))
+    assert factors is not None and factors.same is None
+    assert torch.allclose(factors.e_first * factors.e_second, torch.ones_like(factors.e_first))
+    assert kda_ops._tile_factors(torch.full_like(g, -6.0), torch.full_like(g, -6.0).cumsum(-2)) is None
+    reset = g.clone()
+    reset[:, :, 20] = RESET_LOG_DECAY
+    factors = kda_ops._tile_factors(reset, reset.cumsum(-2))
+    assert factors is not None and factors.same is not None
+    same = factors.same[0, 0, 1, :, 0, :]  # tile 16..31; the reset is its 5th token
+    assert same[4:, 4:].all() and same[:4, :4].all() and not same[:4, 4:].any() and not same[4:, :4].any()
+    reset[:, :, 20] = g[:, :, 20]
+    reset[:, :, 32] = RESET_LOG_DECAY  # a tile's first token: its decay lies between tiles, no mask needed
+    factors = kda_ops._tile_factors(reset, reset.cumsum(-2))
+    assert factors is not None and factors.same is None
+    one_channel = g.clone()
+    one_channel[:, :, 20, 0] = RESET_LOG_DECAY
+    assert kda_ops._tile_factors(one_channel, one_channel.cumsum(-2)) is None
+
+
+def test_tile_level_gradcheck_fp64():
+    """Finite differences through the tile level (2 chunks of 16 tokens, K3's gate, one reset inside a tile)."""
+    q, k, v, g, beta, state = chunked_fp64_inputs(1, 16, lambda x: -5 * torch.sigmoid(x), seed=1)
+    g[:, :, 1, 6] = RESET_LOG_DECAY
+    assert kda_ops._tile_factors(g, g.cumsum(-2)) is not None
+    assert_gradcheck((q, k, v, g, beta, state))

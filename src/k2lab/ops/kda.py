@@ -40,6 +40,13 @@ from k2lab.ops.kda_backward import ChunkSaved, LevelFactors, block_product, chun
 # Decays below exp(-DECAY_FLOOR) ≈ 1e-13 are held there (see _decay).
 DECAY_FLOOR = 30.0
 
+# Tokens of a tile whose scores come from one reference log-decay (see _tile_factors), and the largest
+# |G_t − R| a tile may hold for it. K3's gate keeps every log-decay above −5 (nn/kda_gate.py), so a 16-token
+# tile with R after its 8th token holds |G_t − R| < 8 · 5 = 40; 44 leaves room for fp32 rounding of the
+# cumulative sums. Factors exp(±44) ≈ 1.3e19 / 7.8e-20 stay far inside the range of fp32 and bf16.
+TILE = 16
+TILE_EXPONENT_LIMIT = 44.0
+
 Backend = Literal["auto", "chunk", "recurrent", "fla"]
 
 
@@ -204,10 +211,10 @@ def _levels(chunk: int) -> list[int]:
     return [chunk >> i for i in range(chunk.bit_length() - 1)]
 
 
-def _score_index(chunk: int, device: torch.device) -> torch.Tensor:
+def _score_index(chunk: int, device: torch.device, tiled: bool) -> torch.Tensor:
     """:func:`_build_score_index`, cached (a plain function, so that torch.compile can take it as a constant:
     see :func:`mark_compile_constants`)."""
-    return _build_score_index(chunk, device)
+    return _build_score_index(chunk, device, tiled)
 
 
 def mark_compile_constants() -> None:
@@ -218,40 +225,48 @@ def mark_compile_constants() -> None:
     torch.compiler.assume_constant_result(_score_gather_back)
 
 
-def _score_gather_back(chunk: int, device: torch.device) -> torch.Tensor:
+def _score_gather_back(chunk: int, device: torch.device, tiled: bool) -> torch.Tensor:
     """:func:`_build_score_gather_back`, cached (a plain function for torch.compile, as :func:`_score_index`)."""
-    return _build_score_gather_back(chunk, device)
+    return _build_score_gather_back(chunk, device, tiled)
 
 
 @functools.lru_cache(maxsize=32)
 @torch.inference_mode(False)
-def _build_score_gather_back(chunk: int, device: torch.device) -> torch.Tensor:
+def _build_score_gather_back(chunk: int, device: torch.device, tiled: bool) -> torch.Tensor:
     """The inverse of :func:`_build_score_index`: for each level score and diagonal value (every entry of the
-    concatenation but the final zero), its position in the flattened ``[2, C, C]`` (the backward's gather)."""
-    index = _build_score_index(chunk, device)
-    inverse = torch.empty(int(index.max()) + 1, dtype=torch.long, device=device)
+    concatenation but the final zero), its position in the flattened ``[2, C, C]`` (the backward's gather),
+    or ``2·C·C`` (a zero the backward appends) for the tile level's scores that no position reads."""
+    index = _build_score_index(chunk, device, tiled)
+    inverse = torch.full((int(index.max()) + 1,), 2 * chunk * chunk, dtype=torch.long, device=device)
     inverse[index] = torch.arange(index.numel(), device=device)  # several positions share only the zero
     return inverse[:-1]
 
 
 @functools.lru_cache(maxsize=32)
 @torch.inference_mode(False)  # cached across calls: must not be an inference tensor, which autograd refuses
-def _build_score_index(chunk: int, device: torch.device) -> torch.Tensor:
+def _build_score_index(chunk: int, device: torch.device, tiled: bool) -> torch.Tensor:
     """Gather map from the concatenated level scores of :func:`_intra_chunk_scores` to ``[2, C, C]``.
 
     Level ``b`` stores, for each of its ``C/b`` blocks, rows ``t`` of the second half (q then k per row)
-    against columns ``j`` of the first half: ``C·b/2`` values. Then ``C`` diagonal q·k values and one zero,
-    which every entry above the diagonal (and the diagonal of A_kk) points to.
+    against columns ``j`` of the first half: ``C·b/2`` values. ``tiled``: levels of ``TILE`` tokens and less
+    are replaced by the tile level, every row of a tile (q then k) against every column: ``2·C·TILE`` values.
+    Then ``C`` diagonal q·k values and one zero, which every entry above the diagonal (and the diagonal of
+    A_kk) points to.
     """
-    levels = _levels(chunk)
-    sizes = [chunk * b // 2 for b in levels]
-    offset = {b: sum(sizes[:i]) for i, b in enumerate(levels)}
+    tile = TILE if tiled else 1
+    levels = [b for b in _levels(chunk) if b > tile]
+    sizes = [chunk * b // 2 for b in levels] + [2 * chunk * tile if tiled else 0]
+    offset = {b: sum(sizes[:i]) for i, b in enumerate([*levels, tile])}
     diag = sum(sizes)
     index = torch.full((2, chunk, chunk), diag + chunk, dtype=torch.long)
     for t in range(chunk):
         index[0, t, t] = diag + t
         for j in range(t):
             b = 2 << ((t ^ j).bit_length() - 1)  # the smallest block holding both: t, j in different halves
+            if b <= tile:  # q_t·k_j at row 2·(t mod TILE) of its tile; k_t·k_j the next row
+                entry = offset[tile] + (t // tile) * 2 * tile * tile + (t % tile) * 2 * tile + j % tile
+                index[0, t, j], index[1, t, j] = entry, entry + tile
+                continue
             h = b // 2
             entry = offset[b] + (t // b) * 2 * h * h + (t % b - h) * 2 * h + j % b  # q_t·k_j; k_t·k_j is h on
             index[0, t, j], index[1, t, j] = entry, entry + h
@@ -265,13 +280,64 @@ def _decay(exponent: torch.Tensor, scratch: bool = False) -> torch.Tensor:
     factor (and the product of two of them) a normal float avoids denormal arithmetic, which is tens of times
     slower on CPUs. ``scratch=True`` lets it overwrite ``exponent`` when no gradient is recorded.
     """
-    if scratch and not (torch.is_grad_enabled() and exponent.requires_grad):
+    if _may_overwrite(exponent, scratch):
         return exponent.clamp_(min=-DECAY_FLOOR).exp_()
     return exponent.clamp(min=-DECAY_FLOOR).exp()
 
 
+def _may_overwrite(x: torch.Tensor, scratch: bool) -> bool:
+    return scratch and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def _tile_factors(g: torch.Tensor, gcum: torch.Tensor) -> LevelFactors | None:
+    """Exponential factors of the tile level, or ``None`` where a tile's log-decays span too much for them.
+
+    Inside each ``TILE``-token tile, ``exp(G_t − G_j) = exp(G_t − R) · exp(R − G_j)`` with one reference ``R``
+    (after the tile's ``TILE/2``-th token) for every pair: 2 exponentials instead of 2 per level for the
+    four finest levels of the binary split. It needs ``|G_t − R| ≤ TILE_EXPONENT_LIMIT`` (K3's bounded gate
+    guarantees it, Kimi Linear's unbounded one may not), checked here. A packed document's reset token (a
+    log-decay ≤ −DECAY_FLOOR in every channel, as ``nn.kda`` writes it) is taken out of the cumulative sums
+    and the pairs it separates are masked: their true decay is below exp(−DECAY_FLOOR) ≈ 1e-13, which the
+    split levels hold there and this level rounds to zero.
+
+    Shapes: g, gcum [..., C, K] -> ``LevelFactors(e_first = exp(R − G_j), e_second = exp(G_t − R)``
+    [..., C / TILE, TILE, K], ``rows``, ``cols`` left empty, ``same`` [..., C / TILE, TILE, 1, TILE] or None).
+    """
+    *lead, C, K = gcum.shape
+    if C < TILE or torch.compiler.is_compiling():  # the checks below are data-dependent: no graph of them
+        return None
+    exponent, same = _tile_exponents(gcum), None
+    if not _fits_tile(exponent):  # a reset at a tile's first token fits: its decay is between tiles
+        resets = g.amax(-1) <= -DECAY_FLOOR  # [..., C]
+        if not bool(resets.any()):
+            return None
+        exponent = _tile_exponents(gcum - (g * resets.unsqueeze(-1)).cumsum(-2))
+        if not _fits_tile(exponent):
+            return None
+        segment = resets.cumsum(-1).view(*lead, C // TILE, TILE)
+        same = (segment.unsqueeze(-1) == segment.unsqueeze(-2)).unsqueeze(-2).to(gcum.dtype)
+    e_second = exponent.exp_() if _may_overwrite(exponent, True) else exponent.exp()
+    empty = gcum.new_empty(0)
+    return LevelFactors(e_second.reciprocal(), e_second, empty, empty, same)
+
+
+def _tile_exponents(gcum: torch.Tensor) -> torch.Tensor:
+    """[..., C, K] -> ``G_t − R`` [..., C / TILE, TILE, K], R the log-decay after each tile's TILE/2-th token."""
+    tiles = gcum.view(*gcum.shape[:-2], -1, TILE, gcum.shape[-1])
+    return tiles - tiles[..., TILE // 2 - 1 : TILE // 2, :]
+
+
+def _fits_tile(exponent: torch.Tensor) -> bool:
+    low, high = torch.aminmax(exponent)
+    return max(-low.item(), high.item()) <= TILE_EXPONENT_LIMIT
+
+
 def _intra_chunk_scores(
-    q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, keep: list[LevelFactors] | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gcum: torch.Tensor,
+    keep: list[LevelFactors] | None = None,
+    tile: LevelFactors | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decay-weighted scores inside each chunk.
 
@@ -281,13 +347,16 @@ def _intra_chunk_scores(
     cumulative decay ``R`` at the end of the first half: ``exp(G_t − G_j) = exp(G_t − R)·exp(R − G_j)``, two
     factors ≤ 1 (for g ≤ 0), so strong decays never overflow and every block pair is one batched matmul.
 
+    With ``tile`` (:func:`_tile_factors`), blocks of ``TILE`` tokens and less are one level instead: every
+    pair inside a tile through the tile's reference.
+
     Shapes: q, k, gcum [..., C, K] (C a power of two) -> (A_qk, A_kk) [..., C, C]. ``keep`` (a list) receives
     each level's :class:`LevelFactors` for the hand-written backward.
     """
     *lead, C, K = q.shape
     qk = torch.stack((q, k), dim=-2)  # [..., C, 2, K]: a block's rows are q and k of each token
     parts = []
-    for b in _levels(C):
+    for b in _levels(C) if tile is None else [b for b in _levels(C) if b > TILE]:
         h, nb = b // 2, C // b
         g_first, g_second = gcum.view(*lead, nb, 2, h, K).unbind(-3)
         qk_first, qk_second = qk.view(*lead, nb, 2, h, 2, K).unbind(-4)
@@ -299,10 +368,20 @@ def _intra_chunk_scores(
         parts.append(block_product(rows, cols.transpose(-1, -2)).flatten(-3))  # [..., nb, 2h, h]
         if keep is not None:
             keep.append(LevelFactors(e_first, e_second, rows, cols))
+    if tile is not None:
+        nt = C // TILE
+        rows = (qk.view(*lead, nt, TILE, 2, K) * tile.e_second.unsqueeze(-2)).view(*lead, nt, 2 * TILE, K)
+        cols = tile.e_first * k.view(*lead, nt, TILE, K)
+        block = block_product(rows, cols.transpose(-1, -2))  # [..., nt, 2·TILE, TILE]
+        if tile.same is not None:
+            block = (block.view(*lead, nt, TILE, 2, TILE) * tile.same).view_as(block)
+        parts.append(block.flatten(-3))
+        if keep is not None:
+            keep.append(tile._replace(rows=rows, cols=cols))
     parts.append((q * k).sum(-1))
     parts.append(q.new_zeros(()).expand(*lead, 1))
     flat = torch.cat(parts, dim=-1)
-    scores = flat.view(-1, flat.shape[-1]).index_select(1, _score_index(C, q.device))
+    scores = flat.view(-1, flat.shape[-1]).index_select(1, _score_index(C, q.device, tile is not None))
     a_qk, a_kk = scores.view(*lead, 2, C, C).unbind(-3)
     return a_qk, a_kk
 
@@ -386,7 +465,7 @@ def _chunk_forward(
     v [B, HV, N, C, V], beta [B, HV, N, C], state [B, HV, K, V] -> (o [B, HV, N, C, V], final state, and
     with ``keep`` (a list for the level factors) the tensors :func:`chunk_kda_backward` reads)."""
     gcum = g.cumsum(dim=-2)
-    a_qk, a_kk = _intra_chunk_scores(q, k, gcum, keep)
+    a_qk, a_kk = _intra_chunk_scores(q, k, gcum, keep, _tile_factors(g, gcum))
     decay = _decay(gcum)
     q_decayed, k_decayed = q * decay, k * decay
     w, u, inverse = _wy_transform(a_kk, k_decayed, v, beta)
@@ -418,7 +497,8 @@ class _ChunkKDA(torch.autograd.Function):
         o, final, saved = _chunk_forward(q, k, v, g, beta, initial, levels)
         ctx.n_levels = len(levels)
         ctx.save_for_backward(*saved, *(t for level in levels for t in level))
-        ctx.gather_back = _score_gather_back(chunk, q.device)
+        tiled = any(level.whole_blocks(chunk) for level in levels)
+        ctx.gather_back = _score_gather_back(chunk, q.device, tiled)
         return o, final
 
     @staticmethod
@@ -427,7 +507,8 @@ class _ChunkKDA(torch.autograd.Function):
         tensors = ctx.saved_tensors
         saved = ChunkSaved(*tensors[: len(ChunkSaved._fields)])
         flat = tensors[len(ChunkSaved._fields) :]
-        levels = [LevelFactors(*flat[4 * i : 4 * i + 4]) for i in range(ctx.n_levels)]
+        n = len(LevelFactors._fields)
+        levels = [LevelFactors(*flat[n * i : n * i + n]) for i in range(ctx.n_levels)]
         device, enabled, dtype = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             dq, dk, dv, dg, dbeta, d_state = chunk_kda_backward(saved, levels, ctx.gather_back, d_o, d_final)
@@ -460,7 +541,9 @@ def chunk_kda(
     Numerics: every exponential is of a log-decay summed over the span between two tokens (≤ 0 for g ≤ 0),
     so strong decays underflow rather than overflow; decays below ``exp(-DECAY_FLOOR)`` ≈ 1e-13 are held
     there. Spans are differences of fp32 cumulative sums within a chunk, so a decay carries a relative error
-    of about 1e-7·|Σ_chunk g| (as in fla's chunk kernels); a smaller ``chunk_size`` tightens it.
+    of about 1e-7·|Σ_chunk g| (as in fla's chunk kernels); a smaller ``chunk_size`` tightens it. Pairs inside
+    a ``TILE``-token tile go through one reference decay per tile where the tile's log-decays allow it (K3's
+    bounded gate always does): factors up to exp(±TILE_EXPONENT_LIMIT), their products ≤ 1 as before.
 
     Args:
         q, k: [B, T, H, K]. v: [B, T, HV, V]. g: [B, T, HV, K] log-decay. beta: [B, T, HV].

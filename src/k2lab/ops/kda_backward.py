@@ -15,7 +15,7 @@ and, given dO [C, V] and dS' [K, V] (the gradient reaching the next chunk's stat
 
 The scores ``A[t, j] = Σ_d a_td k_jd exp(G_td − G_jd)`` (a = q or k) depend on G only through differences,
 so their part of dG is ``a ⊙ da − k ⊙ dk_col`` (row minus column gradients); they are differentiated level
-by level through the same binary split as the forward (:class:`LevelFactors`). Each decay factor
+by level through the same binary split (and tile level) as the forward (:class:`LevelFactors`). Each decay factor
 ``e = exp(x)`` contributes ``e · de`` to dx (at the forward's decay floor the true derivative differs by
 less than 1e-13 relative). Finally ``dg`` is the reverse cumulative sum of ``dG`` over each chunk.
 
@@ -24,6 +24,7 @@ All tensors are chunked [B, HV, N, C, ·] (``N`` chunks); see ``k2lab.ops.kda`` 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -32,14 +33,26 @@ from k2lab.ops.autocast import matmul_operand
 
 
 class LevelFactors(NamedTuple):
-    """One level of the forward's binary split (blocks of b = 2h tokens, nb = C / b of them per chunk):
-    ``e_first = exp(R − G_j)`` and ``e_second = exp(G_t − R)`` [..., nb, h, K], ``rows`` (q and k of the second
-    half times e_second, interleaved) [..., nb, 2h, K], ``cols = e_first ⊙ k`` of the first half [..., nb, h, K]."""
+    """One level of the forward's intra-chunk scores, through a reference log-decay R per block.
+
+    A level of the binary split (blocks of b = 2h tokens, nb = C / b of them per chunk): ``e_first = exp(R −
+    G_j)`` and ``e_second = exp(G_t − R)`` [..., nb, h, K], ``rows`` (q and k of the second half times
+    e_second, interleaved) [..., nb, 2h, K], ``cols = e_first ⊙ k`` of the first half [..., nb, h, K].
+    The tile level (``k2lab.ops.kda``'s ``TILE``-token tiles, nb = C / h of them) pairs every token of a tile
+    with every other: the same fields over the whole tile, ``rows`` [..., nb, 2h, K], and ``same``
+    [..., nb, h, 1, h] (1 where t and j are in one packed document) when the chunk holds document resets.
+    """
 
     e_first: torch.Tensor
     e_second: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
+    same: torch.Tensor | None = None
+
+    def whole_blocks(self, chunk: int) -> bool:
+        """True for the tile level (its rows and columns are every token of a block), False for a split level."""
+        nb, h = self.cols.shape[-3:-1]
+        return nb * h == chunk
 
 
 class ChunkSaved(NamedTuple):
@@ -147,24 +160,31 @@ def _scores_backward(
     """Through the intra-chunk scores: dA_qk, dA_kk [..., C, C] -> (dq, dk, dG) [..., C, K].
 
     ``gather_back`` maps the forward's concatenated level scores to positions in the flattened ``[2, C, C]``
-    (only t ≥ j of A_qk and t > j of A_kk are read: the rest of dA never reaches an input).
-    """
+    (only t ≥ j of A_qk and t > j of A_kk are read: the rest of dA never reaches an input), or to ``2·C·C``,
+    a zero appended here, for the tile level's scores that no position reads (t ≤ j)."""
     *lead, C, K = q.shape
-    d_scores = torch.stack((d_a_qk, d_a_kk), dim=-3).view(-1, 2 * C * C)
+    d_flat = (x.reshape(-1, C * C) for x in (d_a_qk, d_a_kk))
+    d_scores = torch.cat((*d_flat, q.new_zeros(math.prod(lead), 1)), dim=1)
     d_rows = q.new_zeros(*lead, 2, C, K)  # gradients of the score rows: q's, then k's
     d_cols = q.new_zeros(*lead, C, K)  # of the score columns (k of each token)
     start = 0
     for level in levels:
         nb, h = level.cols.shape[-3:-1]
+        size = nb * level.rows.shape[-2] * h
         # gathered level by level: a contiguous block is a fast batched matmul operand, a slice is not
-        d_block = d_scores.index_select(1, gather_back[start : start + C * h]).view(*lead, nb, 2 * h, h)
+        d_block = d_scores.index_select(1, gather_back[start : start + size]).view(*lead, nb, -1, h)
+        start += size
+        if level.same is not None:
+            d_block = (d_block.view(*lead, nb, h, 2, h) * level.same).view_as(d_block)
         d_block = matmul_operand(d_block) if h > 1 else d_block
-        start += C * h
+        if level.whole_blocks(C):
+            row_grads, col_grads = d_rows.view(*lead, 2, nb, h, K), d_cols.view(*lead, nb, h, K)
+        else:
+            row_grads = d_rows.view(*lead, 2, nb, 2, h, K)[..., 1, :, :]
+            col_grads = d_cols.view(*lead, nb, 2, h, K)[..., 0, :, :]
         d_level_rows = block_product(d_block, level.cols).view(*lead, nb, h, 2, K).movedim(-2, -4)
-        d_rows.view(*lead, 2, nb, 2, h, K)[..., 1, :, :].addcmul_(d_level_rows, level.e_second.unsqueeze(-4))
-        d_cols.view(*lead, nb, 2, h, K)[..., 0, :, :].addcmul_(
-            block_product(d_block.mT, level.rows), level.e_first
-        )
+        row_grads.addcmul_(d_level_rows, level.e_second.unsqueeze(-4))
+        col_grads.addcmul_(block_product(d_block.mT, level.rows), level.e_first)
     d_diag = d_scores.index_select(1, gather_back[start:]).view(*lead, C, 1)
     d_q, d_k = d_rows.unbind(-3)
     d_g = torch.addcmul(q * d_q, k, d_k - d_cols)  # the diagonal q·k has no decay: no dG
