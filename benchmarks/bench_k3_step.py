@@ -4,7 +4,7 @@ Each side is one step of ``k2lab.train.trainer.Trainer`` exactly as ``k2lab trai
 recipe (``recipes/k2-mini-demo.toml``: MuonClip, DeepSeek-V3 bias rule; ``recipes/k3-mini.toml``: MuonClip
 with Per-Head Muon, Quantile Balancing, document masking), on the same random batch [batch, seq] (one
 document per row), at the precision ``k2lab.hardware`` picks (``--precision`` forces one). Timing: warmup
-steps until the heap is steady (``timing.warm_until_steady``: ≈ 8–10 steps; the first steps of a run
+steps until the heap is steady (``timing.warm_until_steady``: ≈ 25–30 steps; the first steps of a run
 first-touch fresh memory), then ``--repeats`` steps alternating k2 / k3, medians. Rows: the full step
 (``train_step`` + ``update``) and the forward + backward alone (``loss_of`` + ``backward``).
 ``ratio = k3 seconds ÷ k2 seconds`` (lower is better; the issue-20 target is ≤ 1.5 for the full step).

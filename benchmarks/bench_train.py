@@ -20,7 +20,7 @@ Sides:
 
 Each row runs in fp32 and, where the CPU has native bf16 (``--precision`` overrides), under bf16 autocast
 (``torch.autocast("cpu", bfloat16)`` around the forward on both sides; the loss is computed in fp32).
-Timing: warmup steps until the heap is steady (``timing.warm_until_steady``: ≈ 8–10 steps a side), then
+Timing: warmup steps until the heap is steady (``timing.warm_until_steady``: ≈ 25–30 steps a side), then
 ``--repeats`` steps alternating k2lab / transformers (so machine noise hits both alike), median wall time
 per side.
 ``ratio = k2lab tokens/s ÷ transformers tokens/s`` (> 1: k2lab faster).

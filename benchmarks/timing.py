@@ -16,9 +16,12 @@ from k2lab.allocator import keep_freed_memory
 keep_freed_memory()  # as the k2lab command does (k2lab.allocator); both sides of a comparison share it
 
 
-# A side is warm once one call of it faults in fewer fresh pages than this (8 MiB of 4 KiB pages).
+# A call is quiet when it faults in fewer fresh pages than this (8 MiB of 4 KiB pages); the heap is steady
+# after this many quiet rounds in a row (a k2-mini or k3-mini step faults in 5–15k pages now and then, with
+# quiet steps between, for its first ≈ 25 steps).
 STEADY_FAULTS = 2048
-MAX_WARMUP_ROUNDS = 30
+STEADY_ROUNDS = 3
+MAX_WARMUP_ROUNDS = 40
 
 
 def page_faults() -> int:
@@ -31,22 +34,25 @@ def warm_until_steady(
 ) -> int:
     """Untimed rounds of every ``fn()`` until the process heap is steady; returns the rounds run.
 
-    At least ``rounds`` rounds, then more until, in one round, no call faulted in ``STEADY_FAULTS`` fresh
-    pages or more (``max_rounds`` at most). A training step frees and re-allocates hundreds of MB of
-    activations each call; with freed memory kept (``k2lab.allocator``) the heap still grows for the first
-    few steps, until its free blocks fit every allocation, and till then each step first-touches fresh pages
-    (≈ 20,000 faults a k2-mini or k3-mini step on a KVM guest, ≈ 150–250 ms of it; steady after ≈ 8–10 steps).
-    A long training run lives in the steady state, so that is what the timed calls measure.
+    At least ``rounds`` rounds, then more until the last ``STEADY_ROUNDS`` rounds in a row were quiet: no call
+    in them faulted in ``STEADY_FAULTS`` fresh pages or more (``max_rounds`` at most). A training step frees
+    and re-allocates hundreds of MB of activations each call; with freed memory kept (``k2lab.allocator``) the
+    heap still grows for the first steps, until its free blocks fit every allocation, and till then steps
+    first-touch fresh pages (≈ 20,000 faults in each of the first few k2-mini or k3-mini steps on a KVM guest,
+    ≈ 150–250 ms of it, then 5–15k now and then, with quiet steps between, until ≈ step 25). A long training
+    run lives in the steady state, so that is what the timed calls measure.
     """
     if rounds <= 0:
         return 0
+    quiet = 0
     for round_ in range(max_rounds):
         faulted = []
         for fn in fns:
             before = page_faults()
             fn()
             faulted.append(page_faults() - before)
-        if round_ + 1 >= rounds and max(faulted) < STEADY_FAULTS:
+        quiet = quiet + 1 if max(faulted) < STEADY_FAULTS else 0
+        if round_ + 1 >= rounds and quiet >= STEADY_ROUNDS:
             return round_ + 1
     return max_rounds
 

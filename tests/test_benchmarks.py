@@ -48,12 +48,14 @@ def test_benchmark_smoke_run(script, tmp_path):
 
 def test_alternating_medians_rotate_the_order_of_the_sides(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from timing import alternating_medians
+    from timing import STEADY_ROUNDS, alternating_medians
 
     calls: list[str] = []
     medians = alternating_medians([lambda n=n: calls.append(n) for n in "abc"], repeats=3, warmup=1)
     assert len(medians) == 3
-    assert "".join(calls) == "abc" + "abc" + "bca" + "cab"  # warm-up, then one rotation per round
+    assert (
+        "".join(calls) == "abc" * STEADY_ROUNDS + "abc" + "bca" + "cab"
+    )  # warm-up, then one rotation a round
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
@@ -75,18 +77,24 @@ def _touch_fresh_pages(pages: int = 4096) -> None:
 
 def test_warm_until_steady_stops_once_no_call_faults_in_fresh_memory(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from timing import STEADY_FAULTS, warm_until_steady
+    from timing import STEADY_FAULTS, STEADY_ROUNDS, warm_until_steady
 
     calls: list[str] = []
-    assert warm_until_steady([lambda: calls.append("a"), lambda: calls.append("b")], rounds=3) == 3
-    assert "".join(calls) == "ababab"  # quiet sides: exactly the rounds asked for
+    assert warm_until_steady([lambda: calls.append("a"), lambda: calls.append("b")], rounds=4) == 4
+    assert "".join(calls) == "abababab"  # quiet sides: exactly the rounds asked for
+    assert warm_until_steady([lambda: None], rounds=1) == STEADY_ROUNDS  # steady takes that many quiet rounds
     assert warm_until_steady([lambda: None], rounds=0) == 0
 
-    growing = iter(range(100))
+    def faulting_at(calls_that_fault: set[int]):
+        count = iter(range(100))
 
-    def settles_after_two_calls() -> None:
-        if next(growing) < 2:
-            _touch_fresh_pages(2 * STEADY_FAULTS)
+        def call() -> None:
+            if next(count) in calls_that_fault:
+                _touch_fresh_pages(2 * STEADY_FAULTS)
 
-    assert warm_until_steady([lambda: None, settles_after_two_calls], rounds=1) == 3
+        return call
+
+    assert warm_until_steady([lambda: None, faulting_at({0, 1})], rounds=1) == 2 + STEADY_ROUNDS
+    # a quiet round between faulting ones is not yet steady
+    assert warm_until_steady([faulting_at({0, 2})], rounds=1) == 3 + STEADY_ROUNDS
     assert warm_until_steady([lambda: _touch_fresh_pages(2 * STEADY_FAULTS)], max_rounds=4) == 4
