@@ -53,9 +53,8 @@ def test_alternating_medians_rotate_the_order_of_the_sides(monkeypatch):
     calls: list[str] = []
     medians = alternating_medians([lambda n=n: calls.append(n) for n in "abc"], repeats=3, warmup=1)
     assert len(medians) == 3
-    assert (
-        "".join(calls) == "abc" * STEADY_ROUNDS + "abc" + "bca" + "cab"
-    )  # warm-up, then one rotation a round
+    # the warm-up's quiet rounds, then one rotation a round
+    assert "".join(calls) == "abc" * STEADY_ROUNDS + "abc" + "bca" + "cab"
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
@@ -75,7 +74,7 @@ def _touch_fresh_pages(pages: int = 4096) -> None:
             memory[offset] = 1
 
 
-def test_warm_until_steady_stops_once_no_call_faults_in_fresh_memory(monkeypatch):
+def test_warm_until_steady_stops_after_quiet_rounds_in_a_row(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from timing import STEADY_FAULTS, STEADY_ROUNDS, warm_until_steady
 

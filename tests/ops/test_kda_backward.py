@@ -188,8 +188,8 @@ def test_tile_level_matches_the_binary_split(monkeypatch, resets):
 
 def test_tile_factors_only_where_the_spans_fit():
     """The tile level needs |G_t − R| ≤ TILE_EXPONENT_LIMIT: K3's gate (> −5) always fits, a gate of −6 per
-    token over 8 tokens does not, a reset token (≤ −DECAY_FLOOR in every channel) inside a tile is masked rather than
-    refused, and one channel that low alone is refused."""
+    token over 8 tokens does not, a reset token (≤ −DECAY_FLOOR in every channel) inside a tile is masked
+    rather than refused (at a tile's first token it needs no mask), and one channel that low alone is refused."""
     x = make_inputs(64, B=1, HV=2, K=8, V=8, kind="lower_bound", seed=12)
     g = x["g"].transpose(1, 2).contiguous()  # [B, HV, T, K]: one chunk
     factors = kda_ops._tile_factors(g, g.cumsum(-2))
