@@ -7,6 +7,9 @@ matmul per weight (``ops.grouped_mm``), scale each row by its routing weight (fp
 
     y_n = Σ_{k} w_{n,k} · W_down[e_{n,k}] act(W_gate[e_{n,k}] x_n, W_up[e_{n,k}] x_n)
 
+On CPU, with enough rows per expert, each expert's group is padded to a multiple of ``GROUP_ROWS`` rows
+(repeats of token 0 whose outputs are never read back), so that the products' shapes come from a small set that
+oneDNN's primitive cache keeps (``_padded_groups``).
 ``act`` is SwiGLU ``silu(g) ⊙ u`` by default, or SiTU-GLU (``k2lab.nn.activations``). The sum runs in
 ``out_dtype`` (default: x's dtype, as K2; fp32 for the latent branch, which normalises the sum next).
 No loop over tokens and no compute for unselected experts.
@@ -55,6 +58,40 @@ def _row_products(h_RI: torch.Tensor, w_EOI: torch.Tensor, expert_R: torch.Tenso
     return torch.bmm(h_RI.unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
 
 
+# Rows of each expert's group rounded up to a multiple of this on CPU (0: off). oneDNN builds and caches one
+# primitive per product shape (1,024 of them); a training run's groups take a new row count at nearly every
+# step, so without rounding its cache thrashes and rebuilds primitives (≈ 0.7 ms each; docs/performance.md).
+GROUP_ROWS = 32
+PAD_MIN_GROUPS = 8
+
+
+def _padded_groups(
+    token_of_row: torch.Tensor, flat_expert: torch.Tensor, order: torch.Tensor, counts_E: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The grouped products' rows with each expert's group padded to a multiple of ``GROUP_ROWS``.
+
+    token_of_row [R] (token of each expert-sorted row), flat_expert [R], order [R] (the sort), counts_E [E]
+    -> (token of each padded slot [S], slot of each sorted row [R], padded counts [E]). A padding slot repeats
+    token 0: its product rows are never read back, so their gradient is zero and so is what they add to the
+    weights' gradients and to token 0's. Unchanged (and no slots) off CPU, while compiling, with
+    ``GROUP_ROWS`` 0, or for fewer than ``PAD_MIN_GROUPS`` · ``GROUP_ROWS`` rows per expert on average (the
+    padding adds at most E · (GROUP_ROWS − 1) rows: at most 1/8 more there, half that on average)."""
+    rows, experts = len(order), len(counts_E)
+    if (
+        not GROUP_ROWS
+        or rows < PAD_MIN_GROUPS * GROUP_ROWS * experts
+        or token_of_row.device.type != "cpu"
+        or torch.compiler.is_compiling()
+    ):
+        return token_of_row, None, counts_E
+    padded_E = (counts_E + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    shift_E = (padded_E.cumsum(0) - padded_E) - (counts_E.cumsum(0) - counts_E)  # padded start − start
+    slot_of_row = torch.arange(rows, device=order.device) + shift_E[flat_expert.index_select(0, order)]
+    token_of_slot = token_of_row.new_zeros(int(padded_E.sum()))
+    token_of_slot[slot_of_row] = token_of_row
+    return token_of_slot, slot_of_row, padded_E
+
+
 class RoutedExperts(nn.Module):
     """Weights: gate_EFD, up_EFD [E, F, D] and down_EDF [E, D, F] (``[E, out, in]`` per expert)."""
 
@@ -98,12 +135,15 @@ class RoutedExperts(nn.Module):
 
         # index_select/index_add_ rather than x[rows]: the backward of advanced indexing
         # (index_put_ with accumulate) is several times slower on CPU.
-        x_sorted = x_ND.index_select(0, token_of_row)
+        token_of_slot, slot_of_row, counts_E = _padded_groups(token_of_row, flat_expert, order, counts_E)
+        x_sorted = x_ND.index_select(0, token_of_slot)
         hidden = self.activation(
             grouped_matmul(x_sorted, self.gate_proj, counts_E),
             grouped_matmul(x_sorted, self.up_proj, counts_E),
         )
         y_sorted = grouped_matmul(hidden, self.down_proj, counts_E)
+        if slot_of_row is not None:
+            y_sorted = y_sorted.index_select(0, slot_of_row)
         row_weight = weights_NK.reshape(-1).index_select(0, order).unsqueeze(1)
         y_sorted = (y_sorted.float() * row_weight).to(out_dtype)
         return torch.zeros_like(x_ND, dtype=out_dtype).index_add_(0, token_of_row, y_sorted)
