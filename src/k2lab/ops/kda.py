@@ -213,9 +213,10 @@ def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x.reshape(*x.shape[:2], -1, chunk, *x.shape[3:])
 
 
-def _levels(chunk: int) -> list[int]:
-    """Block sizes of the binary split of a chunk: chunk, chunk/2, ..., 2."""
-    return [chunk >> i for i in range(chunk.bit_length() - 1)]
+def _levels(chunk: int, tiled: bool = False) -> list[int]:
+    """Block sizes of the binary split of a chunk: chunk, chunk/2, ..., 2 (``tiled``: only those above
+    ``TILE``, the tile level taking the rest)."""
+    return [chunk >> i for i in range(chunk.bit_length() - 1) if not tiled or chunk >> i > TILE]
 
 
 def _score_index(chunk: int, device: torch.device, tiled: bool) -> torch.Tensor:
@@ -260,19 +261,19 @@ def _build_score_index(chunk: int, device: torch.device, tiled: bool) -> torch.T
     Then ``C`` diagonal q·k values and one zero, which every entry above the diagonal (and the diagonal of
     A_kk) points to.
     """
-    tile = TILE if tiled else 1
-    levels = [b for b in _levels(chunk) if b > tile]
-    sizes = [chunk * b // 2 for b in levels] + [2 * chunk * tile if tiled else 0]
-    offset = {b: sum(sizes[:i]) for i, b in enumerate([*levels, tile])}
-    diag = sum(sizes)
+    levels = _levels(chunk, tiled)
+    sizes = [chunk * b // 2 for b in levels]
+    offset = {b: sum(sizes[:i]) for i, b in enumerate(levels)}
+    tile_offset = sum(sizes)
+    diag = tile_offset + (2 * chunk * TILE if tiled else 0)
     index = torch.full((2, chunk, chunk), diag + chunk, dtype=torch.long)
     for t in range(chunk):
         index[0, t, t] = diag + t
         for j in range(t):
             b = 2 << ((t ^ j).bit_length() - 1)  # the smallest block holding both: t, j in different halves
-            if b <= tile:  # q_t·k_j at row 2·(t mod TILE) of its tile; k_t·k_j the next row
-                entry = offset[tile] + (t // tile) * 2 * tile * tile + (t % tile) * 2 * tile + j % tile
-                index[0, t, j], index[1, t, j] = entry, entry + tile
+            if tiled and b <= TILE:  # q_t·k_j at row 2·(t mod TILE) of its tile; k_t·k_j the next row
+                entry = tile_offset + (t // TILE) * 2 * TILE * TILE + (t % TILE) * 2 * TILE + j % TILE
+                index[0, t, j], index[1, t, j] = entry, entry + TILE
                 continue
             h = b // 2
             entry = offset[b] + (t // b) * 2 * h * h + (t % b - h) * 2 * h + j % b  # q_t·k_j; k_t·k_j is h on
@@ -363,7 +364,7 @@ def _intra_chunk_scores(
     *lead, C, K = q.shape
     qk = torch.stack((q, k), dim=-2)  # [..., C, 2, K]: a block's rows are q and k of each token
     parts = []
-    for b in _levels(C) if tile is None else [b for b in _levels(C) if b > TILE]:
+    for b in _levels(C, tiled=tile is not None):
         h, nb = b // 2, C // b
         g_first, g_second = gcum.view(*lead, nb, 2, h, K).unbind(-3)
         qk_first, qk_second = qk.view(*lead, nb, 2, h, 2, K).unbind(-4)
