@@ -66,17 +66,16 @@ PAD_MIN_GROUPS = 8
 
 
 def _padded_groups(
-    token_of_row: torch.Tensor, flat_expert: torch.Tensor, order: torch.Tensor, counts_E: torch.Tensor
+    token_of_row: torch.Tensor, counts_E: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The grouped products' rows with each expert's group padded to a multiple of ``GROUP_ROWS``.
 
-    token_of_row [R] (token of each expert-sorted row), flat_expert [R], order [R] (the sort), counts_E [E]
-    -> (token of each padded slot [S], slot of each sorted row [R], padded counts [E]). A padding slot repeats
-    token 0: its product rows are never read back, so their gradient is zero and so is what they add to the
-    weights' gradients and to token 0's. Unchanged (and no slots) off CPU, while compiling, with
+    token_of_row [R] (token of each expert-sorted row), counts_E [E] -> (token of each padded slot [S], slot
+    of each sorted row [R], padded counts [E]). A padding slot repeats token 0: its product rows are never read
+    back, so their gradient is zero and so is what they add to the weights' gradients and to token 0's. Unchanged (and no slots) off CPU, while compiling, with
     ``GROUP_ROWS`` 0, or for fewer than ``PAD_MIN_GROUPS`` · ``GROUP_ROWS`` rows per expert on average (the
     padding adds at most E · (GROUP_ROWS − 1) rows: at most 1/8 more there, half that on average)."""
-    rows, experts = len(order), len(counts_E)
+    rows, experts = len(token_of_row), len(counts_E)
     if (
         not GROUP_ROWS
         or rows < PAD_MIN_GROUPS * GROUP_ROWS * experts
@@ -86,7 +85,10 @@ def _padded_groups(
         return token_of_row, None, counts_E
     padded_E = (counts_E + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
     shift_E = (padded_E.cumsum(0) - padded_E) - (counts_E.cumsum(0) - counts_E)  # padded start − start
-    slot_of_row = torch.arange(rows, device=order.device) + shift_E[flat_expert.index_select(0, order)]
+    # the sorted rows come expert by expert, counts_E of each
+    slot_of_row = torch.arange(rows, device=token_of_row.device) + shift_E.repeat_interleave(
+        counts_E, output_size=rows
+    )
     token_of_slot = token_of_row.new_zeros(int(padded_E.sum()))
     token_of_slot[slot_of_row] = token_of_row
     return token_of_slot, slot_of_row, padded_E
@@ -135,7 +137,7 @@ class RoutedExperts(nn.Module):
 
         # index_select/index_add_ rather than x[rows]: the backward of advanced indexing
         # (index_put_ with accumulate) is several times slower on CPU.
-        token_of_slot, slot_of_row, counts_E = _padded_groups(token_of_row, flat_expert, order, counts_E)
+        token_of_slot, slot_of_row, counts_E = _padded_groups(token_of_row, counts_E)
         x_sorted = x_ND.index_select(0, token_of_slot)
         hidden = self.activation(
             grouped_matmul(x_sorted, self.gate_proj, counts_E),
