@@ -129,9 +129,7 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(tmp_path, corpus)
     env = {**os.environ, "K2LAB_CACHE_DIR": str(tmp_path / "cache")}
 
     def train_command(out: Path) -> list[str]:
-        config = tmp_path / f"{out.name}.toml"
-        config.write_text(recipe(tmp_path, corpus, out, steps).read_text())
-        return [sys.executable, "-m", "k2lab", "train", "--recipe", str(config)]
+        return [sys.executable, "-m", "k2lab", "train", "--recipe", str(recipe(tmp_path, corpus, out, steps))]
 
     reference = tmp_path / "reference"
     done = subprocess.run(train_command(reference), env=env, capture_output=True, text=True)
