@@ -12,7 +12,8 @@ Only (c_KV, k_R) are cached, side by side as one key row ``[c_KV ; k_R]`` (width
 absorbed form: ``q̃^h = (W_UK^h)ᵀ q_C^h`` scores directly against the cached rows,
 ``softmax(scale·[q̃^h ; q_R^h]·[c_KV ; k_R]) c_KV`` is expanded once by W_UV^h, so past tokens are never
 re-expanded. Both paths run ``F.scaled_dot_product_attention``; on CPU the values are zero-padded to the
-query width, which selects the fused (flash) kernel instead of the unfused math fallback.
+query width, which selects the fused (flash) kernel instead of the unfused math fallback. A CPU training
+forward in bf16 takes ``k2lab.ops.attention``'s blocked backward after that kernel's forward.
 
 Variants (Kimi Linear, K3): ``mla_rope=False`` is NoPE MLA: the same projections, k_R still shared, but
 nothing is rotated (position comes from the KDA layers), scale stays qk_head_dim^-0.5 = 192^-0.5.
@@ -44,6 +45,7 @@ from k2lab.config import ModelConfig
 from k2lab.nn.decode_linear import cpu_fp32_inference, decode_linear
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import apply_rotary
+from k2lab.ops.attention import attention
 
 
 @dataclass
@@ -175,18 +177,14 @@ class MultiHeadLatentAttention(nn.Module):
             batch_max = self._max_logits(query, key, mask)
             previous = self.max_logits
             self.max_logits = batch_max if previous is None else torch.maximum(previous, batch_max)
-        if query.device.type == "cpu" and self.v_dim < query.shape[-1]:
-            # The CPU flash kernel needs equal q/k/v widths; zero value columns add zero output columns.
-            value = F.pad(value, (0, query.shape[-1] - self.v_dim))
-        out = F.scaled_dot_product_attention(
+        out = attention(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
-            attn_mask=mask.allowed,
-            is_causal=mask.allowed is None,
-            scale=self.softmax_scale,
+            mask.allowed,
+            self.softmax_scale,
         )
-        return out.transpose(1, 2)[..., : self.v_dim]
+        return out.transpose(1, 2)
 
     # ---- QK-Clip hook ---------------------------------------------------------------------------------
     @torch.no_grad()
