@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from k2lab.nn.attnres import AttnRes, BlockAttnResState, attnres
+from k2lab.nn.attnres import AttnRes, BlockAttnResState, attnres, attnres_reference, source_inverse_rms
 from tests.fla_naive import load_naive
 
 
@@ -49,6 +49,34 @@ def test_gradients_reach_query_key_norm_and_every_source(naive_attnres):
     for got, want in zip(grads, ref, strict=True):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_backward_equals_autograd_through_the_reference(kept, dtype):
+    """``attnres`` with gradients runs ``_AttnRes`` (r_i detached, their dependence on v_i written out); the
+    reference is autograd through the same forward, r_i included (computed inside, or kept by the caller
+    with their graph as ``BlockAttnResState`` keeps them). Both compute in fp32."""
+    torch.manual_seed(1)
+    D = 24
+    query, weight = torch.randn(D, requires_grad=True), (1 + 0.3 * torch.randn(D)).requires_grad_()
+    scales = torch.rand(5, 2, 7, 1) * 4
+    sources = [(torch.randn(2, 7, D) * scales[i]).to(dtype).requires_grad_() for i in range(5)]
+    grad_out = torch.randn(2, 7, D).to(dtype)
+    results = []
+    for fn, inputs in (
+        (attnres, sources),
+        (attnres_reference, [s.detach().float().requires_grad_() for s in sources]),
+    ):
+        # the reference on fp32 copies: autograd would round the kept r_i's gradient to bf16 on its own path
+        kept_rms = [source_inverse_rms(v, 1e-6) for v in inputs] if kept else None
+        out = fn(query, inputs, weight, 1e-6, kept_rms)
+        results.append((out, *torch.autograd.grad(out, [query, weight, *inputs], grad_out.to(out.dtype))))
+    for got, want in zip(*results, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+        else:  # ours rounds the fp32 result once to bf16: within one bf16 ulp of the fp32 reference
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-5)
 
 
 def test_zero_query_is_the_mean_and_one_source_is_identity():

@@ -39,10 +39,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from k2lab.nn.norm import RMSNorm
 
-__all__ = ["AttnRes", "BlockAttnResState", "attnres", "source_inverse_rms"]
+__all__ = ["AttnRes", "BlockAttnResState", "attnres", "attnres_reference", "source_inverse_rms"]
 
 
 def source_inverse_rms(source: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -62,20 +63,100 @@ def attnres(
     query [D], sources S ≥ 1 tensors [..., D] of one shape, key_norm_weight [D] -> [..., D] in the first
     source's dtype; computed in fp32. The keys are never materialised: w · (r_i v_i ⊙ g) = r_i (v_i · (w ⊙ g)),
     one matrix-vector product per source, with r_i = ``source_inverse_rms(v_i)`` (passed in ``inverse_rms``
-    when the caller keeps them, as ``BlockAttnResState`` does for completed blocks).
+    when the caller keeps them, as ``BlockAttnResState`` does for completed blocks). With gradients (eager) it
+    runs as ``_AttnRes``, whose backward is written out; :func:`attnres_reference` is the same forward for
+    autograd (and for torch.compile).
     """
     if not sources:
         raise ValueError("attnres needs at least one source")
+    tensors = (query, key_norm_weight, *sources)
+    if (
+        not torch.is_grad_enabled()
+        or not any(t.requires_grad for t in tensors)
+        or torch.compiler.is_compiling()
+    ):
+        return attnres_reference(query, sources, key_norm_weight, eps, inverse_rms)
+    values = [source.float() for source in sources]
+    with torch.no_grad():  # r_i's dependence on v_i is in _AttnRes's backward
+        if inverse_rms is None:
+            inverse_rms = [source_inverse_rms(v, eps) for v in values]
+        inverse_rms = [r.detach() for r in inverse_rms]
+    return _AttnRes.apply(query, key_norm_weight, len(values), *values, *inverse_rms).to(sources[0].dtype)
+
+
+def attnres_reference(
+    query: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    key_norm_weight: torch.Tensor,
+    eps: float = 1e-6,
+    inverse_rms: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`attnres` by autograd through its forward (the reference tier of ``_AttnRes``'s backward)."""
     values = [source.float() for source in sources]
     if inverse_rms is None:
         inverse_rms = [source_inverse_rms(v, eps) for v in values]
+    return _mixture(query, key_norm_weight, values, inverse_rms)[0].to(sources[0].dtype)
+
+
+def _mixture(
+    query: torch.Tensor,
+    key_norm_weight: torch.Tensor,
+    values: Sequence[torch.Tensor],
+    inverse_rms: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [..., D], the weights a [S, ...], p = w ⊙ g [D]) for fp32 values [..., D] and r_i [...]."""
     projected = query.float() * key_norm_weight.float()  # w ⊙ g [D]
     logits = torch.stack([(v @ projected) * r for v, r in zip(values, inverse_rms, strict=True)])  # [S, ...]
-    weights = logits.softmax(dim=0).unsqueeze(-1)  # [S, ..., 1]
-    h = weights[0] * values[0]
+    weights = logits.softmax(dim=0)  # [S, ...]
+    h = weights[0].unsqueeze(-1) * values[0]
     for weight, value in zip(weights[1:], values[1:], strict=True):
-        h = torch.addcmul(h, weight, value)
-    return h.to(sources[0].dtype)
+        h = torch.addcmul(h, weight.unsqueeze(-1), value)
+    return h, weights, projected
+
+
+class _AttnRes(torch.autograd.Function):
+    """``_mixture`` with its backward written out. With z_i = r_i (v_i · p), a = softmax(z), h = Σ_i a_i v_i,
+    and dh the incoming gradient (per token, D the width):
+
+        da_i = dh · v_i,   dz_i = a_i (da_i − Σ_j a_j da_j)
+        dv_i = a_i dh + dz_i r_i p − (dz_i z_i r_i² / D) v_i      (the last term: r_i's dependence on v_i,
+                                                                   ∂r_i/∂v_i = −r_i³ v_i / D)
+        dp = Σ_tokens Σ_i dz_i r_i v_i,   dw = dp ⊙ g,   dg = dp ⊙ w
+
+    The r_i come in detached (computed from the v_i, or kept by the caller for completed blocks): autograd
+    through ``source_inverse_rms`` (its pow, mean and rsqrt, broadcast back over D) took most of the backward's
+    time, and autograd's chain through the stack, softmax, matrix-vector products and ``addcmul`` ≈ 2× the
+    passes over the [..., D] tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key_norm_weight, n_sources, *tensors):  # noqa: ANN001, ANN205 - autograd protocol
+        values, inverse_rms = tensors[:n_sources], tensors[n_sources:]
+        h, weights, projected = _mixture(query, key_norm_weight, values, inverse_rms)
+        ctx.save_for_backward(query, key_norm_weight, projected, weights, *values, *inverse_rms)
+        ctx.n_sources = n_sources
+        return h
+
+    @staticmethod
+    @once_differentiable  # a second derivative through it would be silently wrong: an error instead
+    def backward(ctx, dh):  # noqa: ANN001, ANN205 - autograd.Function protocol
+        query, key_norm_weight, projected, weights, *rest = ctx.saved_tensors
+        values, inverse_rms = rest[: ctx.n_sources], rest[ctx.n_sources :]
+        dh = dh.float()
+        width = dh.shape[-1]
+        d_weights = torch.stack([torch.linalg.vecdot(dh, v) for v in values])  # da_i [S, ...]
+        d_logits = weights * (d_weights - (weights * d_weights).sum(0, keepdim=True))  # dz_i
+        d_values = []
+        d_projected = torch.zeros_like(projected)
+        for weight, d_logit, value, r in zip(weights, d_logits, values, inverse_rms, strict=True):
+            scaled = d_logit * r  # dz_i r_i [...]
+            through_rms = scaled * (value @ projected) * r.square() / -width  # −dz_i z_i r_i² / D
+            d_value = torch.addcmul(weight.unsqueeze(-1) * dh, scaled.unsqueeze(-1), projected)
+            d_values.append(d_value.addcmul_(through_rms.unsqueeze(-1), value))
+            d_projected += scaled.reshape(-1) @ value.reshape(-1, width)
+        d_query = (d_projected * key_norm_weight.float()).to(query.dtype)
+        d_key_norm = (d_projected * query.float()).to(key_norm_weight.dtype)
+        return d_query, d_key_norm, None, *d_values, *([None] * ctx.n_sources)
 
 
 class AttnRes(nn.Module):
