@@ -73,6 +73,35 @@ def test_autocast_bf16_matches_the_unfused_autocast_step() -> None:
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_large_losses_come_from_logsumexp(autocast: bool) -> None:
+    """Rows whose label probability nears fp32 underflow (ℓ > 80) take logsumexp(z) − z_y; −log p_y would
+    be inf (p_y = 0) or lose digits (denormal). Losses here reach ≈ 130 and ≈ 1,000."""
+    hidden, weight, labels = inputs(4)
+    with torch.no_grad():
+        hidden[:4] *= 40.0  # confident rows
+        logits = F.linear(hidden, weight)
+        labels[:4] = logits[:4].argmin(-1)  # and wrong
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = loss_and_grads(unfused, hidden, weight, labels)
+        got = loss_and_grads(linear_cross_entropy, hidden, weight, labels)
+        per_row = F.cross_entropy(F.linear(hidden[:4], weight).float(), labels[:4], reduction="none")
+    assert per_row.min() > 80 and torch.isfinite(got[0])
+    tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **tolerance)
+
+
+def test_bf16_hidden_and_head_without_autocast() -> None:
+    hidden, weight, labels = inputs(5)
+    hidden, weight = (x.detach().bfloat16().requires_grad_() for x in (hidden, weight))
+    want = loss_and_grads(unfused, hidden, weight, labels)
+    got = loss_and_grads(linear_cross_entropy, hidden, weight, labels)
+    assert got[1].dtype == got[2].dtype == torch.bfloat16
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-3)
+
+
 def test_chunk_rows_bound_the_logits() -> None:
     assert default_chunk_rows(8192) == 2048  # k2-mini's 2,048 training rows in one chunk
     assert default_chunk_rows(163_840) == 102  # K2's vocabulary: 64 MiB of fp32 logits a chunk
