@@ -92,6 +92,23 @@ def test_large_losses_come_from_logsumexp(autocast: bool) -> None:
         torch.testing.assert_close(g, w, **tolerance)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_accelerator_branch_takes_logsumexp_for_every_row(monkeypatch, autocast: bool) -> None:
+    """Where reading a flag back would stop the host (an accelerator), every row's ℓ is logsumexp(z) − z_y
+    with no check; run here on CPU by patching the device test, with the large-loss rows included."""
+    monkeypatch.setattr("k2lab.ops.linear_cross_entropy._host_reads_cheaply", lambda device: False)
+    hidden, weight, labels = inputs(6)
+    with torch.no_grad():
+        hidden[:3] *= 40.0
+        labels[:3] = F.linear(hidden, weight)[:3].argmin(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = loss_and_grads(unfused, hidden, weight, labels)
+        got = loss_and_grads(linear_cross_entropy, hidden, weight, labels)
+    tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **tolerance)
+
+
 def test_bf16_hidden_and_head_without_autocast() -> None:
     hidden, weight, labels = inputs(5)
     hidden, weight = (x.detach().bfloat16().requires_grad_() for x in (hidden, weight))

@@ -100,14 +100,20 @@ def _losses_and_grad(
     logits: torch.Tensor, target: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ℓ [n] and the rows of softmax(z) − onehot(y) [n, V] fp32 over a chunk's logits z = hidden Wᵀ [n, V]
-    (any float dtype; the softmax runs in fp32; fp32 logits are overwritten).
+    (any float dtype; the softmax runs in fp32; fp32 logits on CPU are overwritten).
 
     One fused softmax pass per row (max, exp and sum, normalise, over a row that stays in cache), where the
     chain max, subtract, exp, sum and scale made five passes over the whole chunk (half as fast on a Zen 5
-    at k2-mini's [2,048, 8,192]). ℓ = −log p_y carries p_y's relative error (≈ 1e-7) as an absolute one;
-    where ℓ > ``LOSS_FROM_PROBABILITY_MAX`` (p_y nearing fp32's smallest normal) the row's ℓ is
-    logsumexp(z) − z_y of its logits, formed again.
+    at k2-mini's [2,048, 8,192]). On CPU ℓ = −log p_y, which carries p_y's relative error (≈ 1e-7) as an
+    absolute one; where ℓ > ``LOSS_FROM_PROBABILITY_MAX`` (p_y nearing fp32's smallest normal) the row's ℓ is
+    logsumexp(z) − z_y of its logits, formed again. On an accelerator that check would stop the host once a
+    chunk, so ℓ = logsumexp(z) − z_y for every row (:func:`_exact_losses`, one more pass over the chunk).
     """
+    if not _host_reads_cheaply(logits.device):
+        losses = _exact_losses(logits, target)
+        return losses, torch.softmax(logits, dim=-1, dtype=torch.float32).scatter_add_(
+            1, target, torch.full_like(losses, -1.0).unsqueeze(1)
+        )
     if logits.dtype == torch.float32:
         probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place, row by row
     else:
@@ -116,10 +122,21 @@ def _losses_and_grad(
     losses = picked.log().neg_().squeeze(1)
     large = losses > LOSS_FROM_PROBABILITY_MAX
     if bool(large.any()):  # rare: far from fp32's range only for a badly wrong, confident model
-        z = F.linear(hidden[large], weight).float()
-        losses[large] = torch.logsumexp(z, -1) - z.gather(1, target[large]).squeeze(1)
+        losses[large] = _exact_losses(F.linear(hidden[large], weight), target[large])
     probs.scatter_add_(1, target, torch.full_like(picked, -1.0))
     return losses, probs
+
+
+def _host_reads_cheaply(device: torch.device) -> bool:
+    """Whether reading a value back to Python (``bool(tensor.any())``) costs nothing much: on CPU, not on an
+    accelerator, where it waits for the queued kernels."""
+    return device.type == "cpu"
+
+
+def _exact_losses(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """ℓ = logsumexp(z) − z_y [n] in fp32 for logits z [n, V] and targets [n, 1]."""
+    z = logits.float()
+    return torch.logsumexp(z, -1) - z.gather(1, target).squeeze(1)
 
 
 def _chunk_grads(
