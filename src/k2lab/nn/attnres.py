@@ -103,15 +103,16 @@ def _mixture(
     key_norm_weight: torch.Tensor,
     values: Sequence[torch.Tensor],
     inverse_rms: Sequence[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h [..., D], the weights a [S, ...], p = w ⊙ g [D]) for fp32 values [..., D] and r_i [...]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [..., D], the weights a [S, ...], p = w ⊙ g [D], the logits z [S, ...]) for fp32 values [..., D]
+    and r_i [...]."""
     projected = query.float() * key_norm_weight.float()  # w ⊙ g [D]
     logits = torch.stack([(v @ projected) * r for v, r in zip(values, inverse_rms, strict=True)])  # [S, ...]
     weights = logits.softmax(dim=0)  # [S, ...]
     h = weights[0].unsqueeze(-1) * values[0]
     for weight, value in zip(weights[1:], values[1:], strict=True):
         h = torch.addcmul(h, weight.unsqueeze(-1), value)
-    return h, weights, projected
+    return h, weights, projected, logits
 
 
 class _AttnRes(torch.autograd.Function):
@@ -132,15 +133,15 @@ class _AttnRes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_norm_weight, n_sources, *tensors):  # noqa: ANN001, ANN205 - autograd protocol
         values, inverse_rms = tensors[:n_sources], tensors[n_sources:]
-        h, weights, projected = _mixture(query, key_norm_weight, values, inverse_rms)
-        ctx.save_for_backward(query, key_norm_weight, projected, weights, *values, *inverse_rms)
+        h, weights, projected, logits = _mixture(query, key_norm_weight, values, inverse_rms)
+        ctx.save_for_backward(query, key_norm_weight, projected, weights, logits, *values, *inverse_rms)
         ctx.n_sources = n_sources
         return h
 
     @staticmethod
     @once_differentiable  # a second derivative through it would be silently wrong: an error instead
     def backward(ctx, dh):  # noqa: ANN001, ANN205 - autograd.Function protocol
-        query, key_norm_weight, projected, weights, *rest = ctx.saved_tensors
+        query, key_norm_weight, projected, weights, logits, *rest = ctx.saved_tensors
         values, inverse_rms = rest[: ctx.n_sources], rest[ctx.n_sources :]
         dh = dh.float()
         width = dh.shape[-1]
@@ -148,9 +149,11 @@ class _AttnRes(torch.autograd.Function):
         d_logits = weights * (d_weights - (weights * d_weights).sum(0, keepdim=True))  # dz_i
         d_values = []
         d_projected = torch.zeros_like(projected)
-        for weight, d_logit, value, r in zip(weights, d_logits, values, inverse_rms, strict=True):
+        for weight, logit, d_logit, value, r in zip(
+            weights, logits, d_logits, values, inverse_rms, strict=True
+        ):
             scaled = d_logit * r  # dz_i r_i [...]
-            through_rms = scaled * (value @ projected) * r.square() / -width  # −dz_i z_i r_i² / D
+            through_rms = d_logit * logit * r.square() / -width  # −dz_i z_i r_i² / D
             d_value = torch.addcmul(weight.unsqueeze(-1) * dh, scaled.unsqueeze(-1), projected)
             d_values.append(d_value.addcmul_(through_rms.unsqueeze(-1), value))
             d_projected += scaled.reshape(-1) @ value.reshape(-1, width)
