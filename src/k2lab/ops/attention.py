@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from k2lab.ops.autocast import matmul_operand
+from k2lab.ops.autocast import matmul_dtype, matmul_operand
 
 BLOCK = 64  # queries per block of the backward
 MAX_BLOCKED_KEYS = 512  # longer sequences keep the flash kernel's backward (see takes_blocked_backward)
@@ -92,11 +92,9 @@ def takes_blocked_backward(
     whole attention 1.3× faster at T = 256 and 512, 2.1× at 128, even at 1,024 (0.96–1.0×: there the flash
     kernel takes 256-query blocks); in fp32 0.97–1.18×, so fp32 keeps the kernel's backward."""
     tensors = (query, key, value)
-    device = query.device.type
-    low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     return (
-        device == "cpu"
-        and low in (torch.bfloat16, torch.float16)
+        query.device.type == "cpu"
+        and matmul_dtype(query) in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
         and any(x.requires_grad for x in tensors)
         and not torch.compiler.is_compiling()
