@@ -72,9 +72,10 @@ def _padded_groups(
 
     token_of_row [R] (token of each expert-sorted row), counts_E [E] -> (token of each padded slot [S], slot
     of each sorted row [R], padded counts [E]). A padding slot repeats token 0: its product rows are never read
-    back, so their gradient is zero and so is what they add to the weights' gradients and to token 0's. Unchanged (and no slots) off CPU, while compiling, with
-    ``GROUP_ROWS`` 0, or for fewer than ``PAD_MIN_GROUPS`` · ``GROUP_ROWS`` rows per expert on average (the
-    padding adds at most E · (GROUP_ROWS − 1) rows: at most 1/8 more there, half that on average)."""
+    back, so their gradient is zero and so is what they add to the weights' gradients and to token 0's.
+    Unchanged (and no slots) off CPU, while compiling, with ``GROUP_ROWS`` 0, or for fewer than
+    ``PAD_MIN_GROUPS`` · ``GROUP_ROWS`` rows per expert on average (the padding adds at most
+    E · (GROUP_ROWS − 1) rows: at most 1/8 more there, half that on average)."""
     rows, experts = len(token_of_row), len(counts_E)
     if (
         not GROUP_ROWS

@@ -302,8 +302,9 @@ def _tile_factors(g: torch.Tensor, gcum: torch.Tensor) -> LevelFactors | None:
 
     Inside each ``TILE``-token tile, ``exp(G_t − G_j) = exp(G_t − R) · exp(R − G_j)`` with one reference ``R``
     (after the tile's ``TILE/2``-th token) for every pair: one exponential and its reciprocal instead of two
-    exponentials per level for the four finest levels of the binary split. It needs ``|G_t − R| ≤ TILE_EXPONENT_LIMIT`` (K3's bounded gate
-    guarantees it, Kimi Linear's unbounded one may not), checked here. A packed document's reset token (a
+    exponentials per level for the four finest levels of the binary split. It needs
+    ``|G_t − R| ≤ TILE_EXPONENT_LIMIT`` (K3's bounded gate guarantees it, Kimi Linear's unbounded one may
+    not), checked here. A packed document's reset token (a
     log-decay ≤ −DECAY_FLOOR in every channel, as ``nn.kda`` writes it) is taken out of the cumulative sums
     and the pairs it separates are masked: their true decay is below exp(−DECAY_FLOOR) ≈ 1e-13, which the
     split levels hold there and this level rounds to zero.

@@ -15,9 +15,9 @@ and, given dO [C, V] and dS' [K, V] (the gradient reaching the next chunk's stat
 
 The scores ``A[t, j] = Σ_d a_td k_jd exp(G_td − G_jd)`` (a = q or k) depend on G only through differences,
 so their part of dG is ``a ⊙ da − k ⊙ dk_col`` (row minus column gradients); they are differentiated level
-by level through the same binary split (and tile level) as the forward (:class:`LevelFactors`). Each decay factor
-``e = exp(x)`` contributes ``e · de`` to dx (at the forward's decay floor the true derivative differs by
-less than 1e-13 relative). Finally ``dg`` is the reverse cumulative sum of ``dG`` over each chunk.
+by level through the same binary split (and tile level) as the forward (:class:`LevelFactors`). Each decay
+factor ``e = exp(x)`` contributes ``e · de`` to dx (at the forward's decay floor the true derivative differs
+by less than 1e-13 relative). Finally ``dg`` is the reverse cumulative sum of ``dG`` over each chunk.
 
 All tensors are chunked [B, HV, N, C, ·] (``N`` chunks); see ``k2lab.ops.kda`` for the forward's helpers.
 """

@@ -13,12 +13,12 @@ softmax − onehot come from one softmax pass per row (``_losses_and_grad``), th
 products' [n, D] sides, and ∂L/∂H, ∂L/∂W are computed right away (the gradient in the forward pass, as
 Liger-Kernel's fused linear cross-entropy does); backward only scales them by the incoming gradient. The
 matrix products are the unfused ones (2·N·D·V forward, 4·N·D·V backward); under autocast they run in its
-dtype and the softmax in fp32, as ``F.cross_entropy(F.linear(H, W).float(), y)`` does. What it buys is memory: a k2-mini forward + backward
-at 8 × 1,024 tokens adds 2.3 GB instead of 3.3 GB; on K2's 163,840-way vocabulary the logits of one
-8 × 4,096 micro-batch alone would be 21 GB in fp32. Speed on a CPU (AVX2 Zen 3): the head and the loss
-1.07× with the freed memory kept mapped (``k2lab.allocator``), 1.3–1.4× without; the whole k2-mini step
-unchanged with it; on an AVX512-BF16 Zen 5 the head and the loss 1.18× the unfused ones in bf16
-(docs/performance.md, "The head and its loss fused").
+dtype and the softmax in fp32, as ``F.cross_entropy(F.linear(H, W).float(), y)`` does. What it buys is
+memory: a k2-mini forward + backward at 8 × 1,024 tokens adds 2.3 GB instead of 3.3 GB; on K2's
+163,840-way vocabulary the logits of one 8 × 4,096 micro-batch alone would be 21 GB in fp32. Speed on a
+CPU (AVX2 Zen 3): the head and the loss 1.07× with the freed memory kept mapped (``k2lab.allocator``),
+1.3–1.4× without; the whole k2-mini step unchanged with it; on an AVX512-BF16 Zen 5 the head and the loss
+1.18× the unfused ones in bf16 (docs/performance.md, "The head and its loss fused").
 
 Traced by ``torch.compile`` the plain expression is used instead: inductor fuses it itself.
 """
