@@ -30,21 +30,57 @@ FAST = SandboxLimits(timeout_s=3, memory_mb=200, max_processes=16, max_output_by
 NAMESPACES = namespace_support()[0] is not None
 
 
+def _process(pid: int) -> tuple[int, int, str] | None:
+    """(uid, parent pid, command line) of a running process, None once it is gone."""
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return uid, int(stat[stat.rindex(")") + 2 :].split()[1]), cmdline
+
+
+def _of_sandbox(uid: int, cmdline: str) -> bool:
+    """A sandbox's own process: its unshare, its init, or anything running as a sandbox uid."""
+    return (
+        SANDBOX_UID_RANGE[0] <= uid < SANDBOX_UID_RANGE[1]
+        or INIT_FLAG in cmdline
+        or cmdline.startswith(sandbox.UNSHARE)
+    )
+
+
+def _ancestors() -> set[int]:
+    """This process and every process above it (where an orphan is re-parented: PID 1 or a subreaper)."""
+    chain, pid = set(), os.getpid()
+    while pid > 0 and pid not in chain:
+        chain.add(pid)
+        info = _process(pid)
+        pid = info[1] if info else 0
+    return chain | {0, 1}
+
+
 def survivors() -> list[str]:
-    """Processes of any sandbox: an init process, or anything running as a sandbox uid."""
-    found = []
+    """Sandbox processes this test process started, or orphans of any sandbox.
+
+    Walking up from each sandbox process past the sandbox's own processes, the first other process decides:
+    this test process or one of its ancestors (an orphan re-parented there) counts; a process elsewhere is
+    another test worker running its own sandbox right now (pytest-xdist), which is not a leak of this test.
+    """
+    mine, found = _ancestors(), []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        info = _process(int(entry)) if entry.isdigit() else None
+        if info is None or not _of_sandbox(info[0], info[2]):
             continue
-        try:
-            uid = os.stat(f"/proc/{entry}").st_uid
-            cmdline = (
-                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            )
-        except OSError:
-            continue
-        if SANDBOX_UID_RANGE[0] <= uid < SANDBOX_UID_RANGE[1] or INIT_FLAG in cmdline:
-            found.append(f"{entry} uid={uid} {cmdline[:120]}")
+        owner = info[1]
+        while (
+            (parent := _process(owner)) is not None
+            and owner not in mine
+            and _of_sandbox(parent[0], parent[2])
+        ):
+            owner = parent[1]
+        if owner in mine:
+            found.append(f"{entry} uid={info[0]} {info[2][:120]}")
     return found
 
 
