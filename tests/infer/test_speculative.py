@@ -236,3 +236,37 @@ def test_processed_probs_matches_nucleus_sampling():
     probs = processed_probs(logits, 1.0, 0.8)
     full = logits.softmax(-1)
     assert torch.allclose(probs, torch.cat([full[:2] / full[:2].sum(), torch.zeros(2)]))
+
+
+def recording(draft, seen: list[torch.Tensor]):
+    """``draft`` with each ``propose`` call's logits [B, k, V] appended to ``seen``."""
+    propose = draft.propose
+
+    def record(k, pick):
+        tokens, logits = propose(k, pick)
+        seen.append(logits)
+        return tokens, logits
+
+    draft.propose = record
+    return draft
+
+
+def test_compiled_eagle_draft_proposes_as_eager(monkeypatch):
+    """``compile="on"``: the verify and the EAGLE draft's proposing forwards run compiled (one ``EagleForward``
+    graph per forward kind: a proposal's one entry, an accepted window); greedy output equals plain decoding,
+    and every proposal's logits equal the eager draft's within fp32 rounding, step for step. Two rows and
+    k = 2 keep every forward within the reduction tiers (≤ 6 rows), so the build stays short."""
+    monkeypatch.setattr("k2lab.infer.compiled.CPP_WRAPPER_DEVICES", ())  # guards only: the quicker build
+    model, prompts = k2(num_nextn_predict_layers=1).eval(), PROMPTS[:2]
+    runs = {}
+    for compile in ("off", "on"):
+        seen: list[torch.Tensor] = []
+        config = GenerationConfig(max_new_tokens=11, compile=compile)
+        draft = recording(EagleDraft(model, model.mtp[0]), seen)
+        runs[compile] = *speculative_generate(model, draft, prompts, config, num_draft_tokens=2), seen
+    eager_out, eager_stats, eager_logits = runs["off"]
+    out, stats, logits = runs["on"]
+    assert out == eager_out == generate(model, prompts, GenerationConfig(max_new_tokens=11))
+    assert stats == eager_stats and len(logits) == stats.steps
+    for got, want in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -20,6 +20,13 @@ feeds the a + 1 verified ones (h of x_{m+1}, d_1 … d_a from the verify forward
 whose last output gives d_1 of the next step: k forwards of the draft block per step, and k heads (only
 on the entries that propose). With a ``DraftVocab`` the head is the lm_head's rows of N frequent tokens
 (logits −∞ elsewhere; ``k2lab.infer.draft_vocab``), saved with the draft.
+
+Compiled drafts (``Draft.compile``, which ``SpeculativeStep`` calls with its ``GenerationConfig.compile``): a
+``ModelDraft`` proposes through its model's compiled decode step, an ``EagleDraft`` through one compiled graph
+per forward (``EagleForward``: the entries' rotary inputs and mask, the block, the cache's commit, the final
+norm and the full head), both by ``k2lab.infer.compiled.decode_step``; the prompt's prefill stays eager. A
+k2-mini draft forward with its full head took 1.8 ms eager and 0.5 ms compiled within a speculative step at
+batch 1 (0.17 ms alone: the verify forward before it evicts the draft's weights; docs/generation.md).
 """
 
 from __future__ import annotations
@@ -33,15 +40,18 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from k2lab.config import ModelConfig
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.infer.cache import LatentCache
+from k2lab.infer.compiled import CompileMode, decode_step
 from k2lab.infer.draft_vocab import DraftVocab
 from k2lab.infer.rollback import CacheWindow, ensure_room
 from k2lab.models.decoder import CausalLM
 from k2lab.models.mtp import MultiTokenPrediction
+from k2lab.nn.decode_linear import decode_linear
 
 DRAFT_DIR = "draft"  # <model dir>/draft/: the EAGLE draft trained for that model (``k2lab draft train``)
 DRAFT_FORMAT = "k2lab-draft"
@@ -83,6 +93,9 @@ class Draft(Protocol):
     def concat(self, other: Draft) -> None:
         """Append the rows of ``other`` (the same kind of draft, prefilled on another batch) after these."""
 
+    def compile(self, requested: CompileMode | str) -> None:
+        """Run the proposing forwards compiled or eager, per ``k2lab.infer.compiled.decode_step``."""
+
 
 def _concat_caches(first: LatentCache, second: LatentCache) -> LatentCache:
     """Both caches' rows in one, keeping the larger free room of the two after the longer."""
@@ -101,8 +114,11 @@ class ModelDraft:
     uses_hidden = False
 
     def __init__(self, model: CausalLM) -> None:
-        self.model = model
+        self.model = self.run = model  # run: the proposing forward (compiled by ``compile``)
         self.cache: LatentCache | None = None
+
+    def compile(self, requested: CompileMode | str) -> None:
+        self.run = decode_step(self.model, requested)
 
     def prefill(
         self,
@@ -124,7 +140,7 @@ class ModelDraft:
         feed = torch.stack([self.last, self.pending], dim=1)
         tokens, logits = [], []
         for _ in range(num_tokens):
-            step = self.model(feed, cache=self.cache).logits[:, -1]
+            step = self.run(feed, cache=self.cache).logits[:, -1]
             tokens.append(pick(step))
             logits.append(step)
             feed = tokens[-1][:, None]
@@ -158,6 +174,33 @@ def single_layer_config(model: CausalLM):
     )
 
 
+class EagleForward(nn.Module):
+    """One forward of an EAGLE draft, as a module so that it compiles as one graph: entries (features
+    [B, T, D], tokens [B, T], valid [B, T] or None: all real) appended to ``cache`` -> (f' [B, D] of each
+    row's entry ``index`` [B] (None: the last), its logits [B, V] through the shared lm_head, or None when
+    ``full_head`` is False and the caller applies a reduced one)."""
+
+    def __init__(self, target: CausalLM, module: MultiTokenPrediction, full_head: bool) -> None:
+        super().__init__()
+        self.target, self.module, self.full_head = target, module, full_head
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None,
+        index: torch.Tensor | None,
+        cache: LatentCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = tokens.shape
+        inputs = self.target.layer_inputs(B, T, features.device, attention_mask=valid, cache=cache)
+        h = self.module(features, self.target.embed(tokens), inputs, cache.layer(0))
+        cache.commit(inputs.valid)
+        h = h[:, -1] if index is None else h[torch.arange(B, device=h.device), index]
+        feature = self.module.final_norm(h)  # f' of the one entry per row that proposes next
+        return feature, decode_linear(feature, self.target.lm_head.weight) if self.full_head else None
+
+
 class EagleDraft:
     """EAGLE-style draft: ``module`` (a ``MultiTokenPrediction``) on ``target``'s features, sharing its
     embedding and lm_head (see the module docstring)."""
@@ -168,20 +211,29 @@ class EagleDraft:
         self, target: CausalLM, module: MultiTokenPrediction, vocab: DraftVocab | None = None
     ) -> None:
         self.target, self.module, self.vocab = target, module, vocab
+        self.eager = self.run = EagleForward(target, module, full_head=vocab is None)
         self.cache: LatentCache | None = None
 
-    def _run(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """Entries (features [B, T, D], tokens [B, T]) appended to the cache -> f' [B, T, D]."""
-        B, T = tokens.shape
-        inputs = self.target.layer_inputs(B, T, features.device, attention_mask=valid, cache=self.cache)
-        h = self.module(features, self.target.embed(tokens), inputs, self.cache.layer(0))
-        self.cache.commit(inputs.valid)
-        return self.module.final_norm(h)
+    def compile(self, requested: CompileMode | str) -> None:
+        self.run = decode_step(self.eager, requested)
+
+    def _advance(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries appended by ``forward`` (default ``run``; ``EagleForward``'s arguments) -> (f' [B, D] of
+        entry ``index`` per row, its logits [B, V])."""
+        feature, logits = (forward or self.run)(features, tokens, valid, index, self.cache)
+        return feature, logits if logits is not None else self.head(feature)
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
         """The draft's logits [..., V] of features [..., D]: the target's lm_head, or over ``vocab`` only."""
         if self.vocab is None:
-            return self.target.lm_head(features)
+            return decode_linear(features, self.target.lm_head.weight)
         return self.vocab.logits(self.target.lm_head, features)
 
     def prefill(
@@ -196,8 +248,8 @@ class EagleDraft:
         config = single_layer_config(self.target)
         self.cache = LatentCache(config, ids.shape[0], capacity, dtype=dtype, device=device)
         tokens = torch.cat([ids[:, 1:], pending[:, None]], dim=1)  # entry i pairs h_i with x_{i+1}
-        self.feature = self._run(hidden, tokens, valid)[:, -1]  # the last column is real in every row
-        self.next_logits = self.head(self.feature)
+        # the last column is real in every row; the prompt's forward stays eager (its shapes vary most)
+        self.feature, self.next_logits = self._advance(hidden, tokens, valid, forward=self.eager)
 
     def propose(self, num_tokens: int, pick: Pick) -> tuple[torch.Tensor, torch.Tensor]:
         ensure_room(self.cache, num_tokens)
@@ -205,8 +257,7 @@ class EagleDraft:
         tokens, logits = [pick(self.next_logits)], [self.next_logits]
         feature = self.feature
         for _ in range(num_tokens - 1):
-            feature = self._run(feature[:, None], tokens[-1][:, None], None)[:, -1]
-            step = self.head(feature)
+            feature, step = self._advance(feature[:, None], tokens[-1][:, None])
             tokens.append(pick(step))
             logits.append(step)
         self.drafted = torch.stack(tokens, dim=1)
@@ -214,14 +265,13 @@ class EagleDraft:
 
     def accept(self, accepted: torch.Tensor, pending: torch.Tensor, hidden: torch.Tensor | None) -> None:
         self.window.close(torch.zeros_like(accepted))  # entries on drafted features go
-        B, width = hidden.shape[0], self.drafted.shape[1] + 1
+        width = self.drafted.shape[1] + 1
         ensure_room(self.cache, width)
         tokens = torch.cat([self.drafted, pending[:, None]], dim=1)
         tokens = tokens.scatter(1, accepted[:, None], pending[:, None])  # entry a pairs h with t'
         valid = torch.arange(width, device=hidden.device)[None, :] <= accepted[:, None]
-        features = self._run(hidden[:, :width], tokens, valid)
-        self.feature = features[torch.arange(B, device=hidden.device), accepted]
-        self.next_logits = self.head(self.feature)  # the head on the one entry that proposes next
+        # the head on the one entry that proposes next
+        self.feature, self.next_logits = self._advance(hidden[:, :width], tokens, valid, accepted)
 
     def select(self, index: torch.Tensor) -> None:
         self.cache.select(index)

@@ -95,8 +95,10 @@ def compact(cache: LatentCache) -> None:
 
 
 def ensure_room(cache: LatentCache, tokens: int) -> None:
-    """Make room for ``tokens`` more slots, compacting when the storage would overflow."""
-    if cache.length + tokens <= cache.max_length:
+    """Make room for ``tokens`` more slots, compacting when the storage would overflow or fill exactly: a
+    compiled step (``k2lab.infer.compiled``) builds another graph for a forward that ends at the storage's
+    last slot (its slices then span the whole storage), ≈ 10 s on 2 CPU cores."""
+    if cache.length + tokens < cache.max_length:
         return
     compact(cache)
     if cache.length + tokens > cache.max_length:

@@ -143,7 +143,8 @@ class SpeculativeStep:
     ``select`` drops rows and ``concat`` appends another batch's.
 
     Sampling follows ``config`` and ``generator`` (one for the batch or one per row), or, with ``rows``,
-    each row's own ``RowSettings`` (``config`` then only chooses whether the verify forward compiles)."""
+    each row's own ``RowSettings`` (``config`` then only chooses whether the verify and the draft's forwards
+    compile)."""
 
     def __init__(
         self,
@@ -157,6 +158,7 @@ class SpeculativeStep:
             raise ValueError("pass exactly one of generator (one config for all rows) and rows (per row)")
         self.model, self.draft, self.config, self.generator, self.rows = model, draft, config, generator, rows
         self.verify_forward = decode_step(model, config.compile)  # compiled per config.compile, else model
+        draft.compile(config.compile)  # the draft's proposing forwards likewise
 
     def _sampled(self, device: torch.device) -> torch.Tensor | None:
         """The rows that sample (index [n]); None when every row does (the others take the argmax)."""
