@@ -14,7 +14,7 @@ from k2lab import build_model, load_preset
 from k2lab.infer import GenerationConfig, LatentCache, generate
 from k2lab.infer.draft import EagleDraft, ModelDraft
 from k2lab.infer.rollback import CacheWindow, compact
-from k2lab.infer.speculative import processed_probs, speculative_generate
+from k2lab.infer.speculative import processed_probs, speculation_decision, speculative_generate
 from tests.conftest import KIMI_LINEAR_STYLE, randomize
 
 PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [99]]
@@ -270,3 +270,15 @@ def test_compiled_eagle_draft_proposes_as_eager(monkeypatch):
     assert stats == eager_stats and len(logits) == stats.steps
     for got, want in zip(logits, eager_logits, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_speculation_decision():
+    """As requested; by default on, except where the decode step runs compiled on a CPU."""
+    assert speculation_decision(None, "auto", "cpu")[0] and speculation_decision(None, "off", "cpu")[0]
+    assert speculation_decision(None, "on", "cuda")[0] and speculation_decision(None, "auto", "cuda")[0]
+    assert speculation_decision(None, "on", "cpu") == (
+        False,
+        "compiled decoding on CPU is faster than speculative decoding (--speculative to force it)",
+    )
+    assert speculation_decision(True, "on", "cpu") == (True, "requested")
+    assert speculation_decision(False, "off", "cuda") == (False, "requested")

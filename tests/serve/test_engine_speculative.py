@@ -227,9 +227,10 @@ def test_health_reports_the_acceptance(small_tokenizer):
     assert health["tokens_per_step"] == pytest.approx(1 + health["mean_accepted"], abs=1e-3)
 
 
-def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tokenizer, monkeypatch):
+def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tokenizer, monkeypatch, capsys):
     """`k2lab serve` with an MTP layer: speculative by default with k = DRAFT_TOKENS, --draft-tokens k,
-    --no-speculative; without a draft, --speculative is a clear error."""
+    --no-speculative; with the decode step compiled on CPU off unless asked for (and said); without a draft,
+    --speculative is a clear error."""
     from k2lab.cli import main
     from k2lab.model_dir import save_model
 
@@ -239,11 +240,13 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
         model = build_model(load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=layers))
         save_model(model, tmp_path / name)
         small_tokenizer.save(str(tmp_path / name / "tokenizer.json"))
-    for flags in ([], ["--draft-tokens", "2"], ["--no-speculative"]):
+    compiled = ["--compile", "on"]  # the step is built at its first call, which never comes here
+    for flags in ([], ["--draft-tokens", "2"], ["--no-speculative"], compiled, [*compiled, "--speculative"]):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", "-c", str(tmp_path / "mtp"), *flags])
         assert exit_info.value.code == 0
-    assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None]
+    assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None, None, DRAFT_TOKENS]
+    assert "speculative decoding off: compiled decoding on CPU is faster" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "-c", str(tmp_path / "plain"), "--speculative"])
-    assert exit_info.value.code == 2 and len(seen) == 3
+    assert exit_info.value.code == 2 and len(seen) == 5

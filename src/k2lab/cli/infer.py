@@ -106,7 +106,8 @@ def generate(
         bool | None,
         typer.Option(
             "--speculative/--no-speculative",
-            help="Force speculative decoding on or off (default: on when a draft is found).",
+            help="Force speculative decoding on or off (default: on when a draft is found, unless the decode "
+            "step runs compiled on a CPU, where plain decoding is faster).",
         ),
     ] = None,
     draft_tokens: Annotated[
@@ -142,11 +143,7 @@ def generate(
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
         config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
-    drafter = None if media or speculative is False else _find_draft(checkpoint, model, draft)
-    if speculative and drafter is None:
-        raise K2LabError(
-            "--speculative needs a draft: --draft DIR, CHECKPOINT/draft (`k2lab draft train`) or an MTP layer"
-        )
+    drafter = None if media else _choose_draft(checkpoint, model, draft, speculative, config.compile)
     start = time.perf_counter()
     if drafter is None:
         outputs = run_generation(model, prompts, config, media=media)
@@ -167,6 +164,26 @@ def generate(
             f"speculative (k={draft_tokens}): {stats.tokens_per_step:.2f} tokens per target forward, "
             f"{stats.mean_accepted:.2f} drafted tokens accepted per step ({stats.acceptance_rate:.0%})"
         )
+
+
+def _choose_draft(checkpoint: Path, model, draft: Path | None, requested: bool | None, compile: str):
+    """The draft to decode with, or None, per ``speculation_decision``; a found draft left unused is said
+    with the reason, and --speculative without a draft is an error."""
+    from k2lab.infer.speculative import speculation_decision
+
+    if requested is False:
+        return None
+    drafter = _find_draft(checkpoint, model, draft)
+    if requested and drafter is None:
+        raise K2LabError(
+            "--speculative needs a draft: --draft DIR (generate), CHECKPOINT/draft (`k2lab draft train`) "
+            "or an MTP layer"
+        )
+    use, why = speculation_decision(requested, compile, next(model.parameters()).device.type)
+    if drafter is not None and not use:
+        console.print(f"speculative decoding off: {why}")
+        return None
+    return drafter
 
 
 def _find_draft(checkpoint: Path, model, draft: Path | None):
@@ -269,11 +286,7 @@ def serve(
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
-    drafter = None if config.speculative is False else _find_draft(checkpoint, model, None)
-    if config.speculative and drafter is None:
-        raise K2LabError(
-            "--speculative needs a draft: CHECKPOINT/draft (`k2lab draft train`) or an MTP layer"
-        )
+    drafter = _choose_draft(checkpoint, model, None, config.speculative, config.compile)
     engine = Engine(
         model,
         config.max_batch,

@@ -36,13 +36,30 @@ from dataclasses import dataclass
 import torch
 
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import decode_step
+from k2lab.infer.compiled import CompileMode, decode_compile_decision, decode_step
 from k2lab.infer.draft import Draft
 from k2lab.infer.generate import Constraint, GenerationConfig, generate, last_positions, left_pad
 from k2lab.infer.rollback import CacheWindow, ensure_room
 
 #: k, the tokens the draft proposes per step: the default of ``generate --draft-tokens`` and ``k2lab serve``.
 DRAFT_TOKENS = 4
+
+
+def speculation_decision(requested: bool | None, compile: CompileMode | str, device: str) -> tuple[bool, str]:
+    """Whether ``generate`` / ``serve`` decode speculatively when a draft is found, and why: as ``requested``
+    (``--speculative/--no-speculative``), else on unless the decode step runs compiled on a CPU
+    (``decode_compile_decision``). There plain compiled decoding beat speculative decoding in every measured
+    case (k2-mini with an MTP draft, batch 1 and 4, greedy and sampled: 0.24–0.81×, the draft compiled too;
+    eager, greedy batch 1 gains 1.65×; docs/generation.md)."""
+    if requested is not None:
+        return requested, "requested"
+    if device == "cpu" and decode_compile_decision(compile, device)[0]:
+        return (
+            False,
+            "compiled decoding on CPU is faster than speculative decoding (--speculative to force it)",
+        )
+    return True, "a draft was found"
+
 
 Generators = torch.Generator | list[torch.Generator]
 Setting = float | torch.Tensor  # one value for every row, or one per row [B]

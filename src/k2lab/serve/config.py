@@ -39,7 +39,8 @@ class ServeConfig(BaseModel):
     speculative: bool | None = Field(
         default=None,
         description="Speculative decoding with the draft beside the model (MODEL/draft/ or its MTP layer): "
-        "None = on when one is found, True = required, False = off.",
+        "None = on when one is found, unless the decode step runs compiled on a CPU (plain compiled decoding "
+        "is faster there), True = required, False = off.",
     )
     draft_tokens: int = Field(
         default=DRAFT_TOKENS, ge=1, description="Tokens the draft proposes per verify step (k)."
