@@ -20,8 +20,9 @@ Comparisons:
   tokens; throughput is ``batch × new_tokens / seconds``. Default: batch 4, prompt 64, 64 new tokens;
   ``--decode-batch 4 1`` adds a ``greedy_decode_b1_tokens_per_s`` row (each batch after the first is named
   by its size). ``--compile-decode`` runs k2lab's side with the compiled decode step (``k2lab.infer.compiled``;
-  its build happens in the warm-up, outside the timings); in the speculative rows both the target's verify
-  forward and plain decoding then run compiled (the draft stays eager).
+  its build happens in the warm-up, outside the timings); in the speculative rows the target's verify
+  forward, the draft's forwards (``Draft.compile``) and plain decoding then run compiled. (``k2lab generate``
+  and ``serve`` leave a draft unused by default in that setting on CPU: ``speculation_decision``.)
   The script checks that both sides generate identical tokens and warns if they do not.
   A second row repeats it after a ``--long-prompt`` (default 1024) prompt: transformers re-expands every cached
   latent through ``kv_b_proj`` at each step, absorbed decode never does, so the gap grows with context.
