@@ -5,7 +5,11 @@ import torch
 import torch.nn.functional as F
 
 from k2lab import build_model, load_preset
-from k2lab.ops.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
+from k2lab.ops.linear_cross_entropy import (
+    default_chunk_rows,
+    linear_cross_entropy,
+    linear_cross_entropy_hits,
+)
 from tests.conftest import randomize
 
 N, D, V = 70, 24, 50
@@ -148,3 +152,25 @@ def test_the_model_returns_the_loss_of_its_logits(tied: bool) -> None:
             torch.testing.assert_close(p.grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="without cache and logits_mask"):
         model(ids, labels=labels, logits_mask=torch.ones_like(ids, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+@pytest.mark.parametrize("chunk_rows", [None, 16])
+def test_hits_count_the_rows_whose_argmax_is_the_label(monkeypatch, chunk_rows, accelerator: bool) -> None:
+    """``linear_cross_entropy_hits``: the same loss and gradients, and #{valid i : argmax z_i = y_i} without
+    gradient, across chunks and on both branches; ignored rows never count."""
+    if accelerator:
+        monkeypatch.setattr("k2lab.ops.linear_cross_entropy._host_reads_cheaply", lambda device: False)
+    hidden, weight, labels = inputs(3)
+    best = F.linear(hidden, weight).argmax(-1).detach()
+    labels[1::2] = best[1::2]  # about half the rows hit (the ignored ones among them do not count)
+    labels[::9] = -100
+    want = int(((best == labels) & (labels != -100)).sum())
+    assert 20 < want < N - 20
+    loss, hits = linear_cross_entropy_hits(hidden, weight, labels, chunk_rows=chunk_rows)
+    assert hits.dtype == torch.int64 and int(hits) == want and not hits.requires_grad
+    got = loss_and_grads(
+        lambda *a: linear_cross_entropy_hits(*a, chunk_rows=chunk_rows)[0], hidden, weight, labels
+    )
+    for g, w in zip(got, loss_and_grads(unfused, hidden, weight, labels), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

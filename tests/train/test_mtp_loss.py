@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
-from k2lab.train.mtp_loss import IGNORE_INDEX, mtp_loss
+from k2lab.train.mtp_loss import IGNORE_INDEX, fused_mtp_loss, mtp_loss
 from k2lab.train.trainer import run_training
 from tests.conftest import tiny_recipe
 
@@ -40,6 +40,41 @@ def test_ignored_targets_are_skipped_like_the_main_loss():
     assert result.targets == 2
     with pytest.raises(ValueError, match="longer"):
         mtp_loss([logits] * 4, labels)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_fused_loss_equals_the_reference_over_the_logits(autocast: bool):
+    """``fused_mtp_loss`` on final-normed states and the head equals ``mtp_loss`` on their logits: loss,
+    top-1, targets and the gradients of both states and the head (two depths, ignored labels, fp32 and bf16
+    autocast)."""
+    generator = torch.Generator().manual_seed(0)
+    B, T, D, V = 2, 9, 16, 40
+    states = [torch.randn(B, T, D, generator=generator).requires_grad_() for _ in range(2)]
+    weight = (0.5 * torch.randn(V, D, generator=generator)).requires_grad_()
+    labels = torch.randint(0, V, (B, T), generator=generator)
+    with torch.no_grad():  # depth 1 right on a few rows, so top-1 is neither 0 nor 1
+        labels[:, 2:6] = F.linear(states[0][:, 1:5], weight).argmax(-1)
+    labels[0, 3] = labels[1, 7] = IGNORE_INDEX
+    results = []
+    for loss_of in (
+        lambda: mtp_loss([F.linear(s, weight) for s in states], labels),
+        lambda: fused_mtp_loss(states, weight, labels),
+    ):
+        for tensor in (*states, weight):
+            tensor.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            result = loss_of()
+        result.loss.backward()
+        results.append((result, [t.grad.clone() for t in (*states, weight)]))
+    (want, want_grads), (got, got_grads) = results
+    assert 0 < want.top1.item() < 1 and got.targets == want.targets == B * (T - 1) - 2
+    tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.top1, want.top1)
+    torch.testing.assert_close(got.loss, want.loss, **tolerance)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, **tolerance)
+    with pytest.raises(ValueError, match="longer"):
+        fused_mtp_loss(states * 5, weight, labels)
 
 
 def run(tmp_path, corpus, name, steps, **overrides):

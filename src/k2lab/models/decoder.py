@@ -236,14 +236,21 @@ class CausalLM(nn.Module):
         t_{i+k+1}; its rows i >= T - k have no input token (a zero embedding) and no target, so with the
         packed ``labels = window[1:]`` the loss pairs ``logits[:, : T - k]`` with ``labels[:, k:]``.
         """
+        return [self.lm_head(normed) for normed in self.mtp_hidden(input_ids, hidden, segment_ids)]
+
+    def mtp_hidden(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """``mtp_logits`` before the head: final_norm(h^k) [B, T, D] per depth k (the training loss takes the
+        head and its cross-entropy fused, ``k2lab.train.mtp_loss.fused_mtp_loss``)."""
         B, T = input_ids.shape
         embeds = self.embed(input_ids)
         inputs = self.layer_inputs(B, T, hidden.device, segment_ids=segment_ids)
-        logits = []
+        normed = []
         for module in self.mtp:
             hidden = module(hidden, shifted_embeds(embeds, module.depth), inputs)
-            logits.append(self.lm_head(module.final_norm(hidden)))
-        return logits
+            normed.append(module.final_norm(hidden))
+        return normed
 
     def _layers(self, h: torch.Tensor, inputs: LayerInputs, cache: LatentCache | None) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

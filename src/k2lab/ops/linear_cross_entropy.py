@@ -55,20 +55,48 @@ def linear_cross_entropy(
     hidden [N, D] (or [B, T, D]), weight [V, D], labels [N] (or [B, T]); returns a scalar, equal to
     ``F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index)``.
     """
+    return _fused(hidden, weight, labels, ignore_index, chunk_rows, False)[0]
+
+
+def linear_cross_entropy_hits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear_cross_entropy`` and, from the same softmax pass, the scored rows whose most likely token is the
+    label: (mean loss, hits: an int64 count without gradient, #{i valid : argmax_v z_iv = y_i}, the first
+    maximum on ties as ``argmax``)."""
+    return _fused(hidden, weight, labels, ignore_index, chunk_rows, True)
+
+
+def _fused(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    chunk_rows: int | None,
+    count_hits: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"{hidden.shape[0]} hidden rows but {labels.shape[0]} labels")
     if torch.compiler.is_compiling():
-        return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index)
+        logits = F.linear(hidden, weight)
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
+        hits = ((logits.argmax(-1) == labels) & (labels != ignore_index)).sum() if count_hits else None
+        return loss, hits
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
     # autograd's needs_input_grad stays True for a parameter under no_grad: scoring must not form gradients
     track = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, rows, track)
+    loss, hits = _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, rows, track, count_hits)
+    return loss, hits if count_hits else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows, track):  # noqa: ANN001, ANN205 - torch's API
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows, track, count_hits):  # noqa: ANN001, ANN205 - torch's API
         want_hidden, want_weight = (track and wanted for wanted in ctx.needs_input_grad[:2])
         valid = labels != ignore_index
         count = valid.sum()
@@ -76,31 +104,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.zeros((), dtype=torch.int64, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             h = hidden[rows]
             logits = F.linear(h, weight)  # [n, V], in autocast's dtype where it is on
-            losses, grad = _losses_and_grad(logits, labels[rows].clamp(min=0)[:, None], h, weight)
+            target = labels[rows].clamp(min=0)[:, None]
+            losses, grad, best = _losses_and_grad(logits, target, h, weight, count_hits)
             total += (losses * valid[rows]).sum()
+            if best is not None:
+                hits += ((best == target[:, 0]) & valid[rows]).sum()
             if want_hidden or want_weight:
-                target = None if grad_hidden is None else grad_hidden[rows]
-                _chunk_grads(grad, h, weight, scale[rows], target, grad_weight)
+                into = None if grad_hidden is None else grad_hidden[rows]
+                _chunk_grads(grad, h, weight, scale[rows], into, grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return total / count
+        ctx.mark_non_differentiable(hits)
+        return total / count, hits
 
     @staticmethod
-    def backward(ctx, grad_loss):  # noqa: ANN001, ANN205 - torch's API
+    def backward(ctx, grad_loss, grad_hits):  # noqa: ANN001, ANN205 - torch's API
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
         dw = None if grad_weight is None else grad_weight * grad_loss
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
 def _losses_and_grad(
-    logits: torch.Tensor, target: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ℓ [n] and the rows of softmax(z) − onehot(y) [n, V] fp32 over a chunk's logits z = hidden Wᵀ [n, V]
-    (any float dtype; the softmax runs in fp32; fp32 logits on CPU are overwritten).
+    logits: torch.Tensor, target: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, best: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ℓ [n], the rows of softmax(z) − onehot(y) [n, V] fp32 over a chunk's logits z = hidden Wᵀ [n, V]
+    (any float dtype; the softmax runs in fp32; fp32 logits on CPU are overwritten) and, with ``best``, each
+    row's argmax [n] (of the probabilities before the one-hot is taken off: argmax z, first on ties).
 
     One fused softmax pass per row (max, exp and sum, normalise, over a row that stays in cache), where the
     chain max, subtract, exp, sum and scale made five passes over the whole chunk (half as fast on a Zen 5
@@ -111,20 +145,21 @@ def _losses_and_grad(
     """
     if not _host_reads_cheaply(logits.device):
         losses = _exact_losses(logits, target)
-        return losses, torch.softmax(logits, dim=-1, dtype=torch.float32).scatter_add_(
-            1, target, torch.full_like(losses, -1.0).unsqueeze(1)
-        )
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top = probs.argmax(-1) if best else None
+        return losses, probs.scatter_add_(1, target, torch.full_like(losses, -1.0).unsqueeze(1)), top
     if logits.dtype == torch.float32:
         probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place, row by row
     else:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = probs.argmax(-1) if best else None
     picked = probs.gather(1, target)  # [n, 1]
     losses = picked.log().neg_().squeeze(1)
     large = losses > LOSS_FROM_PROBABILITY_MAX
     if bool(large.any()):  # rare: far from fp32's range only for a badly wrong, confident model
         losses[large] = _exact_losses(F.linear(hidden[large], weight), target[large])
     probs.scatter_add_(1, target, torch.full_like(picked, -1.0))
-    return losses, probs
+    return losses, probs, top
 
 
 def _host_reads_cheaply(device: torch.device) -> bool:

@@ -47,7 +47,7 @@ from k2lab.train.config import TrainConfig
 from k2lab.train.dashboard import plot_dashboard
 from k2lab.train.data import TrainingData, language_model
 from k2lab.train.metrics import MetricsLogger
-from k2lab.train.mtp_loss import MTPLoss, mtp_loss
+from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from k2lab.train.schedule import lr_multiplier
@@ -117,10 +117,10 @@ class Trainer:
             out = forward(
                 batch.input_ids, segment_ids=batch.segment_ids, labels=labels, **(batch.media or {}), **extra
             )
-            depths = self.lm.mtp_logits(batch.input_ids, out.hidden, batch.segment_ids) if run_mtp else None
-        loss = out.loss
+            depths = self.lm.mtp_hidden(batch.input_ids, out.hidden, batch.segment_ids) if run_mtp else None
+            mtp = None if depths is None else fused_mtp_loss(depths, self.lm.lm_head.weight, labels)
         aux = sum((moe.aux_loss for moe in self.lm.moe_layers() if moe.aux_loss is not None), torch.zeros(()))
-        return loss, aux, None if depths is None else mtp_loss(depths, labels)
+        return out.loss, aux, mtp
 
     def train_step(self) -> tuple[StepResult, list[torch.Tensor]]:
         config = self.config
