@@ -15,7 +15,7 @@ acceptance a one-token speculative draft would see under greedy decoding.
 takes final_norm(h^k) and the head's weight and runs the head with its cross-entropy fused
 (``k2lab.ops.linear_cross_entropy``), counting the top-1 hits in the same softmax pass, so no depth's
 [B, T, V] logits exist: on k2-mini's 8 × 256 tokens in bf16 on a Zen 5, one depth's forward + backward
-≈ 84 → ≈ 45 ms (docs/performance.md).
+85.6 → 50.4 ms, the whole k2-mini + MTP training step 1.06× (docs/performance.md).
 """
 
 from __future__ import annotations
