@@ -226,15 +226,11 @@ class EagleDraft:
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries appended by ``forward`` (default ``run``; ``EagleForward``'s arguments) -> (f' [B, D] of
-        entry ``index`` per row, its logits [B, V])."""
+        entry ``index`` per row, its logits [B, V]: the full head's from the forward, or over ``vocab`` only)."""
         feature, logits = (forward or self.run)(features, tokens, valid, index, self.cache)
-        return feature, logits if logits is not None else self.head(feature)
-
-    def head(self, features: torch.Tensor) -> torch.Tensor:
-        """The draft's logits [..., V] of features [..., D]: the target's lm_head, or over ``vocab`` only."""
-        if self.vocab is None:
-            return decode_linear(features, self.target.lm_head.weight)
-        return self.vocab.logits(self.target.lm_head, features)
+        if self.vocab is not None:
+            logits = self.vocab.logits(self.target.lm_head, feature)
+        return feature, logits
 
     def prefill(
         self,
