@@ -23,7 +23,12 @@ Comparisons:
   its build happens in the warm-up, outside the timings); in the speculative rows the target's verify
   forward, the draft's forwards (``Draft.compile``) and plain decoding then run compiled. (``k2lab generate``
   and ``serve`` leave a draft unused by default in that setting on CPU: ``speculation_decision``.)
-  The script checks that both sides generate identical tokens and warns if they do not.
+  With ``--compile-decode`` the compiled step reads its matrices in the dtype ``--decode-weights`` resolves to
+  (``auto``: ``k2lab.infer.decode_weights.decode_weights_choice``; bf16 where the CPU runs bf16 natively);
+  when that is bf16 the transformers side decodes a bf16 copy of its model (weights and activations in bf16,
+  its own way of decoding bf16 weights), so both read bf16 weights. ``--decode-weights fp32`` keeps both fp32.
+  The script checks that both sides generate identical tokens and warns if they do not (with bf16 weights
+  the two round differently, so the tokens may part).
   A second row repeats it after a ``--long-prompt`` (default 1024) prompt: transformers re-expands every cached
   latent through ``kv_b_proj`` at each step, absorbed decode never does, so the gap grows with context.
 * ``speculative_{greedy,sampled}_b{B}_tokens_per_s`` — k2lab against itself: ``speculative_generate`` with
@@ -47,6 +52,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -71,6 +77,7 @@ from k2lab.data.corpus import load_corpus
 from k2lab.hardware import choose
 from k2lab.hf.bridge import to_transformers
 from k2lab.infer import GenerationConfig, generate
+from k2lab.infer.decode_weights import decode_weights_choice
 from k2lab.infer.draft import EagleDraft, find_draft
 from k2lab.infer.speculative import speculative_generate
 from k2lab.model_dir import load_model
@@ -205,8 +212,13 @@ def bench_greedy_decode(
     theirs.generation_config.eos_token_id = None
     theirs.generation_config.pad_token_id = ours.config.pad_token_id or 0
     compile_mode = "on" if args.compile_decode else "off"
-    config = GenerationConfig(max_new_tokens=n_new, eos_token_id=None, compile=compile_mode)
+    weights = decode_weights_choice(args.decode_weights, args.device, compiled=args.compile_decode)
+    config = GenerationConfig(
+        max_new_tokens=n_new, eos_token_id=None, compile=compile_mode, decode_weights=weights.name
+    )
     prompts = ids.tolist()
+    if weights.dtype == torch.bfloat16:
+        theirs = bf16_peer(theirs)
 
     def run_ours() -> list[list[int]]:
         return generate(ours, prompts, config)
@@ -231,8 +243,23 @@ def bench_greedy_decode(
     )
     tokens = batch * n_new
     shape = {"batch": batch, "prompt": prompt_len, "new_tokens": n_new}
-    extra = {"same_tokens": same, "compiled_decode": args.compile_decode}
+    extra = {
+        "same_tokens": same,
+        "compiled_decode": args.compile_decode,
+        "decode_weights": weights.describe(),
+        "peer_dtype": "bf16" if weights.dtype == torch.bfloat16 else "fp32",
+    }
     return _comparison(name, tokens, t_ours, t_theirs, args, shape, extra)
+
+
+_BF16_PEERS: dict[int, torch.nn.Module] = {}
+
+
+def bf16_peer(theirs: torch.nn.Module) -> torch.nn.Module:
+    """A bf16 copy of the transformers model (made once per model)."""
+    if id(theirs) not in _BF16_PEERS:
+        _BF16_PEERS[id(theirs)] = copy.deepcopy(theirs).to(torch.bfloat16).eval()
+    return _BF16_PEERS[id(theirs)]
 
 
 def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[int]], str, str]:
@@ -266,6 +293,7 @@ def bench_speculative(args, config) -> list[SpeculativeRow]:
             temperature=temperature,
             eos_token_id=None,
             compile="on" if args.compile_decode else "off",  # both sides: the verify and the plain step
+            decode_weights=args.decode_weights,
         )
         _, held_out = speculative_generate(
             target, draft, prompts[: args.spec_eval], generation, args.draft_tokens
@@ -411,6 +439,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-tokens", type=int, default=4, help="k of the speculative rows")
     parser.add_argument(
         "--precision", choices=["auto", "fp32", "bf16"], default="auto", help="forward+backward precision"
+    )
+    parser.add_argument(
+        "--decode-weights",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="matrices of k2lab's compiled decode step (k2lab.infer.decode_weights; auto: per k2lab.hardware); "
+        "with bf16 the transformers side decodes a bf16 copy of its model",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per comparison and line")
     add_smoke_argument(parser)

@@ -2,8 +2,9 @@
 
 Machines of one class differ: a CPU with AMX or AVX512-BF16 multiplies bf16 matrices natively (≈ 2.5–6× its
 fp32 rate), one with AVX2 only emulates bf16 (≈ 250× *slower* than fp32). Every path that could compute in
-bf16 (the model step under autocast, Newton–Schulz, benchmarks) asks :func:`choose` instead of hard-coding
-a dtype (decoding runs in the checkpoint's own dtype):
+bf16 (the model step under autocast, Newton–Schulz, benchmarks, the matrices a compiled CPU decode step
+streams: ``k2lab.infer.decode_weights``) asks :func:`choose` instead of hard-coding a dtype (eager decoding
+runs in the checkpoint's own dtype):
 
     choose("autocast", requested="auto")  ->  Choice(dtype=torch.bfloat16, reason="...")
 
@@ -38,7 +39,7 @@ import torch
 from k2lab.errors import K2LabError
 
 Precision = Literal["auto", "fp32", "bf16"]
-PATHS = ("autocast", "newton_schulz", "benchmark")
+PATHS = ("autocast", "newton_schulz", "benchmark", "decode_weights")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 BF16_MIN_SPEEDUP = 1.3  # bf16 must beat fp32 by this much to be worth its rounding

@@ -68,7 +68,8 @@ def test_compiled_decode_equals_eager(monkeypatch) -> None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == frames
     prompts = [[3, 4, 5, 6], [7, 8]]  # generate reuses the model's compiled step (batch 2, one token)
-    compiled_out = generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="on"))
+    on = GenerationConfig(max_new_tokens=6, compile="on", decode_weights="fp32")  # bf16: test_decode_weights
+    compiled_out = generate(model, prompts, on)
     assert compiled_out == generate(model, prompts, GenerationConfig(max_new_tokens=6, compile="off"))
 
 

@@ -261,7 +261,7 @@ def test_compiled_eagle_draft_proposes_as_eager(monkeypatch):
     runs = {}
     for compile in ("off", "on"):
         seen: list[torch.Tensor] = []
-        config = GenerationConfig(max_new_tokens=11, compile=compile)
+        config = GenerationConfig(max_new_tokens=11, compile=compile, decode_weights="fp32")
         draft = recording(EagleDraft(model, model.mtp[0]), seen)
         runs[compile] = *speculative_generate(model, draft, prompts, config, num_draft_tokens=2), seen
     eager_out, eager_stats, eager_logits = runs["off"]

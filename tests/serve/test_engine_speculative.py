@@ -246,7 +246,9 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
             main(["serve", "-c", str(tmp_path / "mtp"), *flags])
         assert exit_info.value.code == 0
     assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None, None, DRAFT_TOKENS]
-    assert "speculative decoding off: compiled decoding on CPU is faster" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speculative decoding off: compiled decoding on CPU is faster" in printed
+    assert "decode weights: " in printed  # the compiled step's choice and its reason
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "-c", str(tmp_path / "plain"), "--speculative"])
     assert exit_info.value.code == 2 and len(seen) == 5

@@ -144,6 +144,7 @@ def generate(
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
         config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
     drafter = None if media else _choose_draft(checkpoint, model, draft, speculative, config.compile)
+    _say_decode_weights(decoder, config.compile, config.decode_weights)
     start = time.perf_counter()
     if drafter is None:
         outputs = run_generation(model, prompts, config, media=media)
@@ -164,6 +165,17 @@ def generate(
             f"speculative (k={draft_tokens}): {stats.tokens_per_step:.2f} tokens per target forward, "
             f"{stats.mean_accepted:.2f} drafted tokens accepted per step ({stats.acceptance_rate:.0%})"
         )
+
+
+def _say_decode_weights(model, compile: str, requested: str) -> None:
+    """Print the dtype a compiled decode step reads its matrices in, and why (nothing when it runs eagerly)."""
+    from k2lab.infer.compiled import decode_compile_decision
+    from k2lab.infer.decode_weights import decode_weights_choice
+
+    device = next(model.parameters()).device.type
+    if decode_compile_decision(compile, device)[0]:
+        choice = decode_weights_choice(requested, device, compiled=True)
+        console.print(f"decode weights: {choice.describe()}", markup=False, highlight=False)
 
 
 def _choose_draft(checkpoint: Path, model, draft: Path | None, requested: bool | None, compile: str):
@@ -254,6 +266,7 @@ def draft_train(config: DraftTrainConfig) -> None:
             "prefix_cache_mb",
             "prefix_block_size",
             "compile",
+            "decode_weights",
             "draft_tokens",
         )
     }
@@ -287,6 +300,7 @@ def serve(
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
     drafter = _choose_draft(checkpoint, model, None, config.speculative, config.compile)
+    _say_decode_weights(model, config.compile, config.decode_weights)
     engine = Engine(
         model,
         config.max_batch,
@@ -295,6 +309,7 @@ def serve(
         config.compile,
         draft=drafter,
         draft_tokens=config.draft_tokens,
+        decode_weights=config.decode_weights,
     ).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)

@@ -35,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from k2lab.hardware import CompileMode, compile_decision
+from k2lab.hardware import CompileMode, Precision, compile_decision
+from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice
 from k2lab.ops.kda import mark_compile_constants
 
 __all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step"]
@@ -142,10 +143,16 @@ def decode_compile_decision(requested: CompileMode | str, device: str) -> tuple[
     )
 
 
-def decode_step(model: torch.nn.Module, requested: CompileMode | str) -> Callable[..., object]:
+def decode_step(
+    model: torch.nn.Module, requested: CompileMode | str, weights: Precision | str = "fp32"
+) -> Callable[..., object]:
     """The callable that runs ``model``'s decode steps: compiled per ``decode_compile_decision``, else the
-    model itself. Vision-language models decode eagerly (their text steps are the language model's)."""
+    model itself. Vision-language models decode eagerly (their text steps are the language model's).
+    Compiled on CPU, ``weights`` decides the dtype its matrices are read in
+    (``k2lab.infer.decode_weights.decode_weights_choice``): bf16 runs the step on ``bf16_twin(model)``."""
     device = next(model.parameters()).device.type
     if hasattr(model, "language_model") or not decode_compile_decision(requested, device)[0]:
         return model
+    if decode_weights_choice(weights, device, compiled=True).dtype == torch.bfloat16:
+        return compiled_decode(bf16_twin(model))
     return compiled_decode(model)

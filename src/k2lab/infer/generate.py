@@ -20,8 +20,10 @@ from typing import Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from k2lab.hardware import Precision
 from k2lab.infer.cache import KDAState, LatentCache, RowState
 from k2lab.infer.compiled import CompileMode, decode_step
+from k2lab.infer.decode_weights import decode_weights_field
 from k2lab.infer.prefix_cache import PrefixCache
 
 
@@ -40,6 +42,7 @@ class GenerationConfig(BaseModel):
         description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA, off on CPU "
         "(a build of minutes); on = compile (one build per model, reused by later calls); off = eager.",
     )
+    decode_weights: Precision = decode_weights_field()
     drop_finished: bool = Field(
         default=False,
         description="A row that samples eos_token_id leaves the batch: later steps compute the live rows only "
@@ -196,7 +199,7 @@ def generate(
     media = {k: v.to(param.device) for k, v in (media or {}).items()}
     latents, logits = prefill(model, prompts, config.max_new_tokens, starts, prefix_cache, media)
     keep_states = cache is not None and bool(latents.kda_states)
-    step_model = decode_step(model, config.compile)
+    step_model = decode_step(model, config.compile, config.decode_weights)
     ended: dict[int, dict[int, KDAState]] = {}  # row -> its KDA states when it sampled EOS
     tokens: list[torch.Tensor] = []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=param.device)

@@ -174,7 +174,8 @@ class SpeculativeStep:
         if (generator is None) == (rows is None):
             raise ValueError("pass exactly one of generator (one config for all rows) and rows (per row)")
         self.model, self.draft, self.config, self.generator, self.rows = model, draft, config, generator, rows
-        self.verify_forward = decode_step(model, config.compile)  # compiled per config.compile, else model
+        # compiled per config.compile (matrices per config.decode_weights), else the model
+        self.verify_forward = decode_step(model, config.compile, config.decode_weights)
         draft.compile(config.compile)  # the draft's proposing forwards likewise
 
     def _sampled(self, device: torch.device) -> torch.Tensor | None:

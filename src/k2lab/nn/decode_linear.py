@@ -18,7 +18,9 @@ so the swap applies where O ≥ D only, and for a single row only to weights of 
 elements: the padding and the copy back cost a few dispatches (µs each in eager mode) that a 256 × 256
 product does not win back (eager generation at batch 1 measured 7 % slower with it). The same dot products
 in another summation order: equal to ``F.linear`` within fp32 rounding (tests). It is a decode tier: CPU,
-fp32, no gradient, at most ``MAX_ROWS`` rows; anything else is the plain ``F.linear``.
+fp32 rows, no gradient, at most ``MAX_ROWS`` rows; anything else is the plain ``F.linear``. The weights are
+fp32, or the bf16 copies of the compiled step's twin (``k2lab.infer.decode_weights``), which the reductions
+widen to fp32 as they load them (the other products get a widened copy).
 
 Under ``torch.compile`` a step of at most ``MAX_ROWS`` rows takes the **reduction tier**: y_no = Σ_d W_od x_nd
 written as ``(W[None] * x[:, None]).sum(-1)``, which inductor turns into one vectorised reduction over D that
@@ -65,12 +67,13 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = x.numel() // D
     if torch.compiler.is_compiling():
         if n > MAX_ROWS or not cpu_fp32_inference(x, weight):
-            return F.linear(x, weight)
+            return F.linear(x, widened(weight, x))
         rows = stored(x.reshape(-1, D))
         if n == 1 or weight.numel() * weight.element_size() < LARGE_WEIGHT_BYTES:
             return (weight[None] * rows[:, None, :]).sum(-1).view(*x.shape[:-1], O)
         # [O, N]: each weight row read once for every input row, then the small result transposed
         return (weight[:, None, :] * rows[None]).sum(-1).T.contiguous().view(*x.shape[:-1], O)
+    weight = widened(weight, x)  # eager: a bf16 twin's weight widened (graph breaks only; see below)
     if n > MAX_ROWS or D > O or (n == 1 and O * D < MIN_SINGLE_ROW) or not cpu_fp32_inference(x, weight):
         return F.linear(x, weight)
     rows = x.reshape(n, D)
@@ -88,10 +91,18 @@ def stored(rows: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the decode tiers apply: CPU, fp32 operands, and no gradient to track."""
+    """Whether the decode tiers apply: CPU, fp32 activations, fp32 weights or the bf16 copies of the compiled
+    step's twin (``k2lab.infer.decode_weights``; the reductions widen them as they load them), and no
+    gradient to track."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
-        and weight.dtype == torch.float32
+        and weight.dtype in (torch.float32, torch.bfloat16)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
+
+
+def widened(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``weight`` widened to fp32 when it is a twin's bf16 copy and ``x`` is fp32 (for the products that are
+    not reductions: a whole fp32 copy), else ``weight`` itself."""
+    return weight.float() if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 else weight

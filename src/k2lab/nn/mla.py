@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k2lab.config import ModelConfig
-from k2lab.nn.decode_linear import cpu_fp32_inference, decode_linear
+from k2lab.nn.decode_linear import cpu_fp32_inference, decode_linear, widened
 from k2lab.nn.norm import RMSNorm
 from k2lab.nn.rope import apply_rotary
 from k2lab.ops.attention import attention
@@ -247,6 +247,7 @@ class MultiHeadLatentAttention(nn.Module):
             )
         if torch.compiler.is_compiling() and cpu_fp32_inference(keys, w_uk):
             return reduced_latent_attention(q_nope, q_rope, keys, allowed, w_uk, w_uv, self.softmax_scale)
+        w_uk, w_uv = widened(w_uk, keys), widened(w_uv, keys)  # a decode twin's bf16 copies, outside a graph
         # q̃^h = (W_UK^h)ᵀ q_C^h for all heads at once: [H, B·Tq, n] @ [H, n, C]
         q_latent = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * Tq, self.nope_dim), w_uk)
         q_latent = q_latent.view(H, B, Tq, self.latent_dim).transpose(0, 1)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k2lab.hardware import Precision
 from k2lab.infer.compiled import CompileMode
+from k2lab.infer.decode_weights import decode_weights_field
 from k2lab.infer.speculative import DRAFT_TOKENS
 
 __all__ = ["ServeConfig"]
@@ -36,6 +38,7 @@ class ServeConfig(BaseModel):
         description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA, off on CPU "
         "(the build takes minutes there; on: a k2-mini decode step 1.4x faster after a ~40 s build).",
     )
+    decode_weights: Precision = decode_weights_field()
     speculative: bool | None = Field(
         default=None,
         description="Speculative decoding with the draft beside the model (MODEL/draft/ or its MTP layer): "

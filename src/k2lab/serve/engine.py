@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_step
 from k2lab.infer.draft import Draft
@@ -86,7 +87,8 @@ class Request:
 class Engine:
     """Continuous batching over ``model`` (a ``CausalLM``; ``max_batch`` sequences decode together), with
     an automatic prefix cache of ``prefix_cache_bytes`` (0: none) in blocks of ``block_size`` tokens and
-    decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``); with ``draft``,
+    decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``, the compiled step's matrices
+    in the dtype of ``decode_weights``); with ``draft``,
     speculative steps of ``draft_tokens`` drafted tokens (``speculation``; None: plain decoding)."""
 
     def __init__(
@@ -98,10 +100,14 @@ class Engine:
         compile: CompileMode = "auto",
         draft: Draft | None = None,
         draft_tokens: int = DRAFT_TOKENS,
+        decode_weights: Precision = "auto",
     ) -> None:
         self.model = model.eval()
-        self.speculation = None if draft is None else Speculation(self.model, draft, draft_tokens, compile)
-        self._step = decode_step(self.model, compile)  # the decode forward: compiled or the model
+        self.speculation = (
+            None if draft is None else Speculation(self.model, draft, draft_tokens, compile, decode_weights)
+        )
+        # the decode forward: compiled (its matrices per decode_weights) or the model
+        self._step = decode_step(self.model, compile, decode_weights)
         self.prefix_cache = (
             PrefixCache.for_model(model, prefix_cache_bytes, block_size) if prefix_cache_bytes else None
         )

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode
 from k2lab.infer.draft import Draft
@@ -108,11 +109,12 @@ class Speculation:
         draft: Draft,
         draft_tokens: int = DRAFT_TOKENS,
         compile: CompileMode = "auto",
+        decode_weights: Precision = "auto",
     ) -> None:
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.model, self.draft, self.k = model, draft, draft_tokens
-        self.config = GenerationConfig(compile=compile)
+        self.config = GenerationConfig(compile=compile, decode_weights=decode_weights)
         self.runner: SpeculativeStep | None = None
         self.stats = SpeculativeStats()
 
