@@ -302,7 +302,12 @@ def bench_speculative(args, config) -> list[SpeculativeRow]:
             row = speculative_row(target, draft, prompts[:batch], generation, args)
             row.held_out_tokens_per_step = round(held_out.tokens_per_step, 3)
             row.preset = label
-            row.extra = {"draft": described, "held_out_prompts": min(args.spec_eval, len(prompts))}
+            weights = decode_weights_choice(args.decode_weights, args.device, compiled=args.compile_decode)
+            row.extra = {
+                "draft": described,
+                "held_out_prompts": min(args.spec_eval, len(prompts)),
+                "decode_weights": weights.describe(),  # the target's verify and plain steps; drafts fp32
+            }
             rows.append(row)
     return rows
 

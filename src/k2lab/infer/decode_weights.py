@@ -10,16 +10,18 @@ routed experts' gathered tier, ``reduced_latent_attention``):
 so reading W in bf16 halves the bytes and changes nothing else: x, the products and the sums stay fp32.
 The weights are rounded once to bf16 (8 bits of mantissa), which is what a model trained under bf16 autocast
 already multiplied by at every training step. Measured on a Zen 5 (2 threads, k2-mini, compiled steps in one
-process, alternating, 64 new tokens after a 64-token prompt, prefill included): batch 1 1.33×, batch 4 1.41×,
-the same greedy tokens as fp32 decoding of the rounded weights (docs/generation.md).
+process, alternating, 64 new tokens after a 64-token prompt, prefill included; two runs): batch 1 1.26–1.33×,
+batch 4 1.36–1.41×; on the trained demo model the greedy tokens equal fp32 decoding's (docs/generation.md).
 
 ``bf16_twin(model)`` is the model the compiled step runs: a copy sharing every parameter and buffer of
 ``model`` except its matrices (the weights of ``nn.Linear`` layers and the routed experts' stacks), which are
 bf16 copies, and whose ``nn.Linear`` layers run through ``decode_linear`` (which widens bf16 weights for fp32
 rows). Embeddings, norms, the router and convolution taps stay shared fp32. One twin per model, kept while the
-model lives; ``refresh`` copies a matrix again whenever its source changed in place (an optimizer step in RL:
-the version counter of each source is compared at every ``decode_step``). The prefill and eager decoding
-read ``model``'s own fp32 weights.
+model lives (memory: half the matrices' fp32 bytes); ``refresh`` copies a matrix again whenever its source
+was written since (an optimizer step in RL: each source's version counter and storage are compared at every
+``decode_step``). The prefill and eager decoding read ``model``'s own fp32 weights. Drafts' forwards keep
+fp32 weights (``decode_step``'s default): an EAGLE forward holds the whole target, whose twin would copy its
+matrices a second time.
 
 ``decode_weights_choice`` decides (``k2lab.hardware``'s rule for the ``decode_weights`` path): "auto" is bf16
 where the hardware module picks bf16 (a CPU with native bf16, confirmed by its measurement) and fp32 elsewhere,
@@ -67,11 +69,11 @@ def decode_weights_field() -> Any:  # pydantic's Field(...), typed Any so that i
 
 
 def matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, parameter name) of every matrix the twin holds in bf16: ``nn.Linear`` weights and the routed
-    experts' stacks."""
+    """(module, parameter name) of every matrix the twin holds in bf16: ``nn.Linear`` weights (of that class
+    itself: a subclass's own forward might not widen them) and the routed experts' stacks."""
     found: list[tuple[nn.Module, str]] = []
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if type(module) is nn.Linear:
             found.append((module, "weight"))
         elif isinstance(module, RoutedExperts):
             found.extend((module, name) for name in _EXPERT_STACKS)
@@ -87,7 +89,7 @@ class _TwinLinear(nn.Linear):
 
 
 class _Twin:
-    """The twin of one model and, for each bf16 matrix, its source parameter and the source's version when
+    """The twin of one model and, for each bf16 matrix, its source parameter and the source's ``_stamp`` when
     it was copied."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -104,7 +106,7 @@ class _Twin:
                 copied = nn.Parameter(source.detach().to(torch.bfloat16), requires_grad=False)
                 setattr(twin_module, name, copied)
                 self.pairs.append((source, copied, _stamp(source)))
-                if type(twin_module) is nn.Linear:
+                if isinstance(twin_module, nn.Linear):
                     twin_module.__class__ = _TwinLinear
         self.model = twin  # its shared parameters keep their own requires_grad (they are the model's)
         self.state: frozenset[tuple[torch.dtype, torch.device]] = frozenset()

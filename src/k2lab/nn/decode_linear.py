@@ -73,7 +73,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return (weight[None] * rows[:, None, :]).sum(-1).view(*x.shape[:-1], O)
         # [O, N]: each weight row read once for every input row, then the small result transposed
         return (weight[:, None, :] * rows[None]).sum(-1).T.contiguous().view(*x.shape[:-1], O)
-    weight = widened(weight, x)  # eager: a bf16 twin's weight widened (graph breaks only; see below)
+    weight = widened(weight, x)  # a twin's bf16 weight gets here only past a graph break in its compiled step
     if n > MAX_ROWS or D > O or (n == 1 and O * D < MIN_SINGLE_ROW) or not cpu_fp32_inference(x, weight):
         return F.linear(x, weight)
     rows = x.reshape(n, D)
