@@ -281,4 +281,8 @@ def test_speculation_decision():
         "compiled decoding on CPU is faster than speculative decoding (--speculative to force it)",
     )
     assert speculation_decision(True, "on", "cpu") == (True, "requested")
+    sampled = speculation_decision(None, "off", "cpu", sampled=True)
+    assert not sampled[0] and sampled[1].startswith("sampled speculative decoding on CPU measured")
+    assert speculation_decision(None, "auto", "cuda", sampled=True)[0]
+    assert speculation_decision(True, "off", "cpu", sampled=True) == (True, "requested")
     assert speculation_decision(False, "off", "cuda") == (False, "requested")

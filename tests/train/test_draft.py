@@ -77,6 +77,14 @@ def test_commands_train_and_use_the_draft(model_dir, tiny_corpus, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(arg) for arg in [*generate_args, "--no-speculative"]])
     assert "tokens per target forward" not in capsys.readouterr().out
+    sampled = [*generate_args, "--temperature", "1"]  # sampled on CPU: the draft is left unused unless forced
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in sampled])
+    printed = capsys.readouterr().out
+    assert "speculative decoding off: sampled" in printed and "tokens per target forward" not in printed
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in [*sampled, "--speculative"]])
+    assert "tokens per target forward" in capsys.readouterr().out
 
 
 def test_a_bad_draft_vocabulary_is_refused(model_dir, tiny_corpus):

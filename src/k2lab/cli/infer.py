@@ -106,8 +106,8 @@ def generate(
         bool | None,
         typer.Option(
             "--speculative/--no-speculative",
-            help="Force speculative decoding on or off (default: on when a draft is found, unless the decode "
-            "step runs compiled on a CPU, where plain decoding is faster).",
+            help="Force speculative decoding on or off (default: on when a draft is found, unless on a CPU the "
+            "decode step runs compiled or --temperature samples: plain decoding measured faster there).",
         ),
     ] = None,
     draft_tokens: Annotated[
@@ -143,7 +143,8 @@ def generate(
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
         config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
-    drafter = None if media else _choose_draft(checkpoint, model, draft, speculative, config.compile)
+    sampled = config.temperature > 0
+    drafter = None if media else _choose_draft(checkpoint, model, draft, speculative, config.compile, sampled)
     _say_decode_weights(decoder, config.compile, config.decode_weights)
     start = time.perf_counter()
     if drafter is None:
@@ -178,7 +179,9 @@ def _say_decode_weights(model, compile: str, requested: str) -> None:
         console.print(f"decode weights: {choice.describe()}", markup=False, highlight=False)
 
 
-def _choose_draft(checkpoint: Path, model, draft: Path | None, requested: bool | None, compile: str):
+def _choose_draft(
+    checkpoint: Path, model, draft: Path | None, requested: bool | None, compile: str, sampled: bool = False
+):
     """The draft to decode with, or None, per ``speculation_decision``; a found draft left unused is said
     with the reason, and --speculative without a draft is an error."""
     from k2lab.infer.speculative import speculation_decision
@@ -191,7 +194,7 @@ def _choose_draft(checkpoint: Path, model, draft: Path | None, requested: bool |
             "--speculative needs a draft: --draft DIR (generate), CHECKPOINT/draft (`k2lab draft train`) "
             "or an MTP layer"
         )
-    use, why = speculation_decision(requested, compile, next(model.parameters()).device.type)
+    use, why = speculation_decision(requested, compile, next(model.parameters()).device.type, sampled)
     if drafter is not None and not use:
         console.print(f"speculative decoding off: {why}")
         return None

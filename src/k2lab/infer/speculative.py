@@ -45,18 +45,31 @@ from k2lab.infer.rollback import CacheWindow, ensure_room
 DRAFT_TOKENS = 4
 
 
-def speculation_decision(requested: bool | None, compile: CompileMode | str, device: str) -> tuple[bool, str]:
+def speculation_decision(
+    requested: bool | None, compile: CompileMode | str, device: str, sampled: bool = False
+) -> tuple[bool, str]:
     """Whether ``generate`` / ``serve`` decode speculatively when a draft is found, and why: as ``requested``
-    (``--speculative/--no-speculative``), else on unless the decode step runs compiled on a CPU
-    (``decode_compile_decision``). There plain compiled decoding beat speculative decoding in every measured
-    case (k2-mini with an MTP draft, batch 1 and 4, greedy and sampled: 0.24–0.81×, the draft compiled too;
-    eager, greedy batch 1 gains 1.65×; docs/generation.md)."""
+    (``--speculative/--no-speculative``), else on unless, on a CPU,
+
+    - the decode step runs compiled (``decode_compile_decision``): there plain compiled decoding beat
+      speculative decoding in every measured case (k2-mini with an MTP draft, batch 1 and 4, greedy and
+      sampled: 0.24–0.81×, the draft compiled too; docs/generation.md);
+    - or the decoding is ``sampled`` (``generate`` with a temperature; ``serve`` learns its temperatures per
+      request and passes False): eager sampled speculative decoding ran at 0.50–1.02× plain decoding over
+      the measured drafts, batches and CPUs (docs/generation.md), against 0.84–1.67× greedy at batch 1, since
+      sampling accepts fewer drafted tokens (1.7–3.4 tokens per forward against 3.6–4.7).
+    """
     if requested is not None:
         return requested, "requested"
     if device == "cpu" and decode_compile_decision(compile, device)[0]:
         return (
             False,
             "compiled decoding on CPU is faster than speculative decoding (--speculative to force it)",
+        )
+    if device == "cpu" and sampled:
+        return (
+            False,
+            "sampled speculative decoding on CPU measured 0.50-1.02x plain decoding (--speculative to force it)",
         )
     return True, "a draft was found"
 
