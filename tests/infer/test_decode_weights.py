@@ -106,3 +106,24 @@ def test_compiled_bf16_step_equals_eager_on_rounded_weights(preset, monkeypatch)
         got = decode_logits(model, step, prompt, tokens)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_drafts_compile_over_twins():
+    """bf16 weights: an EAGLE draft's compiled forward runs over the target's twin (the one its own step runs)
+    and its block's, built once; fp32 and eager keep the model's own. A model draft compiles its twin."""
+    from k2lab.infer.compiled import _COMPILED
+    from k2lab.infer.draft import EagleDraft, ModelDraft
+
+    model = build_model(load_preset("k2-nano", num_nextn_predict_layers=1)).eval()
+    draft = EagleDraft(model, model.mtp[0])
+    draft.compile("on", "bf16")  # builds nothing until called
+    forward = draft._bf16
+    assert forward.target is bf16_twin(model) and forward.module is bf16_twin(model.mtp[0])
+    assert forward.module.eh_proj.weight.dtype == torch.bfloat16 and forward in _COMPILED
+    draft.compile("on", "bf16")
+    assert draft._bf16 is forward
+    draft.compile("off", "bf16")
+    assert draft.run is draft.eager
+    small = build_model(load_preset("k2-nano")).eval()
+    ModelDraft(small).compile("on", "bf16")
+    assert bf16_twin(small) in _COMPILED and small not in _COMPILED

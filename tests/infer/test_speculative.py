@@ -16,6 +16,7 @@ from k2lab.infer.draft import EagleDraft, ModelDraft
 from k2lab.infer.rollback import CacheWindow, compact
 from k2lab.infer.speculative import processed_probs, speculation_decision, speculative_generate
 from tests.conftest import KIMI_LINEAR_STYLE, randomize
+from tests.infer.test_decode_weights import rounded
 
 PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [99]]
 
@@ -251,17 +252,20 @@ def recording(draft, seen: list[torch.Tensor]):
     return draft
 
 
-def test_compiled_eagle_draft_proposes_as_eager(monkeypatch):
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_compiled_eagle_draft_proposes_as_eager(weights, monkeypatch):
     """``compile="on"``: the verify and the EAGLE draft's proposing forwards run compiled (one ``EagleForward``
-    graph per forward kind: a proposal's one entry, an accepted window); greedy output equals plain decoding,
-    and every proposal's logits equal the eager draft's within fp32 rounding, step for step. Two rows and
-    k = 2 keep every forward within the reduction tiers (≤ 6 rows), so the build stays short."""
+    graph per forward kind: a proposal's one entry, an accepted window), their matrices read as ``weights``
+    (bf16: the target's and the block's twins; the model's matrices are bf16-rounded, so both read the same
+    values); greedy output equals plain decoding, and every proposal's logits equal the eager draft's within
+    fp32 rounding, step for step. Two rows and k = 2 keep every forward within the reduction tiers (≤ 6
+    rows), so the build stays short."""
     monkeypatch.setattr("k2lab.infer.compiled.CPP_WRAPPER_DEVICES", ())  # guards only: the quicker build
-    model, prompts = k2(num_nextn_predict_layers=1).eval(), PROMPTS[:2]
+    model, prompts = rounded(k2(num_nextn_predict_layers=1)).eval(), PROMPTS[:2]
     runs = {}
     for compile in ("off", "on"):
         seen: list[torch.Tensor] = []
-        config = GenerationConfig(max_new_tokens=11, compile=compile, decode_weights="fp32")
+        config = GenerationConfig(max_new_tokens=11, compile=compile, decode_weights=weights)
         draft = recording(EagleDraft(model, model.mtp[0]), seen)
         runs[compile] = *speculative_generate(model, draft, prompts, config, num_draft_tokens=2), seen
     eager_out, eager_stats, eager_logits = runs["off"]

@@ -150,8 +150,8 @@ def decode_step(
     model itself. Vision-language models decode eagerly (their text steps are the language model's).
     Compiled on CPU, ``weights`` decides the dtype its matrices are read in
     (``k2lab.infer.decode_weights.decode_weights_choice``): bf16 runs the step on ``bf16_twin(model)``. The
-    default, fp32, is for callers that do not choose (drafts' forwards); generation and serving pass their
-    config's ``decode_weights``."""
+    default, fp32, is for callers that do not choose; generation, serving and drafts pass their config's
+    ``decode_weights``."""
     device = next(model.parameters()).device.type
     if hasattr(model, "language_model") or not decode_compile_decision(requested, device)[0]:
         return model

@@ -19,9 +19,9 @@ bf16 copies, and whose ``nn.Linear`` layers run through ``decode_linear`` (which
 rows). Embeddings, norms, the router and convolution taps stay shared fp32. One twin per model, kept while the
 model lives (memory: half the matrices' fp32 bytes); ``refresh`` copies a matrix again whenever its source
 was written since (an optimizer step in RL: each source's version counter and storage are compared at every
-``decode_step``). The prefill and eager decoding read ``model``'s own fp32 weights. Drafts' forwards keep
-fp32 weights (``decode_step``'s default): an EAGLE forward holds the whole target, whose twin would copy its
-matrices a second time.
+``decode_step``). The prefill and eager decoding read ``model``'s own fp32 weights. A draft's compiled
+forwards follow the same option (``Draft.compile``): an EAGLE forward runs over the target's twin and its
+block's.
 
 ``decode_weights_choice`` decides (``k2lab.hardware``'s rule for the ``decode_weights`` path): "auto" is bf16
 where the hardware module picks bf16 (a CPU with native bf16, confirmed by its measurement) and fp32 elsewhere,

@@ -45,8 +45,10 @@ from torch import nn
 from k2lab.config import ModelConfig
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import read_json_object, staged_directory
+from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import CompileMode, decode_step
+from k2lab.infer.compiled import CompileMode, decode_compile_decision, decode_step
+from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice
 from k2lab.infer.draft_vocab import DraftVocab
 from k2lab.infer.rollback import CacheWindow, ensure_room
 from k2lab.models.decoder import CausalLM
@@ -93,8 +95,9 @@ class Draft(Protocol):
     def concat(self, other: Draft) -> None:
         """Append the rows of ``other`` (the same kind of draft, prefilled on another batch) after these."""
 
-    def compile(self, requested: CompileMode | str) -> None:
-        """Run the proposing forwards compiled or eager, per ``k2lab.infer.compiled.decode_step``."""
+    def compile(self, requested: CompileMode | str, weights: Precision | str = "fp32") -> None:
+        """Run the proposing forwards compiled or eager, per ``k2lab.infer.compiled.decode_step``; compiled on
+        CPU, their matrices read in the dtype ``weights`` resolves to (``k2lab.infer.decode_weights``)."""
 
 
 def _concat_caches(first: LatentCache, second: LatentCache) -> LatentCache:
@@ -117,8 +120,8 @@ class ModelDraft:
         self.model = self.run = model  # run: the proposing forward (compiled by ``compile``)
         self.cache: LatentCache | None = None
 
-    def compile(self, requested: CompileMode | str) -> None:
-        self.run = decode_step(self.model, requested)
+    def compile(self, requested: CompileMode | str, weights: Precision | str = "fp32") -> None:
+        self.run = decode_step(self.model, requested, weights)
 
     def prefill(
         self,
@@ -213,9 +216,21 @@ class EagleDraft:
         self.target, self.module, self.vocab = target, module, vocab
         self.eager = self.run = EagleForward(target, module, full_head=vocab is None)
         self.cache: LatentCache | None = None
+        self._bf16: EagleForward | None = None  # the forward over the target's and the block's bf16 twins
 
-    def compile(self, requested: CompileMode | str) -> None:
-        self.run = decode_step(self.eager, requested)
+    def compile(self, requested: CompileMode | str, weights: Precision | str = "fp32") -> None:
+        """As the protocol says. With bf16 weights the compiled forward is an ``EagleForward`` over
+        ``bf16_twin(target)`` and ``bf16_twin(module)`` (the target's twin is the one its own compiled step
+        runs, so the target's matrices are not copied again; kept while both twins stay the same objects)."""
+        device = next(self.target.parameters()).device.type
+        compiled = decode_compile_decision(requested, device)[0]
+        forward = self.eager
+        if compiled and decode_weights_choice(weights, device, compiled=True).dtype == torch.bfloat16:
+            target, module = bf16_twin(self.target), bf16_twin(self.module)
+            if self._bf16 is None or (self._bf16.target, self._bf16.module) != (target, module):
+                self._bf16 = EagleForward(target, module, full_head=self.eager.full_head)
+            forward = self._bf16
+        self.run = decode_step(forward, requested)
 
     def _advance(
         self,

@@ -189,7 +189,7 @@ class SpeculativeStep:
         self.model, self.draft, self.config, self.generator, self.rows = model, draft, config, generator, rows
         # compiled per config.compile (matrices per config.decode_weights), else the model
         self.verify_forward = decode_step(model, config.compile, config.decode_weights)
-        draft.compile(config.compile)  # the draft's proposing forwards likewise
+        draft.compile(config.compile, config.decode_weights)  # the draft's proposing forwards likewise
 
     def _sampled(self, device: torch.device) -> torch.Tensor | None:
         """The rows that sample (index [n]); None when every row does (the others take the argmax)."""
