@@ -306,7 +306,7 @@ def bench_speculative(args, config) -> list[SpeculativeRow]:
             row.extra = {
                 "draft": described,
                 "held_out_prompts": min(args.spec_eval, len(prompts)),
-                "decode_weights": weights.describe(),  # the target's verify and plain steps; drafts fp32
+                "decode_weights": weights.describe(),  # the verify, the draft and the plain steps
             }
             rows.append(row)
     return rows
