@@ -39,7 +39,7 @@ from k2lab.hardware import CompileMode, Precision, compile_decision
 from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice
 from k2lab.ops.kda import mark_compile_constants
 
-__all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step"]
+__all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step", "reads_bf16"]
 
 # Inductor inlines a pointwise result into each consumer unless its body has more than this many ops
 # (CPU default 50), and stores (realizes) a pointwise node whose body, producers inlined, grows past it.
@@ -155,6 +155,10 @@ def decode_step(
     device = next(model.parameters()).device.type
     if hasattr(model, "language_model") or not decode_compile_decision(requested, device)[0]:
         return model
-    if decode_weights_choice(weights, device, compiled=True).dtype == torch.bfloat16:
-        return compiled_decode(bf16_twin(model))
-    return compiled_decode(model)
+    return compiled_decode(bf16_twin(model) if reads_bf16(requested, weights, device) else model)
+
+
+def reads_bf16(requested: CompileMode | str, weights: Precision | str, device: str) -> bool:
+    """Whether a decode step on ``device`` runs compiled with its matrices read as bf16 (its twin's)."""
+    compiled = decode_compile_decision(requested, device)[0]
+    return compiled and decode_weights_choice(weights, device, compiled).dtype == torch.bfloat16

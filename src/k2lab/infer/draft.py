@@ -47,8 +47,8 @@ from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import read_json_object, staged_directory
 from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
-from k2lab.infer.compiled import CompileMode, decode_compile_decision, decode_step
-from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice
+from k2lab.infer.compiled import CompileMode, decode_step, reads_bf16
+from k2lab.infer.decode_weights import bf16_twin
 from k2lab.infer.draft_vocab import DraftVocab
 from k2lab.infer.rollback import CacheWindow, ensure_room
 from k2lab.models.decoder import CausalLM
@@ -222,10 +222,8 @@ class EagleDraft:
         """As the protocol says. With bf16 weights the compiled forward is an ``EagleForward`` over
         ``bf16_twin(target)`` and ``bf16_twin(module)`` (the target's twin is the one its own compiled step
         runs, so the target's matrices are not copied again; kept while both twins stay the same objects)."""
-        device = next(self.target.parameters()).device.type
-        compiled = decode_compile_decision(requested, device)[0]
         forward = self.eager
-        if compiled and decode_weights_choice(weights, device, compiled=True).dtype == torch.bfloat16:
+        if reads_bf16(requested, weights, next(self.target.parameters()).device.type):
             target, module = bf16_twin(self.target), bf16_twin(self.module)
             if self._bf16 is None or (self._bf16.target, self._bf16.module) != (target, module):
                 self._bf16 = EagleForward(target, module, full_head=self.eager.full_head)
