@@ -175,3 +175,24 @@ def test_compile_settings_this_torch_lacks_are_left_out(monkeypatch):
     assert _known(options) == {"guard_filter_fn": len, "cpp_wrapper": True}
     monkeypatch.setattr("k2lab.infer.compiled._ISOLATE", {})  # no isolate_recompiles: module guards kept
     assert _known(options) == {"cpp_wrapper": True}
+
+
+def test_a_compiled_model_is_freed_and_its_copies_build_their_own_step() -> None:
+    """The step lives on its model (a cycle the collector frees), and a copy, deep or shallow, gets a new
+    step rather than its original's graph. Nothing is built: the steps are never called."""
+    import copy
+    import gc
+    import weakref
+
+    from k2lab.infer.compiled import built_step
+
+    model = build_model(load_preset("k2-nano")).eval()
+    step = compiled_decode(model)
+    assert built_step(model) is step and compiled_decode(model) is step
+    for twin in (copy.deepcopy(model), copy.copy(model)):
+        assert built_step(twin) is None and compiled_decode(twin) is not step
+        assert compiled_decode(model) is step
+    ref = weakref.ref(model)
+    del model, step, twin
+    gc.collect()
+    assert ref() is None, "a compiled model outlived its last reference"

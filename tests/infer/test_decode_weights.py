@@ -111,7 +111,7 @@ def test_compiled_bf16_step_equals_eager_on_rounded_weights(preset, monkeypatch)
 def test_drafts_compile_over_twins():
     """bf16 weights: an EAGLE draft's compiled forward runs over the target's twin (the one its own step runs)
     and its block's, built once; fp32 and eager keep the model's own. A model draft compiles its twin."""
-    from k2lab.infer.compiled import _COMPILED
+    from k2lab.infer.compiled import built_step
     from k2lab.infer.draft import EagleDraft, ModelDraft
 
     model = build_model(load_preset("k2-nano", num_nextn_predict_layers=1)).eval()
@@ -119,11 +119,11 @@ def test_drafts_compile_over_twins():
     draft.compile("on", "bf16")  # builds nothing until called
     forward = draft._bf16
     assert forward.target is bf16_twin(model) and forward.module is bf16_twin(model.mtp[0])
-    assert forward.module.eh_proj.weight.dtype == torch.bfloat16 and forward in _COMPILED
+    assert forward.module.eh_proj.weight.dtype == torch.bfloat16 and built_step(forward) is draft.run
     draft.compile("on", "bf16")
     assert draft._bf16 is forward
     draft.compile("off", "bf16")
     assert draft.run is draft.eager
     small = build_model(load_preset("k2-nano")).eval()
     ModelDraft(small).compile("on", "bf16")
-    assert bf16_twin(small) in _COMPILED and small not in _COMPILED
+    assert built_step(bf16_twin(small)) is not None and built_step(small) is None

@@ -39,7 +39,14 @@ from k2lab.hardware import CompileMode, Precision, compile_decision
 from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice
 from k2lab.ops.kda import mark_compile_constants
 
-__all__ = ["CompileMode", "compiled_decode", "decode_compile_decision", "decode_step", "reads_bf16"]
+__all__ = [
+    "CompileMode",
+    "built_step",
+    "compiled_decode",
+    "decode_compile_decision",
+    "decode_step",
+    "reads_bf16",
+]
 
 # Inductor inlines a pointwise result into each consumer unless its body has more than this many ops
 # (CPU default 50), and stores (realizes) a pointwise node whose body, producers inlined, grows past it.
@@ -71,9 +78,43 @@ CPP_WRAPPER_DEVICES = ("cpu",)
 # 1.02–1.07), batch 1 1.08× (0.99–1.16). Like module attributes, such floats are not guarded (see above).
 TRACE_CONFIG = {"specialize_float": True}
 
-_COMPILED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Callable[..., object]]] = (
-    weakref.WeakKeyDictionary()
-)
+# Where a model keeps its compiled step: an attribute of the model itself, so that model and step (which holds
+# the model) form a cycle the collector frees with the model. A module-level weak-key registry kept every model
+# ever compiled alive, since the value held its own key.
+_SLOT = "_k2lab_compiled_decode"
+
+
+class _StepSlot:
+    """A model's compiled step (``built``: (model_state, callable)) and the model it was built for (``owner``,
+    weakly). Copies start empty: a copied model builds its own step instead of running its original's graph
+    (``copy.copy`` shares the slot, and ``owner`` tells it apart)."""
+
+    __slots__ = ("built", "owner")
+
+    def __init__(self, owner: torch.nn.Module | None = None) -> None:
+        self.built: tuple[tuple, Callable[..., object]] | None = None
+        self.owner = None if owner is None else weakref.ref(owner)
+
+    def __deepcopy__(self, memo: dict) -> _StepSlot:
+        return _StepSlot()
+
+    def __reduce__(self) -> tuple:
+        return _StepSlot, ()
+
+
+def _slot(model: torch.nn.Module) -> _StepSlot:
+    slot = model.__dict__.get(_SLOT)
+    if slot is None or slot.owner is None or slot.owner() is not model:
+        slot = model.__dict__[_SLOT] = _StepSlot(model)
+    return slot
+
+
+def built_step(model: torch.nn.Module) -> Callable[..., object] | None:
+    """The compiled step ``compiled_decode`` made for ``model`` (its current slot), or None."""
+    slot = model.__dict__.get(_SLOT)
+    if slot is None or slot.built is None or slot.owner is None or slot.owner() is not model:
+        return None
+    return slot.built[1]
 
 
 def model_state(model: torch.nn.Module) -> tuple:
@@ -107,7 +148,8 @@ def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
     the first call; the same model keeps its graph across ``generate`` calls and engine steps, and gets a
     new one when its ``model_state`` changed (module guards are skipped, see the module docstring)."""
     state = model_state(model)
-    built = _COMPILED.get(model)
+    slot = _slot(model)
+    built = slot.built
     if built is None or built[0] != state:
         mark_compile_constants()
         options = {
@@ -116,8 +158,7 @@ def compiled_decode(model: torch.nn.Module) -> Callable[..., object]:
             "cpp_wrapper": next(model.parameters()).device.type in CPP_WRAPPER_DEVICES,
         }
         step = torch.compile(model, dynamic=True, options=_known(options), **_ISOLATE)
-        built = state, _traced_with(step, TRACE_CONFIG)
-        _COMPILED[model] = built
+        built = slot.built = state, _traced_with(step, TRACE_CONFIG)
     return built[1]
 
 
