@@ -102,19 +102,23 @@ class _StepSlot:
         return _StepSlot, ()
 
 
-def _slot(model: torch.nn.Module) -> _StepSlot:
+def _own_slot(model: torch.nn.Module) -> _StepSlot | None:
+    """``model``'s slot if it was made for ``model`` (a shallow copy holds its original's), else None."""
     slot = model.__dict__.get(_SLOT)
-    if slot is None or slot.owner is None or slot.owner() is not model:
+    return slot if slot is not None and slot.owner is not None and slot.owner() is model else None
+
+
+def _slot(model: torch.nn.Module) -> _StepSlot:
+    slot = _own_slot(model)
+    if slot is None:
         slot = model.__dict__[_SLOT] = _StepSlot(model)
     return slot
 
 
 def built_step(model: torch.nn.Module) -> Callable[..., object] | None:
-    """The compiled step ``compiled_decode`` made for ``model`` (its current slot), or None."""
-    slot = model.__dict__.get(_SLOT)
-    if slot is None or slot.built is None or slot.owner is None or slot.owner() is not model:
-        return None
-    return slot.built[1]
+    """The compiled step ``compiled_decode`` made for ``model``, or None."""
+    slot = _own_slot(model)
+    return None if slot is None or slot.built is None else slot.built[1]
 
 
 def model_state(model: torch.nn.Module) -> tuple:
