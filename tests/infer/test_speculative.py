@@ -277,7 +277,7 @@ def test_compiled_eagle_draft_proposes_as_eager(weights, monkeypatch):
 
 
 def test_speculation_decision():
-    """As requested; by default on, except where the decode step runs compiled on a CPU."""
+    """As requested; by default on, except on a CPU where the decode step runs compiled or decoding samples."""
     assert speculation_decision(None, "auto", "cpu")[0] and speculation_decision(None, "off", "cpu")[0]
     assert speculation_decision(None, "on", "cuda")[0] and speculation_decision(None, "auto", "cuda")[0]
     assert speculation_decision(None, "on", "cpu") == (

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from k2lab.hardware import CompileMode, Precision, compile_decision
-from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice
+from k2lab.infer.decode_weights import bf16_twin, decode_weights_choice, parameter_kinds
 from k2lab.ops.kda import mark_compile_constants
 
 __all__ = [
@@ -124,7 +124,7 @@ def built_step(model: torch.nn.Module) -> Callable[..., object] | None:
 def model_state(model: torch.nn.Module) -> tuple:
     """What a compiled step assumes of ``model`` without guarding it: train/eval and every parameter's
     dtype and device."""
-    return model.training, frozenset((p.dtype, p.device) for p in model.parameters())
+    return model.training, parameter_kinds(model)
 
 
 # torch 2.13's own graph cache per compiled model. An older torch (a GPU machine's own build) has none, so there

@@ -43,7 +43,14 @@ from k2lab.hardware import Choice, Precision, choose
 from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.experts import RoutedExperts
 
-__all__ = ["Precision", "bf16_twin", "decode_weights_choice", "decode_weights_field", "matrices"]
+__all__ = [
+    "Precision",
+    "bf16_twin",
+    "decode_weights_choice",
+    "decode_weights_field",
+    "matrices",
+    "parameter_kinds",
+]
 
 _EXPERT_STACKS = ("gate_proj", "up_proj", "down_proj")
 _TWINS: weakref.WeakKeyDictionary[nn.Module, _Twin] = weakref.WeakKeyDictionary()
@@ -109,7 +116,7 @@ class _Twin:
                 if isinstance(twin_module, nn.Linear):
                     twin_module.__class__ = _TwinLinear
         self.model = twin  # its shared parameters keep their own requires_grad (they are the model's)
-        self.state: frozenset[tuple[torch.dtype, torch.device]] = frozenset()
+        self.kinds = parameter_kinds(model)  # the model's when the twin was made
 
     def refresh(self, model: nn.Module) -> nn.Module:
         """The twin, its matrices copied again where the source changed since, in ``model``'s train/eval mode."""
@@ -131,13 +138,12 @@ def _stamp(source: torch.Tensor) -> tuple[int, int]:
 def bf16_twin(model: nn.Module) -> nn.Module:
     """``model`` with its matrices read from bf16 copies (module docstring), built at the first call (again
     when a parameter's dtype or device changed since) and refreshed at each."""
-    state = _devices_and_dtypes(model)
     twin = _TWINS.get(model)
-    if twin is None or twin.state != state:
+    if twin is None or twin.kinds != parameter_kinds(model):
         twin = _TWINS[model] = _Twin(model)
-        twin.state = state
     return twin.refresh(model)
 
 
-def _devices_and_dtypes(model: nn.Module) -> frozenset[tuple[torch.dtype, torch.device]]:
+def parameter_kinds(model: nn.Module) -> frozenset[tuple[torch.dtype, torch.device]]:
+    """Every (dtype, device) among ``model``'s parameters: what a twin or a compiled step was made for."""
     return frozenset((p.dtype, p.device) for p in model.parameters())
