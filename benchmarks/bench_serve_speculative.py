@@ -1,15 +1,18 @@
-"""Serving throughput with and without speculative decoding: concurrent greedy chat requests to the engine.
+"""Serving throughput with and without speculative decoding: concurrent chat requests to the engine.
 
 ``--requests`` N chat requests (a system prompt and a user turn holding a held-out window of the model's
 validation text, rendered with K2's chat template as ``k2lab serve`` does) arrive at once at the
-continuous-batching engine of ``k2lab serve`` (``max_batch`` = N), greedy, ``--max-tokens`` each (no stop
-token, so both sides generate exactly as much). One side decodes plainly, the other speculates with the
+continuous-batching engine of ``k2lab serve`` (``max_batch`` = N), greedy (or sampled at ``--temperature``,
+request i seeded i), ``--max-tokens`` each (no stop token, so both sides generate exactly as much).
+Sampled requests draft as the engine decides by default (on a CPU they decode plainly), or always with
+``--sampled-drafts on`` (the engine's behaviour before that rule). One side decodes plainly, the other speculates with the
 draft beside the model (``MODEL/draft/`` or its MTP layer) proposing k = ``--draft-tokens`` tokens; both
 keep the default prefix cache. A fresh engine per run; the sides alternate, medians of ``--repeats``.
 Throughput = completion tokens / wall time; the row also gives the mean drafted tokens accepted per row and
 verify step, the tokens per target forward and whether every reply was identical, and the load average.
 
     python benchmarks/bench_serve_speculative.py --model /tmp/spec/demo --json
+    python benchmarks/bench_serve_speculative.py --model /tmp/spec/demo --temperature 1 --sampled-drafts on
     python benchmarks/bench_serve_speculative.py --smoke    # k2-nano with an untrained MTP layer
 """
 
@@ -67,8 +70,11 @@ def setup(args: argparse.Namespace):
 
 def serve_all(model, draft, prompts: list[list[int]], args: argparse.Namespace, k: int):
     """(seconds, replies, speculation report) for every prompt submitted at once to a fresh engine."""
-    engine = Engine(model, len(prompts), compile="off", draft=draft, draft_tokens=k).start()
-    seconds, replies = serve_concurrently(engine, prompts, args.max_tokens)
+    sampled_drafts = True if args.sampled_drafts == "on" else None
+    engine = Engine(
+        model, len(prompts), compile="off", draft=draft, draft_tokens=k, sampled_drafts=sampled_drafts
+    ).start()
+    seconds, replies = serve_concurrently(engine, prompts, args.max_tokens, args.temperature)
     report = engine.speculation.report() if engine.speculation is not None else None
     return seconds, replies, report
 
@@ -91,6 +97,8 @@ def measure(model, draft, prompts, args, k: int) -> dict:
         "requests": len(prompts),
         "draft_tokens": k,
         "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "sampled_drafts": report["sampled_drafts"],
         "plain_s": round(median["plain"], 3),
         "speculative_s": round(median["speculative"], 3),
         "plain_tokens_per_s": round(tokens / median["plain"], 1),
@@ -112,6 +120,13 @@ def main() -> None:
     parser.add_argument("--draft-tokens", default="3", help="k per row (comma-separated)")
     parser.add_argument("--prompt", type=int, default=64, help="held-out tokens in each user turn")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests")
+    parser.add_argument(
+        "--sampled-drafts",
+        choices=("auto", "on"),
+        default="auto",
+        help="whether sampled requests draft: as the engine decides (auto), or always (on)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--preset", default="k2-nano", help="the model without --model")
@@ -139,7 +154,8 @@ def main() -> None:
     print(machine_line(machine))
     for row in rows:
         print(
-            f"{row['requests']} chats, k={row['draft_tokens']}: plain {row['plain_tokens_per_s']} tok/s, "
+            f"{row['requests']} chats (T={row['temperature']:g}, sampled drafts "
+            f"{row['sampled_drafts']}), k={row['draft_tokens']}: plain {row['plain_tokens_per_s']} tok/s, "
             f"speculative {row['speculative_tokens_per_s']} tok/s: {row['ratio']}x; {row['mean_accepted']} "
             f"drafts accepted per verify step ({row['tokens_per_step']} tokens); identical replies: "
             f"{row['identical_replies']}; load {row['load_average']}"

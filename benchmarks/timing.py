@@ -193,15 +193,22 @@ def run_machine_report(args: argparse.Namespace) -> dict[str, object]:
     return report
 
 
-def serve_concurrently(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    """Submit every prompt at once to a started ``k2lab.serve.Engine`` (greedy, ``max_tokens`` each), wait for
-    all of them, shut the engine down; returns (seconds, replies)."""
+def serve_concurrently(
+    engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+) -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once to a started ``k2lab.serve.Engine`` (``max_tokens`` each; greedy, or sampled
+    at ``temperature`` with request i seeded i), wait for all of them, shut the engine down; returns (seconds,
+    replies)."""
     from k2lab.serve import Request, SamplingParams  # only the serve benchmarks need it
 
     done = threading.Semaphore(0)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     start = time.perf_counter()
-    requests = [engine.submit(Request(p, params, on_finish=lambda _: done.release())) for p in prompts]
+    requests = [
+        engine.submit(
+            Request(p, SamplingParams(max_tokens, temperature, seed=i), on_finish=lambda _: done.release())
+        )
+        for i, p in enumerate(prompts)
+    ]
     for _ in requests:
         done.acquire()
     seconds = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Speculative decoding in the serving engine: greedy replies identical to the engine without a draft for
 concurrent requests of different lengths admitted at different times (an MLA and a hybrid KDA target, with
-and without the prefix cache), cancelled requests, constrained rows (no drafts), deterministic seeded
-sampling, per-row settings that keep the target's distribution, and the counters in ``/health``."""
+and without the prefix cache), cancelled requests, constrained rows (no drafts), sampled rows that decode
+plainly on a CPU unless asked to draft, deterministic seeded sampling, per-row settings that keep the
+target's distribution, and the counters in ``/health``."""
 
 from __future__ import annotations
 
@@ -35,21 +36,25 @@ def hybrid():
     return randomize(build_model(load_preset("k3-nano", num_nextn_predict_layers=1)))
 
 
-def engine(model, draft=None, prefix=True, max_batch=4) -> Engine:
+def engine(model, draft=None, prefix=True, max_batch=4, sampled_drafts=None) -> Engine:
     cache = 1 << 22 if prefix else 0
-    return Engine(model, max_batch, cache, block_size=4, compile="off", draft=draft, draft_tokens=3).start()
+    return Engine(
+        model, max_batch, cache, 4, "off", draft=draft, draft_tokens=3, sampled_drafts=sampled_drafts
+    ).start()
 
 
 def serve(eng: Engine, waves, temperature=0.0, constrain=None, cancel_after=None, stop=(), keep=False):
     """Submit each wave of (prompt, max_tokens) once the first request of the previous wave has 2 tokens;
-    returns the finished requests (``constrain(i)``: request i's constraint; ``cancel_after``: request 0
-    cancels itself after that many tokens; ``stop``: stop token ids; ``keep``: leave the engine running)."""
+    returns the finished requests (``temperature``: a float, or a function of the request's index;
+    ``constrain(i)``: request i's constraint; ``cancel_after``: request 0 cancels itself after that many
+    tokens; ``stop``: stop token ids; ``keep``: leave the engine running)."""
     done, started = threading.Semaphore(0), threading.Event()
     requests, index = [], 0
     for wave in waves:
         started.clear()
         for prompt, budget in wave:
-            params = SamplingParams(budget, temperature, top_p=0.9, seed=index, stop_token_ids=stop)
+            heat = temperature(index) if callable(temperature) else temperature
+            params = SamplingParams(budget, heat, top_p=0.9, seed=index, stop_token_ids=stop)
 
             def on_token(token, me=index):
                 if len(requests[me].tokens) >= 2:
@@ -171,13 +176,35 @@ def test_a_batch_of_constrained_rows_runs_plain_steps(mla):
 
 
 def test_seeded_sampled_replies_are_deterministic(mla, plain_replies):
-    """Temperature 1, top-p 0.9, a seed per request: two runs give the same replies (not the greedy ones)."""
-    spec_engine = engine(mla, ModelDraft(mla))
+    """Temperature 1, top-p 0.9, a seed per request, sampled rows drafting: two runs give the same replies
+    (not the greedy ones)."""
+    spec_engine = engine(mla, ModelDraft(mla), sampled_drafts=True)
     first = serve(spec_engine, [FIRST, LATER], temperature=1.0)
-    again = serve(engine(mla, ModelDraft(mla)), [FIRST, LATER], temperature=1.0)
+    again = serve(engine(mla, ModelDraft(mla), sampled_drafts=True), [FIRST, LATER], temperature=1.0)
     assert replies(first) == replies(again) != plain_replies("mla")
     stats = spec_engine.speculation.stats
     assert stats.steps > 0 and stats.accepted == stats.proposed  # q = p (self-draft): u·q < p always
+
+
+def test_sampled_rows_decode_plainly_on_a_cpu_by_default(mla):
+    """On a CPU a sampled request takes no drafts unless asked (``speculation_decision`` for sampled decoding):
+    a batch of sampled requests runs plain decode steps, replying as the engine without a draft; greedy
+    requests admitted beside them draft and reply as plain greedy decoding; sampled rows keep their replies."""
+    spec_engine = engine(mla, EagleDraft(mla, mla.mtp[0]))
+    assert spec_engine.speculation.sampled_drafts is False
+    assert "sampled speculative decoding on CPU" in spec_engine.speculation.sampled_reason
+    sampled = serve(spec_engine, [FIRST, LATER], temperature=1.0)
+    assert replies(sampled) == replies(serve(engine(mla), [FIRST, LATER], temperature=1.0))
+    assert spec_engine.speculation.stats.steps == 0
+
+    def mixed(i):
+        return 1.0 if i < len(FIRST) else 0.0  # the first wave sampled, the later one greedy
+
+    mixed_engine = engine(mla, ModelDraft(mla))  # the model drafting for itself: greedy drafts all hold
+    spec = serve(mixed_engine, [FIRST, LATER], temperature=mixed)
+    assert replies(spec) == replies(serve(engine(mla), [FIRST, LATER], temperature=mixed))
+    stats = mixed_engine.speculation.stats
+    assert stats.steps > 0 and stats.accepted > 0  # the greedy rows drafted
 
 
 def test_row_settings_keep_the_target_distribution():
@@ -224,13 +251,15 @@ def test_health_reports_the_acceptance(small_tokenizer):
         health = httpx.get(base + "/health").json()["speculative"]
     eng.shutdown()
     assert health["draft_tokens"] == 3 and health["verify_steps"] > 0 and health["mean_accepted"] > 0
+    assert health["sampled_drafts"] is False  # a CPU: sampled requests decode plainly
     assert health["tokens_per_step"] == pytest.approx(1 + health["mean_accepted"], abs=1e-3)
 
 
 def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tokenizer, monkeypatch, capsys):
-    """`k2lab serve` with an MTP layer: speculative by default with k = DRAFT_TOKENS, --draft-tokens k,
-    --no-speculative; with the decode step compiled on CPU off unless asked for (and said); without a draft,
-    --speculative is a clear error."""
+    """`k2lab serve` with an MTP layer: speculative by default with k = DRAFT_TOKENS for greedy requests only
+    on a CPU (said), --draft-tokens k, --no-speculative; with the decode step compiled on CPU off unless asked
+    for (and said; --speculative then drafts for sampled requests too); without a draft, --speculative is a
+    clear error."""
     from k2lab.cli import main
     from k2lab.model_dir import save_model
 
@@ -246,7 +275,9 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
             main(["serve", "-c", str(tmp_path / "mtp"), *flags])
         assert exit_info.value.code == 0
     assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None, None, DRAFT_TOKENS]
+    assert [s and s.sampled_drafts for s in seen] == [False, False, None, None, True]  # --speculative: all
     printed = capsys.readouterr().out
+    assert "sampled requests (temperature > 0) decode plainly: sampled speculative decoding on CPU" in printed
     assert "speculative decoding off: compiled decoding on CPU is faster" in printed
     assert "decode weights: " in printed  # the compiled step's choice and its reason
     with pytest.raises(SystemExit) as exit_info:

@@ -313,10 +313,14 @@ def serve(
         draft=drafter,
         draft_tokens=config.draft_tokens,
         decode_weights=config.decode_weights,
+        sampled_drafts=True if config.speculative else None,  # --speculative: every request drafts
     ).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)
     spec = f", speculative k={config.draft_tokens}" if drafter is not None else ""
+    if engine.speculation is not None and not engine.speculation.sampled_drafts:
+        why = engine.speculation.sampled_reason
+        console.print(f"sampled requests (temperature > 0) decode plainly: {why}", soft_wrap=True)
     console.print(
         f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch}{spec})"
     )

@@ -55,7 +55,8 @@ def speculation_decision(
       speculative decoding in every measured case (k2-mini with an MTP draft, batch 1 and 4, greedy and
       sampled: 0.24–0.81×, the draft compiled too; docs/generation.md);
     - or the decoding is ``sampled`` (``generate`` with a temperature; ``serve`` learns its temperatures per
-      request and passes False): eager sampled speculative decoding ran at 0.50–1.02× plain decoding over
+      request, so its engine asks with ``sampled=True`` for the sampled requests alone and lets only its
+      greedy ones draft: ``k2lab.serve.speculation.Speculation``): eager sampled speculative decoding ran at 0.50–1.02× plain decoding over
       the measured drafts, batches and CPUs (docs/generation.md), against 0.84–1.67× greedy at batch 1, since
       sampling accepts fewer drafted tokens (1.7–3.4 tokens per forward against 3.6–4.7).
     """

@@ -43,7 +43,8 @@ class ServeConfig(BaseModel):
         default=None,
         description="Speculative decoding with the draft beside the model (MODEL/draft/ or its MTP layer): "
         "None = on when one is found, unless the decode step runs compiled on a CPU (plain compiled decoding "
-        "is faster there), True = required, False = off.",
+        "is faster there), and then on a CPU only for greedy requests (sampled ones decode plainly: sampled "
+        "speculation measured slower there), True = required for every request, False = off.",
     )
     draft_tokens: int = Field(
         default=DRAFT_TOKENS, ge=1, description="Tokens the draft proposes per verify step (k)."

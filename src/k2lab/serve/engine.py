@@ -15,7 +15,9 @@ Every iteration of the loop:
 With a draft (``MODEL/draft/`` or an MTP layer; ``k2lab.serve.speculation``) step 2 is speculative: the
 draft proposes ``draft_tokens`` tokens per row and one (k + 1)-token forward verifies them, so a row emits
 1 … k + 1 tokens per step — greedy rows exactly what plain decoding gives, sampled rows the target's
-distribution (rejection sampling with the request's own generator); rows with a constraint take no drafts.
+distribution (rejection sampling with the request's own generator); rows with a constraint take no drafts,
+nor do sampled rows where sampled drafts do not pay (``sampled_drafts``: by default not on a CPU), and a
+batch of such rows runs plain decode steps.
 Admission appends the new rows' draft cache and features, retirement selects them.
 
 Each request has its own sampling settings and generator (temperature, top-p, seed) and may carry a
@@ -89,7 +91,8 @@ class Engine:
     an automatic prefix cache of ``prefix_cache_bytes`` (0: none) in blocks of ``block_size`` tokens and
     decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``, the compiled step's matrices
     in the dtype of ``decode_weights``); with ``draft``,
-    speculative steps of ``draft_tokens`` drafted tokens (``speculation``; None: plain decoding)."""
+    speculative steps of ``draft_tokens`` drafted tokens (``speculation``; None: plain decoding), sampled
+    requests drafting per ``sampled_drafts`` (``Speculation``)."""
 
     def __init__(
         self,
@@ -101,10 +104,13 @@ class Engine:
         draft: Draft | None = None,
         draft_tokens: int = DRAFT_TOKENS,
         decode_weights: Precision = "auto",
+        sampled_drafts: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.speculation = (
-            None if draft is None else Speculation(self.model, draft, draft_tokens, compile, decode_weights)
+            None
+            if draft is None
+            else Speculation(self.model, draft, draft_tokens, compile, decode_weights, sampled_drafts)
         )
         # the decode forward: compiled (its matrices per decode_weights) or the model
         self._step = decode_step(self.model, compile, decode_weights)
@@ -194,7 +200,7 @@ class Engine:
             logits = self._step(self._last[:, None], cache=self._cache).logits[:, -1]
             self.steps += 1
             self._sample_all(logits)
-            if self.speculation is not None:  # every row is constrained: the draft rows wait, unused
+            if self.speculation is not None:  # every row is plain: the draft rows wait, unused
                 self.speculation.runner.pending = self._last
         self._retire()
 
@@ -219,7 +225,7 @@ class Engine:
         first = self._sample(requests, logits)
         room = max(r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests])
         if spec is not None:
-            rows = self._row_settings(requests)
+            rows = self._row_settings(requests, spec)
             runner = spec.admit(rows, cache, first, forward, cache.max_length, room + spec.margin)
             self._cache, self._last = runner.cache, runner.pending
         elif self._cache is None:
@@ -266,13 +272,14 @@ class Engine:
         return torch.tensor(chosen, dtype=torch.long)
 
     @staticmethod
-    def _row_settings(requests: Sequence[Request]) -> RowSettings:
-        """The speculative rows' sampling: each request's own; constrained requests take no drafts."""
+    def _row_settings(requests: Sequence[Request], spec: Speculation) -> RowSettings:
+        """The speculative rows' sampling: each request's own; which take no drafts: ``spec.plain_rows``."""
+        temperatures = [r.params.temperature for r in requests]
         return RowSettings(
-            temperature=torch.tensor([r.params.temperature for r in requests], dtype=torch.float32),
+            temperature=torch.tensor(temperatures, dtype=torch.float32),
             top_p=torch.tensor([r.params.top_p for r in requests], dtype=torch.float32),
             generators=[r._generator for r in requests],
-            plain=torch.tensor([r.constraint is not None for r in requests]),
+            plain=spec.plain_rows(temperatures, [r.constraint is not None for r in requests]),
         )
 
     def _deliver(self, request: Request, token: int) -> None:
