@@ -19,7 +19,6 @@ verify step, the tokens per target forward and whether every reply was identical
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 
@@ -27,7 +26,7 @@ import torch
 from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     apply_smoke,
-    machine_line,
+    print_report,
     run_machine_report,
     serve_concurrently,
 )
@@ -112,6 +111,17 @@ def measure(model, draft, prompts, args, k: int) -> dict:
     }
 
 
+def describe(row: dict) -> str:
+    """A row as a line of the plain-text report."""
+    return (
+        f"{row['requests']} chats (T={row['temperature']:g}, sampled drafts "
+        f"{row['sampled_drafts']}), k={row['draft_tokens']}: plain {row['plain_tokens_per_s']} tok/s, "
+        f"speculative {row['speculative_tokens_per_s']} tok/s: {row['ratio']}x; {row['mean_accepted']} "
+        f"drafts accepted per verify step ({row['tokens_per_step']} tokens); identical replies: "
+        f"{row['identical_replies']}; load {row['load_average']}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="trained model directory with a draft (or MTP layer)")
@@ -145,21 +155,7 @@ def main() -> None:
         for n in args.requests
         for k in args.draft_tokens.split(",")
     ]
-    machine = run_machine_report(args)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        print(json.dumps(machine))
-        return
-    print(machine_line(machine))
-    for row in rows:
-        print(
-            f"{row['requests']} chats (T={row['temperature']:g}, sampled drafts "
-            f"{row['sampled_drafts']}), k={row['draft_tokens']}: plain {row['plain_tokens_per_s']} tok/s, "
-            f"speculative {row['speculative_tokens_per_s']} tok/s: {row['ratio']}x; {row['mean_accepted']} "
-            f"drafts accepted per verify step ({row['tokens_per_step']} tokens); identical replies: "
-            f"{row['identical_replies']}; load {row['load_average']}"
-        )
+    print_report(rows, run_machine_report(args), args.json, describe)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import threading
@@ -145,6 +146,20 @@ def machine_report(peak_size: int = 2048, peaks: dict[str, float] | None = None)
     }
 
 
+def print_report(
+    rows: list[dict], machine: dict[str, object], as_json: bool, describe: Callable[[dict], str]
+) -> None:
+    """A benchmark's output: with ``as_json`` one JSON line per row, then the machine's; else the machine's
+    line and ``describe(row)`` for each row."""
+    if as_json:
+        for line in (*rows, machine):
+            print(json.dumps(line))
+        return
+    print(machine_line(machine))
+    for row in rows:
+        print(describe(row))
+
+
 def machine_line(report: dict[str, object]) -> str:
     flags = "+".join(report["native_bf16"]) or "no native bf16"  # type: ignore[arg-type]
     sizes = report["peak_sizes"]
@@ -194,11 +209,11 @@ def run_machine_report(args: argparse.Namespace) -> dict[str, object]:
 
 
 def serve_concurrently(
-    engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+    engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, shutdown: bool = True
 ) -> tuple[float, list[list[int]]]:
     """Submit every prompt at once to a started ``k2lab.serve.Engine`` (``max_tokens`` each; greedy, or sampled
-    at ``temperature`` with request i seeded i), wait for all of them, shut the engine down; returns (seconds,
-    replies)."""
+    at ``temperature`` with request i seeded i), wait for all of them, shut the engine down (unless not
+    ``shutdown``); returns (seconds, replies)."""
     from k2lab.serve import Request, SamplingParams  # only the serve benchmarks need it
 
     done = threading.Semaphore(0)
@@ -212,5 +227,6 @@ def serve_concurrently(
     for _ in requests:
         done.acquire()
     seconds = time.perf_counter() - start
-    engine.shutdown()
+    if shutdown:
+        engine.shutdown()
     return seconds, [r.tokens for r in requests]

@@ -22,6 +22,7 @@ SMOKE_ARGS = {
     "bench_kda.py": ["--json", "--cache-png", "kda.png"],
     "bench_muon.py": ["--json"],
     "bench_rl_update.py": [],
+    "bench_serve_compile.py": ["--json"],
     "bench_serve_prefix.py": ["--json"],
     "bench_serve_speculative.py": ["--json"],
     "bench_train.py": ["--json"],

@@ -256,30 +256,42 @@ def test_health_reports_the_acceptance(small_tokenizer):
 
 
 def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tokenizer, monkeypatch, capsys):
-    """`k2lab serve` with an MTP layer: speculative by default with k = DRAFT_TOKENS for greedy requests only
-    on a CPU (said), --draft-tokens k, --no-speculative; with the decode step compiled on CPU off unless asked
-    for (and said; --speculative then drafts for sampled requests too); without a draft, --speculative is a
-    clear error."""
+    """`k2lab serve` with an MTP layer: eager (--compile off), speculative with k = DRAFT_TOKENS for greedy
+    requests only on a CPU (said), --draft-tokens k, --no-speculative; with the decode step compiled on CPU
+    (--compile on, or by default once built in the background) off unless asked for (and said; --speculative
+    then drafts for sampled requests too); without a draft, --speculative is a clear error."""
     from k2lab.cli import main
     from k2lab.model_dir import save_model
 
-    seen = []
-    monkeypatch.setattr("uvicorn.run", lambda app, **_: seen.append(app.state.k2lab.engine.speculation))
+    seen, engines = [], []
+
+    def run(app, **_):
+        engines.append(app.state.k2lab.engine)
+        seen.append(engines[-1].speculation)
+
+    monkeypatch.setattr("uvicorn.run", run)
+    monkeypatch.setattr("k2lab.serve.background_compile.BackgroundCompile.start", lambda self: self)
     for name, layers in (("mtp", 1), ("plain", 0)):
         model = build_model(load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=layers))
         save_model(model, tmp_path / name)
         small_tokenizer.save(str(tmp_path / name / "tokenizer.json"))
     compiled = ["--compile", "on"]  # the step is built at its first call, which never comes here
-    for flags in ([], ["--draft-tokens", "2"], ["--no-speculative"], compiled, [*compiled, "--speculative"]):
+    eager = ["--compile", "off"]
+    runs = ([*eager], [*eager, "--draft-tokens", "2"], ["--no-speculative"], compiled,
+            [*compiled, "--speculative"], [])  # fmt: skip
+    for flags in runs:
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", "-c", str(tmp_path / "mtp"), *flags])
         assert exit_info.value.code == 0
-    assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None, None, DRAFT_TOKENS]
-    assert [s and s.sampled_drafts for s in seen] == [False, False, None, None, True]  # --speculative: all
+    assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None, None, DRAFT_TOKENS, None]
+    assert [s and s.sampled_drafts for s in seen] == [False, False, None, None, True, None]  # --speculative
+    # the default on a CPU: eager until the step is built in the background (start stubbed here), no draft
+    assert [e.background is not None for e in engines] == [False, False, True, False, False, True]
     printed = capsys.readouterr().out
     assert "sampled requests (temperature > 0) decode plainly: sampled speculative decoding on CPU" in printed
+    assert "decode step: eager until the compiled step is built in the background" in printed
     assert "speculative decoding off: compiled decoding on CPU is faster" in printed
     assert "decode weights: " in printed  # the compiled step's choice and its reason
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "-c", str(tmp_path / "plain"), "--speculative"])
-    assert exit_info.value.code == 2 and len(seen) == 5
+    assert exit_info.value.code == 2 and len(seen) == 6

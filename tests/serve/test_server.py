@@ -63,6 +63,7 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["nano"]
     health = httpx.get(server[0] + "/health").json()
     assert health["status"] == "ok" and health["prefix_cache"]["capacity_bytes"] == 1 << 24
+    assert health["decode_step"] == {"mode": "eager"}  # compile "auto" on a CPU, no background build
 
 
 def test_prefix_cache_changes_no_reply(server, plain_server):

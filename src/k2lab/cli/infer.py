@@ -295,6 +295,7 @@ def serve(
     from k2lab.data import load_tokenizer
     from k2lab.model_dir import load_model
     from k2lab.serve import Engine
+    from k2lab.serve.background_compile import background_compiles
     from k2lab.serve.server import build_app
 
     if not (checkpoint / "tokenizer.json").is_file():
@@ -302,8 +303,12 @@ def serve(
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
-    drafter = _choose_draft(checkpoint, model, None, config.speculative, config.compile)
-    _say_decode_weights(model, config.compile, config.decode_weights)
+    background = background_compiles(config.compile, next(model.parameters()).device.type)
+    compile = "on" if background else config.compile  # what decoding becomes, for the choices below
+    drafter = _choose_draft(checkpoint, model, None, config.speculative, compile)
+    _say_decode_weights(model, compile, config.decode_weights)
+    if background:
+        console.print("decode step: eager until the compiled step is built in the background (/health)")
     engine = Engine(
         model,
         config.max_batch,
@@ -314,6 +319,7 @@ def serve(
         draft_tokens=config.draft_tokens,
         decode_weights=config.decode_weights,
         sampled_drafts=True if config.speculative else None,  # --speculative: every request drafts
+        background_compile=background,
     ).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)

@@ -35,8 +35,10 @@ class ServeConfig(BaseModel):
     prefix_block_size: int = Field(default=16, ge=1, description="Tokens per prefix-cache block.")
     compile: CompileMode = Field(
         default="auto",
-        description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA, off on CPU "
-        "(the build takes minutes there; on: a k2-mini decode step 1.4x faster after a ~40 s build).",
+        description="torch.compile the decode step (k2lab.infer.compiled): auto = on for CUDA; on a CPU, "
+        "eager until a background thread has built it, then compiled (k2lab.serve.background_compile: "
+        "the build takes ~30-40 s a batch class on 2 cores, a k2-mini step then ~3x the eager one); "
+        "on = compiled from the first step (requests wait for the build), off = eager.",
     )
     decode_weights: Precision = decode_weights_field()
     speculative: bool | None = Field(

@@ -41,6 +41,7 @@ from k2lab.infer.draft import Draft
 from k2lab.infer.generate import Constraint, GenerationConfig, prefill, sample_next
 from k2lab.infer.prefix_cache import PrefixCache
 from k2lab.infer.speculative import DRAFT_TOKENS, RowSettings
+from k2lab.serve.background_compile import BackgroundCompile, background_compiles
 from k2lab.serve.speculation import Speculation, prefill_for_draft
 
 __all__ = ["PREFIX_CACHE_BYTES", "Engine", "Request", "SamplingParams"]
@@ -92,7 +93,9 @@ class Engine:
     decode steps compiled per ``compile`` (``k2lab.infer.compiled.decode_step``, the compiled step's matrices
     in the dtype of ``decode_weights``); with ``draft``,
     speculative steps of ``draft_tokens`` drafted tokens (``speculation``; None: plain decoding), sampled
-    requests drafting per ``sampled_drafts`` (``Speculation``)."""
+    requests drafting per ``sampled_drafts`` (``Speculation``). ``background_compile``: where ``compile``
+    decides eager, decode eagerly while a thread builds the compiled step, then switch to it
+    (``k2lab.serve.background_compile``; ``k2lab serve`` asks for it on a CPU)."""
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class Engine:
         draft_tokens: int = DRAFT_TOKENS,
         decode_weights: Precision = "auto",
         sampled_drafts: bool | None = None,
+        background_compile: bool = False,
     ) -> None:
         self.model = model.eval()
         self.speculation = (
@@ -114,6 +118,12 @@ class Engine:
         )
         # the decode forward: compiled (its matrices per decode_weights) or the model
         self._step = decode_step(self.model, compile, decode_weights)
+        device = next(self.model.parameters()).device.type
+        self.background = (
+            BackgroundCompile(self.model, decode_weights, max_batch)
+            if background_compile and background_compiles(compile, device)
+            else None
+        )
         self.prefix_cache = (
             PrefixCache.for_model(model, prefix_cache_bytes, block_size) if prefix_cache_bytes else None
         )
@@ -136,9 +146,13 @@ class Engine:
     def start(self) -> Engine:
         self._thread = threading.Thread(target=self._loop, name="k2lab-engine", daemon=True)
         self._thread.start()
+        if self.background is not None:
+            self.background.start()
         return self
 
     def shutdown(self) -> None:
+        if self.background is not None:
+            self.background.stop()
         with self._wake:
             self._stop = True
             self._wake.notify()
@@ -184,7 +198,16 @@ class Engine:
         for request in [*self._waiting, *self._running]:
             self._finish(request, "cancelled")
 
+    def decode_report(self) -> dict[str, str]:
+        """How decode steps run, for ``/health``: ``{"mode": eager | compiled, …}`` (with a background build,
+        its state and detail)."""
+        if self.background is not None:
+            return self.background.report()
+        return {"mode": "eager" if self._step is self.model else "compiled"}
+
     def _iterate(self, admitted: list[Request]) -> None:
+        if self.background is not None and self._step is self.model and self.background.step() is not None:
+            self._step = self.background.step()  # built in the background: every later step runs it
         admitted = [r for r in admitted if not self._drop_if_cancelled(r)]
         if admitted:
             self._admit(admitted)

@@ -255,6 +255,7 @@ def build_app(
             "active_requests": state.engine.active,
             "prefix_cache": None if cache is None else cache.stats(),
             "speculative": None if state.engine.speculation is None else state.engine.speculation.report(),
+            "decode_step": state.engine.decode_report(),
         }
 
     @app.get("/v1/models")

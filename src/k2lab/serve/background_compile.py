@@ -1,0 +1,101 @@
+"""The server's decode step compiled in a background thread, so that serving never waits for a build.
+
+On a CPU inductor's build of the compiled decode step (``k2lab.infer.compiled``) takes ≈ 30–40 s per batch
+class on 2 cores from an empty inductor cache (≈ 2–9 s from its on-disk cache), and the step then runs ≈ 3×
+the eager one (k2-mini: batch 4 ≈ 3,000 against ≈ 1,100 tokens/s, docs/generation.md). A long-running server
+repays the build many times over, but ``compile = "auto"`` keeps a CPU eager because a build would block the
+first requests for minutes. ``k2lab serve`` therefore starts eager on a CPU and builds the compiled step here:
+
+    thread:  for each batch class the engine can run (``batch_classes``): decode 2 tokens of an 11-token
+             dummy prompt through ``generate`` with compile on (the same compiled step, cached on the model)
+    engine:  at every iteration, once the thread has built them all, switch to the compiled step
+
+The batch classes are the graphs the step's guards tell apart: one row (dynamo specialises a size of 1), 2 …
+``MAX_ROWS`` rows (the decode-linear and expert reduction tiers) and more (the GEMM tiers). A build that fails
+(no C++ compiler, say) leaves the engine eager; ``report`` says what happened (``/health``'s ``decode_step``).
+Eager serving goes on meanwhile, slower while the build shares the cores and the GIL: in one measurement
+(k2-mini, 2 threads, cold cache) 108 eager generations ran during the three builds (97 s) with the same
+tokens as without them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from k2lab.hardware import CompileMode, Precision
+from k2lab.infer.compiled import decode_compile_decision, decode_step
+from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.nn.decode_linear import MAX_ROWS
+
+__all__ = ["BackgroundCompile", "background_compiles", "batch_classes"]
+
+# Tokens of the dummy prompt: its cache (11 + 2 slots) must not be as long as any other size of the step, or
+# dynamo's duck sizing guards that equality and the first real step builds again (a 4-token prompt's 6 slots
+# met a batch of 6: measured).
+DUMMY_PROMPT = 11
+
+
+def background_compiles(requested: CompileMode | str, device: str) -> bool:
+    """Whether a server's decode step is built in the background: ``compile = "auto"`` where it decides eager
+    (a CPU); "on" compiles at the first step, "off" never, and "auto" on CUDA compiles at once."""
+    return requested == "auto" and not decode_compile_decision(requested, device)[0]
+
+
+def batch_classes(max_batch: int) -> list[int]:
+    """One batch size per compiled graph a decode step of up to ``max_batch`` rows can need (module
+    docstring): 1, 2 and ``MAX_ROWS`` + 1, as far as ``max_batch`` reaches."""
+    return [size for size in (1, 2, MAX_ROWS + 1) if size <= max_batch]
+
+
+class BackgroundCompile:
+    """Builds ``model``'s compiled decode step (matrices per ``decode_weights``) for ``batch_classes`` in a
+    daemon thread; ``step()`` is the compiled callable once every build succeeded, else None."""
+
+    def __init__(self, model: torch.nn.Module, decode_weights: Precision | str, max_batch: int) -> None:
+        self.model, self.decode_weights = model, decode_weights
+        self.sizes = batch_classes(max_batch)
+        self.state = "waiting"  # waiting -> building -> compiled | failed | stopped
+        self.detail = ""
+        self._built: Callable[..., object] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> BackgroundCompile:
+        self._thread = threading.Thread(target=self._build, name="k2lab-compile", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No further builds (one in progress finishes in its daemon thread)."""
+        self._stop.set()
+
+    def step(self) -> Callable[..., object] | None:
+        """The compiled decode step once built, else None."""
+        return self._built if self.state == "compiled" else None
+
+    def report(self) -> dict[str, str]:
+        """``{"mode": eager | compiled, "build": state, "detail": …}`` for ``/health``."""
+        return {"mode": "compiled" if self.state == "compiled" else "eager", "build": self.state,
+                "detail": self.detail}  # fmt: skip
+
+    def _build(self) -> None:
+        self.state, start = "building", time.perf_counter()
+        config = GenerationConfig(max_new_tokens=2, compile="on", decode_weights=self.decode_weights)
+        prompt = list(range(3, 3 + DUMMY_PROMPT))
+        try:
+            for size in self.sizes:
+                if self._stop.is_set():
+                    self.state = "stopped"
+                    return
+                self.detail = f"building batch class {size} of {self.sizes}"
+                generate(self.model, [prompt] * size, config)
+        except Exception as error:  # noqa: BLE001 - any build failure leaves the server eager, said in /health
+            self.state, self.detail = "failed", f"{type(error).__name__}: {error}"
+            return
+        self._built = decode_step(self.model, "on", self.decode_weights)
+        self.detail = f"built batch classes {self.sizes} in {time.perf_counter() - start:.0f} s"
+        self.state = "compiled"
