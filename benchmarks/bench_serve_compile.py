@@ -25,6 +25,7 @@ from timing import (  # benchmarks/timing.py
     print_report,
     run_machine_report,
     serve_concurrently,
+    serving_threads,
 )
 
 from k2lab import build_model, load_preset
@@ -36,7 +37,7 @@ def during_build(model: torch.nn.Module, prompts: list[list[int]], args: argpars
     """Serve rounds of ``prompts`` with a background-compiling engine until its step is built: the build's
     seconds, the rounds' median throughput and the replies of the first round."""
     start = time.perf_counter()
-    engine = Engine(model, len(prompts), 0, background_compile=True).start()
+    engine = Engine(model, len(prompts), 0, background_compile=True, threads=args.engine_threads).start()
     seconds, first = [], None
     while engine.decode_report()["build"] in ("waiting", "building"):
         took, replies = serve_concurrently(engine, prompts, args.max_tokens, shutdown=False)
@@ -62,7 +63,7 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Nam
     replies: dict[str, list] = {}
     for _ in range(args.repeats):
         for side, compile in (("eager", "off"), ("compiled", "on")):
-            engine = Engine(model, len(prompts), 0, compile=compile).start()
+            engine = Engine(model, len(prompts), 0, compile=compile, threads=args.engine_threads).start()
             seconds, replies[side] = serve_concurrently(engine, prompts, args.max_tokens)
             times[side].append(seconds)
     median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
@@ -78,7 +79,7 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Nam
         "compiled_tokens_per_s": round(tokens / median["compiled"], 1),
         "ratio": round(median["eager"] / median["compiled"], 2),
         "identical": replies["eager"] == replies["compiled"] == building["replies"],
-        "threads": torch.get_num_threads(),
+        "threads": args.engine_threads,
     }
 
 
@@ -106,8 +107,7 @@ def main() -> None:
     args = apply_smoke(
         parser.parse_args(), preset="k2-nano", model=None, requests="1", prompt=8, max_tokens=4
     )
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    serving_threads(args)  # as k2lab serve: one OpenMP team, the engine's
     torch.manual_seed(0)
     model = (load_model(args.model) if args.model else build_model(load_preset(args.preset))).eval()
     generator = torch.Generator().manual_seed(1)

@@ -25,6 +25,7 @@ from timing import (  # benchmarks/timing.py
     machine_line,
     run_machine_report,
     serve_concurrently,
+    serving_threads,
 )
 
 from k2lab import build_model, load_preset
@@ -42,7 +43,7 @@ def chats(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 def serve_all(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace, cache: int):
     """(seconds, replies, cache counters) for every prompt submitted at once to a fresh engine."""
-    engine = Engine(model, args.max_batch, prefix_cache_bytes=cache, block_size=args.block_size).start()
+    engine = Engine(model, args.max_batch, cache, args.block_size, threads=args.engine_threads).start()
     seconds, replies = serve_concurrently(engine, prompts, args.max_tokens)
     stats = engine.prefix_cache.stats() if engine.prefix_cache is not None else None
     return seconds, replies, stats
@@ -64,8 +65,7 @@ def main() -> None:
     add_smoke_argument(parser)
     tiny = dict(preset="k2-nano", requests=6, shared=40, user=4, max_tokens=4, max_batch=4, block_size=8)
     args = apply_smoke(parser.parse_args(), **tiny)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    serving_threads(args)  # as k2lab serve: one OpenMP team, the engine's
     torch.manual_seed(0)
     model = build_model(load_preset(args.preset)).eval()
     prompts = chats(args, model.config.vocab_size)
@@ -95,7 +95,7 @@ def main() -> None:
         "ratio": round(median["without"] / median["with"], 2),
         "identical_replies": replies["with"] == replies["without"],
         "prefix_cache": stats,
-        "threads": torch.get_num_threads(),
+        "threads": args.engine_threads,
     }
     machine = run_machine_report(args)
     if args.json:

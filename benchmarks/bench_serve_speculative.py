@@ -29,6 +29,7 @@ from timing import (  # benchmarks/timing.py
     print_report,
     run_machine_report,
     serve_concurrently,
+    serving_threads,
 )
 
 from k2lab import build_model, load_preset
@@ -71,7 +72,13 @@ def serve_all(model, draft, prompts: list[list[int]], args: argparse.Namespace, 
     """(seconds, replies, speculation report) for every prompt submitted at once to a fresh engine."""
     sampled_drafts = True if args.sampled_drafts == "on" else None
     engine = Engine(
-        model, len(prompts), compile="off", draft=draft, draft_tokens=k, sampled_drafts=sampled_drafts
+        model,
+        len(prompts),
+        compile="off",
+        draft=draft,
+        draft_tokens=k,
+        sampled_drafts=sampled_drafts,
+        threads=args.engine_threads,
     ).start()
     seconds, replies = serve_concurrently(engine, prompts, args.max_tokens, args.temperature)
     report = engine.speculation.report() if engine.speculation is not None else None
@@ -107,7 +114,7 @@ def measure(model, draft, prompts, args, k: int) -> dict:
         "tokens_per_step": report["tokens_per_step"],
         "identical_replies": replies["plain"] == replies["speculative"],
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "threads": torch.get_num_threads(),
+        "threads": args.engine_threads,
     }
 
 
@@ -144,8 +151,7 @@ def main() -> None:
     add_smoke_argument(parser)
     args = apply_smoke(parser.parse_args(), model=None, requests="2", prompt=8, max_tokens=6)
     args.requests = [int(n) for n in args.requests.split(",")]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    serving_threads(args)  # as k2lab serve: one OpenMP team, the engine's
     torch.manual_seed(0)
     model, draft, prompts = setup(args)
     with torch.inference_mode():

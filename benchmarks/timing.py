@@ -198,9 +198,23 @@ def apply_smoke(args: argparse.Namespace, **tiny: object) -> argparse.Namespace:
     return args
 
 
+def serving_threads(args: argparse.Namespace) -> None:
+    """Torch's threads as ``k2lab serve`` arranges them (``k2lab.serve.threads``): ``--threads`` (else the
+    default) for the engine's thread, kept in ``args.engine_threads`` for ``Engine(threads=…)``, and this
+    thread single-threaded. Call it before this thread touches a tensor."""
+    from k2lab.serve.threads import hand_threads_to_engine  # only the serve benchmarks need it
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    args.engine_threads = hand_threads_to_engine()
+
+
 def run_machine_report(args: argparse.Namespace) -> dict[str, object]:
     """``machine_report`` of a benchmark run: the peaks measured at 2048³, or 256³ under ``--smoke``; with
-    ``--device cuda`` also the GPU's (``gpu_report`` at 8192², 1024² under ``--smoke``)."""
+    ``--device cuda`` also the GPU's (``gpu_report`` at 8192², 1024² under ``--smoke``). After
+    ``serving_threads`` it measures with the engine's thread count (its measurements done)."""
+    if getattr(args, "engine_threads", None):
+        torch.set_num_threads(args.engine_threads)
     smoke = getattr(args, "smoke", False)
     report = machine_report(256 if smoke else 2048)
     if getattr(args, "device", "cpu") == "cuda":

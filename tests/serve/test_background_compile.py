@@ -9,9 +9,8 @@ import time
 import pytest
 
 from k2lab import build_model, load_preset
-from k2lab.nn.decode_linear import MAX_ROWS
 from k2lab.serve import Engine
-from k2lab.serve.background_compile import background_compiles, batch_classes
+from k2lab.serve.background_compile import background_compiles
 from tests.conftest import randomize
 from tests.serve.test_engine_speculative import replies, serve
 
@@ -23,9 +22,7 @@ def nano():
     return randomize(build_model(load_preset("k2-nano")))
 
 
-def test_batch_classes_and_when_the_build_runs_in_the_background():
-    assert batch_classes(1) == [1] and batch_classes(MAX_ROWS) == [1, 2]
-    assert batch_classes(16) == [1, 2, MAX_ROWS + 1]
+def test_when_the_build_runs_in_the_background():
     assert background_compiles("auto", "cpu")
     assert not background_compiles("on", "cpu") and not background_compiles("off", "cpu")
     assert not background_compiles("auto", "cuda")  # "auto" compiles there at once
@@ -41,14 +38,14 @@ def wait_for(engine: Engine, build: str, timeout: float = 600.0) -> dict[str, st
 
 
 def test_the_engine_switches_to_the_compiled_step_once_built(nano):
-    """max_batch 1 (one batch class, one build): replies during and after the build equal the eager
-    engine's; after the switch the engine runs the compiled step."""
+    """max_batch 1 (one size, one build): replies during and after the build equal the eager engine's;
+    after the switch the engine runs the compiled step."""
     eager = replies(serve(Engine(nano, 1, 0, compile="off").start(), WAVES))
     engine = Engine(nano, 1, 0, background_compile=True).start()
     assert engine.decode_report()["mode"] == "eager"
     assert replies(serve(engine, WAVES, keep=True)) == eager  # while (or after) it builds
     report = wait_for(engine, "compiled")
-    assert report["mode"] == "compiled" and "built batch classes [1]" in report["detail"]
+    assert report["mode"] == "compiled" and "built for batch sizes 1-1" in report["detail"]
     assert replies(serve(engine, WAVES)) == eager
     assert engine._step is not engine.model
 

@@ -265,9 +265,14 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
 
     seen, engines = [], []
 
+    threads = torch.get_num_threads()
+
     def run(app, **_):
         engines.append(app.state.k2lab.engine)
         seen.append(engines[-1].speculation)
+        # the main thread runs torch single-threaded, the engine's thread takes the threads (serve.threads)
+        assert torch.get_num_threads() == 1 and engines[-1].threads == threads
+        torch.set_num_threads(threads)  # this test's process goes on with its own setting
 
     monkeypatch.setattr("uvicorn.run", run)
     monkeypatch.setattr("k2lab.serve.background_compile.BackgroundCompile.start", lambda self: self)

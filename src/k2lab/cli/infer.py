@@ -297,9 +297,11 @@ def serve(
     from k2lab.serve import Engine
     from k2lab.serve.background_compile import background_compiles
     from k2lab.serve.server import build_app
+    from k2lab.serve.threads import hand_threads_to_engine
 
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: the server renders chats to text and back")
+    threads = hand_threads_to_engine()  # one OpenMP team, the engine's
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
     model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
@@ -320,6 +322,7 @@ def serve(
         decode_weights=config.decode_weights,
         sampled_drafts=True if config.speculative else None,  # --speculative: every request drafts
         background_compile=background,
+        threads=threads,
     ).start()
     name = config.model_name or checkpoint.resolve().name
     app_ = build_app(engine, tokenizer, name, api_key=api_key, max_context=config.max_context)

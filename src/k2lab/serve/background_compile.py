@@ -6,13 +6,19 @@ the eager one (k2-mini: batch 4 ≈ 3,000 against ≈ 1,100 tokens/s, docs/gener
 repays the build many times over, but ``compile = "auto"`` keeps a CPU eager because a build would block the
 first requests for minutes. ``k2lab serve`` therefore starts eager on a CPU and builds the compiled step here:
 
-    thread:  for each batch class the engine can run (``batch_classes``): decode 2 tokens of an 11-token
-             dummy prompt through ``generate`` with compile on (the same compiled step, cached on the model)
-    engine:  at every iteration, once the thread has built them all, switch to the compiled step
+    thread:  for every batch size the engine can run (1 … max_batch): decode 2 tokens of a 17-token dummy
+             prompt through ``generate`` with compile on (the same compiled step, cached on the model)
+    engine:  at every iteration, once the thread has run them all, switch to the compiled step
 
-The batch classes are the graphs the step's guards tell apart: one row (dynamo specialises a size of 1), 2 …
-``MAX_ROWS`` rows (the decode-linear and expert reduction tiers) and more (the GEMM tiers). A build that fails
-(no C++ compiler, say) leaves the engine eager; ``report`` says what happened (``/health``'s ``decode_step``).
+Only a size whose step needs a graph of its own pays a build; the others find one and take milliseconds.
+Which sizes those are depends on the model's own thresholds (dynamo guards them: one row; the decode-linear
+reduction tier up to ``MAX_ROWS`` rows; the routed experts' tiers, e.g. rows·top-k below the expert count;
+sizes that happen to equal another dimension), so every size is run rather than a guessed list — a graph
+missed here would be built by the engine mid-serving, stopping every request for tens of seconds
+(measured: a list of three sizes left two builds to the engine). The engine keeps a spare cache slot so that
+its steps never end at the cache's last slot, a case with a graph of its own (``Engine``). A build that
+fails (no C++ compiler, say) leaves the engine eager; ``report`` says what happened (``/health``'s
+``decode_step``).
 Eager serving goes on meanwhile, slower while the build shares the cores and the GIL: in one measurement
 (k2-mini, 2 threads, cold cache) 108 eager generations ran during the three builds (97 s) with the same
 tokens as without them.
@@ -29,14 +35,13 @@ import torch
 from k2lab.hardware import CompileMode, Precision
 from k2lab.infer.compiled import decode_compile_decision, decode_step
 from k2lab.infer.generate import GenerationConfig, generate
-from k2lab.nn.decode_linear import MAX_ROWS
 
-__all__ = ["BackgroundCompile", "background_compiles", "batch_classes"]
+__all__ = ["BackgroundCompile", "background_compiles"]
 
-# Tokens of the dummy prompt: its cache (11 + 2 slots) must not be as long as any other size of the step, or
+# Tokens of the dummy prompt: its cache (17 + 2 slots) must not be as long as any other size of the step, or
 # dynamo's duck sizing guards that equality and the first real step builds again (a 4-token prompt's 6 slots
 # met a batch of 6: measured).
-DUMMY_PROMPT = 11
+DUMMY_PROMPT = 17
 
 
 def background_compiles(requested: CompileMode | str, device: str) -> bool:
@@ -45,19 +50,13 @@ def background_compiles(requested: CompileMode | str, device: str) -> bool:
     return requested == "auto" and not decode_compile_decision(requested, device)[0]
 
 
-def batch_classes(max_batch: int) -> list[int]:
-    """One batch size per compiled graph a decode step of up to ``max_batch`` rows can need (module
-    docstring): 1, 2 and ``MAX_ROWS`` + 1, as far as ``max_batch`` reaches."""
-    return [size for size in (1, 2, MAX_ROWS + 1) if size <= max_batch]
-
-
 class BackgroundCompile:
-    """Builds ``model``'s compiled decode step (matrices per ``decode_weights``) for ``batch_classes`` in a
-    daemon thread; ``step()`` is the compiled callable once every build succeeded, else None."""
+    """Builds ``model``'s compiled decode step (matrices per ``decode_weights``) for every batch size up to
+    ``max_batch`` in a daemon thread; ``step()`` is the compiled callable once every size ran, else None."""
 
     def __init__(self, model: torch.nn.Module, decode_weights: Precision | str, max_batch: int) -> None:
         self.model, self.decode_weights = model, decode_weights
-        self.sizes = batch_classes(max_batch)
+        self.sizes = list(range(1, max_batch + 1))
         self.state = "waiting"  # waiting -> building -> compiled | failed | stopped
         self.detail = ""
         self._built: Callable[..., object] | None = None
@@ -91,11 +90,11 @@ class BackgroundCompile:
                 if self._stop.is_set():
                     self.state = "stopped"
                     return
-                self.detail = f"building batch class {size} of {self.sizes}"
+                self.detail = f"building: batch size {size} of {len(self.sizes)}"
                 generate(self.model, [prompt] * size, config)
         except Exception as error:  # noqa: BLE001 - any build failure leaves the server eager, said in /health
             self.state, self.detail = "failed", f"{type(error).__name__}: {error}"
             return
         self._built = decode_step(self.model, "on", self.decode_weights)
-        self.detail = f"built batch classes {self.sizes} in {time.perf_counter() - start:.0f} s"
+        self.detail = f"built for batch sizes 1-{len(self.sizes)} in {time.perf_counter() - start:.0f} s"
         self.state = "compiled"

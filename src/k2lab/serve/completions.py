@@ -213,6 +213,7 @@ class _Scorer:
         self.model, self.lock = model, threading.Lock()
 
     def _run(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        torch.set_num_threads(1)  # no OpenMP team beside the engine's (k2lab.serve.threads)
         with self.lock:
             chosen, values, indices = token_logprobs(self.model, ids, top)
         steps: list[tuple[float, list[tuple[int, float]]] | None] = [None]

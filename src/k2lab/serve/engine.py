@@ -48,6 +48,10 @@ __all__ = ["PREFIX_CACHE_BYTES", "Engine", "Request", "SamplingParams"]
 
 #: The engine's default prefix-cache cap.
 PREFIX_CACHE_BYTES = 256 << 20
+#: Cache slots kept beyond the longest request's budget: a decode step then never ends at the cache
+#: storage's last slot, which a compiled step (dynamo guards ``1 + length == storage``) would need a graph of
+#: its own for, built mid-serving.
+SPARE_SLOTS = 1
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,9 @@ class Engine:
     speculative steps of ``draft_tokens`` drafted tokens (``speculation``; None: plain decoding), sampled
     requests drafting per ``sampled_drafts`` (``Speculation``). ``background_compile``: where ``compile``
     decides eager, decode eagerly while a thread builds the compiled step, then switch to it
-    (``k2lab.serve.background_compile``; ``k2lab serve`` asks for it on a CPU)."""
+    (``k2lab.serve.background_compile``; ``k2lab serve`` asks for it on a CPU). ``threads``: torch's intra-op
+    threads in the engine's thread (None: the process default; ``k2lab.serve.threads`` for why a server
+    gives them all to it and runs its other threads single-threaded)."""
 
     def __init__(
         self,
@@ -109,8 +115,10 @@ class Engine:
         decode_weights: Precision = "auto",
         sampled_drafts: bool | None = None,
         background_compile: bool = False,
+        threads: int | None = None,
     ) -> None:
         self.model = model.eval()
+        self.threads = threads
         self.speculation = (
             None
             if draft is None
@@ -173,6 +181,8 @@ class Engine:
 
     # ---- loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # this thread's own OpenMP setting
         while True:
             with self._wake:
                 while not self._stop and not self._waiting and not self._running:
@@ -234,7 +244,9 @@ class Engine:
 
     def _admit(self, requests: list[Request]) -> None:
         spec = self.speculation
-        budget = max(r.params.max_tokens for r in requests) + (0 if spec is None else spec.margin)
+        budget = (
+            max(r.params.max_tokens for r in requests) + (0 if spec is None else spec.margin) + SPARE_SLOTS
+        )
         prompts = [r.prompt for r in requests]
         if spec is None:
             cache, logits = prefill(self.model, prompts, budget, prefix_cache=self.prefix_cache)
@@ -246,7 +258,7 @@ class Engine:
         for r in requests:
             r._generator = torch.Generator().manual_seed(r.params.seed)
         first = self._sample(requests, logits)
-        room = max(r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests])
+        room = max(r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests]) + SPARE_SLOTS
         if spec is not None:
             rows = self._row_settings(requests, spec)
             runner = spec.admit(rows, cache, first, forward, cache.max_length, room + spec.margin)
