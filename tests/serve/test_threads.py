@@ -34,5 +34,8 @@ def engine_thread_count(threads: int | None) -> int:
 
 def test_the_engine_thread_runs_with_the_threads_it_was_given():
     before = torch.get_num_threads()
-    assert engine_thread_count(1) == 1 and engine_thread_count(2) == 2
-    assert torch.get_num_threads() == before  # the caller's own setting is untouched
+    try:
+        assert engine_thread_count(1) == 1 and engine_thread_count(2) == 2
+        assert torch.get_num_threads() == before  # the caller's own setting is untouched
+    finally:
+        torch.set_num_threads(before)  # torch's count for threads yet to start is process-wide
