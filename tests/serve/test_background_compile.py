@@ -47,7 +47,7 @@ def test_the_engine_switches_to_the_compiled_step_once_built(nano):
     report = wait_for(engine, "compiled")
     assert report["mode"] == "compiled" and "built for batch sizes 1-1" in report["detail"]
     assert replies(serve(engine, WAVES)) == eager
-    assert engine._step is not engine.model
+    assert engine._step is not engine.model and not engine.background.building()
 
 
 def test_a_failed_build_leaves_the_engine_eager(nano, monkeypatch):
@@ -59,6 +59,7 @@ def test_a_failed_build_leaves_the_engine_eager(nano, monkeypatch):
     engine = Engine(nano, 2, 0, background_compile=True).start()
     report = wait_for(engine, "failed")
     assert report["mode"] == "eager" and "RuntimeError: no C++ compiler" in report["detail"]
+    assert not engine.background.building()
     assert replies(serve(engine, WAVES)) == eager and engine._step is engine.model
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -337,3 +339,9 @@ def serve(
         uvicorn.run(app_, host=config.host, port=config.port, log_level="warning")
     finally:
         engine.shutdown()
+        if engine.background is not None and engine.background.building():
+            # a build in progress cannot be stopped, and the interpreter's exit under it aborts (C++ threads
+            # inside inductor): leave at once, everything of ours is shut down
+            console.print("stopped during the background build of the decode step")
+            sys.stdout.flush()
+            os._exit(0)

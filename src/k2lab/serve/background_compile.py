@@ -72,6 +72,10 @@ class BackgroundCompile:
         """No further builds (one in progress finishes in its daemon thread)."""
         self._stop.set()
 
+    def building(self) -> bool:
+        """Whether a build is running now (its thread cannot be stopped before it ends)."""
+        return self.state == "building" and self._thread is not None and self._thread.is_alive()
+
     def step(self) -> Callable[..., object] | None:
         """The compiled decode step once built, else None."""
         return self._built if self.state == "compiled" else None
