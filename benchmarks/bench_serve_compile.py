@@ -39,7 +39,7 @@ def during_build(model: torch.nn.Module, prompts: list[list[int]], args: argpars
     start = time.perf_counter()
     engine = Engine(model, len(prompts), 0, background_compile=True, threads=args.engine_threads).start()
     seconds, first = [], None
-    while engine.decode_report()["build"] in ("waiting", "building"):
+    while not seconds or engine.decode_report()["build"] in ("waiting", "building"):  # one round at least
         took, replies = serve_concurrently(engine, prompts, args.max_tokens, shutdown=False)
         seconds.append(took)
         first = first or replies
