@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from k2lab import build_model, load_preset
 from k2lab.serve import Engine
@@ -38,16 +39,19 @@ def wait_for(engine: Engine, build: str, timeout: float = 600.0) -> dict[str, st
 
 
 def test_the_engine_switches_to_the_compiled_step_once_built(nano):
-    """max_batch 1 (one size, one build): replies during and after the build equal the eager engine's;
-    after the switch the engine runs the compiled step."""
-    eager = replies(serve(Engine(nano, 1, 0, compile="off").start(), WAVES))
-    engine = Engine(nano, 1, 0, background_compile=True).start()
+    """max_batch 2 (two sizes, two graphs): replies during and after the build equal the eager engine's;
+    after the switch the engine runs the compiled step and builds nothing more (a warm-up of size 1 alone
+    left the batch of 2 to be built mid-serving: this count caught it)."""
+    eager = replies(serve(Engine(nano, 2, 0, compile="off").start(), WAVES))
+    engine = Engine(nano, 2, 0, background_compile=True).start()
     assert engine.decode_report()["mode"] == "eager"
     assert replies(serve(engine, WAVES, keep=True)) == eager  # while (or after) it builds
     report = wait_for(engine, "compiled")
-    assert report["mode"] == "compiled" and "built for batch sizes 1-1" in report["detail"]
+    assert report["mode"] == "compiled" and "built for batch sizes 1-2" in report["detail"]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert replies(serve(engine, WAVES)) == eager
     assert engine._step is not engine.model and not engine.background.building()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing built mid-serving
 
 
 def test_a_failed_build_leaves_the_engine_eager(nano, monkeypatch):
