@@ -57,6 +57,7 @@ import json
 import random
 import sys
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -74,7 +75,7 @@ from timing import (  # benchmarks/timing.py
 import k2lab
 from k2lab.data import load_tokenizer
 from k2lab.data.corpus import load_corpus
-from k2lab.hardware import choose
+from k2lab.hardware import Choice, choose
 from k2lab.hf.bridge import to_transformers
 from k2lab.infer import GenerationConfig, generate
 from k2lab.infer.decode_weights import decode_weights_choice
@@ -212,7 +213,7 @@ def bench_greedy_decode(
     theirs.generation_config.eos_token_id = None
     theirs.generation_config.pad_token_id = ours.config.pad_token_id or 0
     compile_mode = "on" if args.compile_decode else "off"
-    weights = decode_weights_choice(args.decode_weights, args.device, compiled=args.compile_decode)
+    weights = decode_weights(args)
     config = GenerationConfig(
         max_new_tokens=n_new, eos_token_id=None, compile=compile_mode, decode_weights=weights.name
     )
@@ -252,14 +253,20 @@ def bench_greedy_decode(
     return _comparison(name, tokens, t_ours, t_theirs, args, shape, extra)
 
 
-_BF16_PEERS: dict[int, torch.nn.Module] = {}
+# keyed by the model itself (weakly): an id() key could be reused by a later model once its first owner is freed
+_BF16_PEERS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
 def bf16_peer(theirs: torch.nn.Module) -> torch.nn.Module:
     """A bf16 copy of the transformers model (made once per model)."""
-    if id(theirs) not in _BF16_PEERS:
-        _BF16_PEERS[id(theirs)] = copy.deepcopy(theirs).to(torch.bfloat16).eval()
-    return _BF16_PEERS[id(theirs)]
+    if theirs not in _BF16_PEERS:
+        _BF16_PEERS[theirs] = copy.deepcopy(theirs).to(torch.bfloat16).eval()
+    return _BF16_PEERS[theirs]
+
+
+def decode_weights(args: argparse.Namespace) -> Choice:
+    """The dtype k2lab's decode step reads its matrices in for this run (``--decode-weights``, compiled or not)."""
+    return decode_weights_choice(args.decode_weights, args.device, compiled=args.compile_decode)
 
 
 def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[int]], str, str]:
@@ -286,6 +293,7 @@ def speculative_setup(args, config) -> tuple[torch.nn.Module, object, list[list[
 def bench_speculative(args, config) -> list[SpeculativeRow]:
     """Speculative (k = --draft-tokens) versus plain decoding of the same prompts, greedy and sampled."""
     target, draft, prompts, label, described = speculative_setup(args, config)
+    weights = decode_weights(args)  # the verify, the draft and the plain steps
     rows = []
     for temperature in (0.0, 1.0):
         generation = GenerationConfig(
@@ -302,11 +310,10 @@ def bench_speculative(args, config) -> list[SpeculativeRow]:
             row = speculative_row(target, draft, prompts[:batch], generation, args)
             row.held_out_tokens_per_step = round(held_out.tokens_per_step, 3)
             row.preset = label
-            weights = decode_weights_choice(args.decode_weights, args.device, compiled=args.compile_decode)
             row.extra = {
                 "draft": described,
                 "held_out_prompts": min(args.spec_eval, len(prompts)),
-                "decode_weights": weights.describe(),  # the verify, the draft and the plain steps
+                "decode_weights": weights.describe(),
             }
             rows.append(row)
     return rows

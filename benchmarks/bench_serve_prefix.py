@@ -16,13 +16,12 @@ their ratio, whether every reply was identical, the cache's counters) and the ma
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from timing import (  # benchmarks/timing.py
     add_smoke_argument,
     apply_smoke,
-    machine_line,
+    print_report,
     run_machine_report,
     serve_concurrently,
     serving_threads,
@@ -47,6 +46,15 @@ def serve_all(model: torch.nn.Module, prompts: list[list[int]], args: argparse.N
     seconds, replies = serve_concurrently(engine, prompts, args.max_tokens)
     stats = engine.prefix_cache.stats() if engine.prefix_cache is not None else None
     return seconds, replies, stats
+
+
+def describe(row: dict) -> str:
+    """The row as a line of the plain-text report."""
+    return (
+        f"{row['requests']} chats sharing {row['shared_tokens']} tokens: without prefix cache {row['without_s']} s "
+        f"({row['without_tokens_per_s']} tok/s), with {row['with_s']} s ({row['with_tokens_per_s']} tok/s): "
+        f"{row['ratio']}x; identical replies: {row['identical_replies']}"
+    )
 
 
 def main() -> None:
@@ -97,17 +105,7 @@ def main() -> None:
         "prefix_cache": stats,
         "threads": args.engine_threads,
     }
-    machine = run_machine_report(args)
-    if args.json:
-        print(json.dumps(row))
-        print(json.dumps(machine))
-        return
-    print(machine_line(machine))
-    print(
-        f"{args.requests} chats sharing {args.shared} tokens: without prefix cache {row['without_s']} s "
-        f"({row['without_tokens_per_s']} tok/s), with {row['with_s']} s ({row['with_tokens_per_s']} tok/s): "
-        f"{row['ratio']}x; identical replies: {row['identical_replies']}"
-    )
+    print_report([row], run_machine_report(args), args.json, describe)
 
 
 if __name__ == "__main__":
