@@ -35,13 +35,17 @@ def test_layer_pattern_and_modules():
 
 
 def test_cached_decode_equals_full_forward(model):
+    """Equal within fp32 rounding: the chunked and the recurrent KDA sum in different orders. Each fp32 path
+    is itself up to 3e-4 from an fp64 forward of the same model (logits up to ≈ 5; over 240 seeds the two
+    paths differed by up to 3.1e-4, and atol 1e-4 failed 2 of them), so the bound is 1e-3; a wrong cache
+    shifts logits by O(1)."""
     ids = torch.randint(3, 128, (2, 21))
     full = model(ids).logits
     cache = LatentCache(model.config, batch_size=2, max_length=32)
     pieces = [model(ids[:, :9], cache=cache).logits]
     for t in range(9, 21):
         pieces.append(model(ids[:, t : t + 1], cache=cache).logits)
-    assert torch.allclose(torch.cat(pieces, 1), full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-3, rtol=1e-4)
 
 
 def test_left_padded_batch_equals_each_alone(model):
