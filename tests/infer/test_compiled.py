@@ -196,3 +196,49 @@ def test_a_compiled_model_is_freed_and_its_copies_build_their_own_step() -> None
     del model, step, twin
     gc.collect()
     assert ref() is None, "a compiled model outlived its last reference"
+
+
+def _traced_products(step, *args, **kwargs) -> tuple[list[tuple[int, ...]], set[str]]:
+    """What dynamo records for ``step(*args, **kwargs)`` (a capturing backend, no inductor build): the weight
+    shapes of its ``F.linear`` calls, and every call target."""
+    linears: list[tuple[int, ...]] = []
+    targets: set[str] = set()
+
+    def capture(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        for node in graph_module.graph.nodes:
+            if node.op.startswith("call_"):
+                targets.add(str(node.target))
+            if node.target is torch.nn.functional.linear:
+                linears.append(tuple(node.args[1].meta["example_value"].shape))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=capture, dynamic=True)(*args, **kwargs)
+    return linears, targets
+
+
+def test_compiled_window_of_many_rows_equals_eager() -> None:
+    """A 3-token window at batch 5: 15 rows, past ``decode_linear.MAX_ROWS`` (the reduction tier takes up to
+    ``COMPILED_MAX_ROWS``), and 30 (token, pick) rows for k2-nano's 8 experts (the gathered tier in expert
+    order up to ``experts.GATHERED_MAX_ROWS``): no product but the router's is left to ``F.linear``, none to the
+    grouped experts, and the compiled window equals eager within fp32 rounding."""
+    torch.manual_seed(1)
+    model = randomize(build_model(load_preset("k2-nano"))).eval()
+    vocab = model.config.vocab_size
+    prompt, window = torch.randint(0, vocab, (5, 6)), torch.randint(0, vocab, (5, 3))
+
+    def prefilled() -> LatentCache:
+        cache = LatentCache(model.config, 5, 9)
+        model(prompt, cache=cache)
+        return cache
+
+    def run(step) -> torch.Tensor:
+        return step(window, cache=prefilled()).logits
+
+    with torch.inference_mode():
+        linears, targets = _traced_products(model, window, cache=prefilled())
+        router = tuple(model.layers[1].mlp.router.weight.shape)  # fp32 scores: its own F.linear, not twinned
+        assert linears == [router], linears
+        assert not any("grouped_mm" in t for t in targets) and any("argsort" in t for t in targets)
+        torch._dynamo.reset()
+        torch.testing.assert_close(run(compiled_decode(model)), run(model), rtol=1e-4, atol=1e-5)

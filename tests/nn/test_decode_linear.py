@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k2lab.nn.decode_linear import MAX_ROWS, decode_linear
+from k2lab.nn.decode_linear import COMPILED_MAX_ROWS, MAX_ROWS, decode_linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, MAX_ROWS])
@@ -54,20 +54,20 @@ def _traced_ops(x: torch.Tensor, weight: torch.Tensor) -> set[str]:
 
 
 def test_compiled_few_rows_take_the_reduction_tier_only_in_fp32_inference() -> None:
-    """Under torch.compile up to MAX_ROWS fp32 rows without gradient are the fused reduction
-    (W[None] * x[:, None]).sum(-1), equal to F.linear within rounding; bf16, a gradient or more rows trace
-    the plain F.linear."""
+    """Under torch.compile up to COMPILED_MAX_ROWS fp32 rows without gradient (more than the eager tier's
+    MAX_ROWS) are the fused reduction (W[None] * x[:, None]).sum(-1), equal to F.linear within rounding; bf16,
+    a gradient or more rows trace the plain F.linear."""
     torch.manual_seed(2)
     weight = torch.randn(96, 32)
     with torch.no_grad():
-        for x in (torch.randn(1, 1, 32), torch.randn(2, 3, 32)):
+        for x in (torch.randn(1, 1, 32), torch.randn(2, 3, 32), torch.randn(MAX_ROWS + 1, 1, 32)):
             ops = _traced_ops(x, weight)
             assert any("sum" in op for op in ops) and not any("linear" in op for op in ops), ops
             got = torch.compile(decode_linear, backend="eager")(x, weight)
             torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
         x = torch.randn(1, 1, 32)
         assert any("linear" in op for op in _traced_ops(x.bfloat16(), weight.bfloat16()))
-        assert any("linear" in op for op in _traced_ops(torch.randn(MAX_ROWS + 1, 32), weight))
+        assert any("linear" in op for op in _traced_ops(torch.randn(COMPILED_MAX_ROWS + 1, 32), weight))
     assert any("linear" in op for op in _traced_ops(x, weight.clone().requires_grad_()))
 
 

@@ -32,6 +32,25 @@ def test_decode_tiers_equal_grouped_tier(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_tier_of_more_rows_than_experts_equals_grouped_tier(dtype: torch.dtype) -> None:
+    """A compiled step with more (token, pick) rows than experts (a batch of chats, a verify window) takes the
+    gathered tier with its rows in expert order: equal to the grouped tier within a reduction's rounding, a
+    token's two picks of one expert included."""
+    experts, _, _, _ = _case(dtype)
+    x = torch.randn(12, 32, dtype=dtype)
+    indices = torch.stack([torch.randperm(16)[:2] for _ in range(12)])  # 24 rows for 16 experts
+    indices[3] = torch.tensor([5, 5])
+    weights = torch.rand(12, 2)
+    grouped = experts(x, indices, weights).detach()
+    with torch.no_grad():
+        gathered = experts.gathered_forward(x, indices, weights, dtype)
+        compiled = torch.compile(experts, backend="eager", fullgraph=True)(x, indices, weights)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gathered, grouped, rtol=tol, atol=tol)
+    torch.testing.assert_close(compiled, grouped, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_groups_equal_unpadded(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """Enough rows per expert pad every group to a multiple of GROUP_ROWS on CPU: the products see only padded
     group sizes, and outputs and every gradient equal the unpadded grouping's (within a matmul's rounding)."""

@@ -22,23 +22,24 @@ fp32 rows, no gradient, at most ``MAX_ROWS`` rows; anything else is the plain ``
 fp32, or the bf16 copies of the compiled step's twin (``k2lab.infer.decode_weights``), which the reductions
 widen to fp32 as they load them (the other products get a widened copy).
 
-Under ``torch.compile`` a step of at most ``MAX_ROWS`` rows takes the **reduction tier**: y_no = Σ_d W_od x_nd
-written as ``(W[None] * x[:, None]).sum(-1)``, which inductor turns into one vectorised reduction over D that
-streams W, in parallel over the outputs, fused with its neighbours. MKL's GEMV and few-row GEMM on weights
-that are not in cache stream them at ~6–8 GB/s on the 2-core Zen 4 VM, where a plain reduction reads 28 GB/s
-on one thread and 60+ on two (the k2-mini LM head, 8.4 MB, cold, 2 threads, one row: ``F.linear`` 1.03 ms,
-the compiled reduction 0.31 ms); a decode step reads 25–45 MB of weights, so it is bound by how they are
+Under ``torch.compile`` a step of at most ``COMPILED_MAX_ROWS`` rows takes the **reduction tier**: y_no = Σ_d
+W_od x_nd written as ``(W[None] * x[:, None]).sum(-1)``, which inductor turns into one vectorised reduction
+over D that streams W, in parallel over the outputs, fused with its neighbours. MKL's GEMV and few-row GEMM on
+weights that are not in cache stream them at ~6–8 GB/s on the 2-core Zen 4 VM, where a plain reduction reads
+28 GB/s on one thread and 60+ on two (the k2-mini LM head, 8.4 MB, cold, 2 threads, one row: ``F.linear`` 1.03
+ms, the compiled reduction 0.31 ms); a decode step reads 25–45 MB of weights, so it is bound by how they are
 streamed. Compiled k2-mini decoding, in one process against the same step with ``F.linear`` for 2–6 rows:
 batch 4 +20 % and +22 %, batch 2 +27 % (docs/generation.md). The reduction is written [N, O], each output row
 a pass over W, except for weights above ``LARGE_WEIGHT_BYTES`` (the 8,192-wide head): those fall out of L2
-between the row passes, so they are summed [O, N], each weight row read once for all N rows (the head alone,
-4 rows, cold: 1.36 → 0.58 ms; batch-4 k2-mini steps 1.09× faster, median of 24 alternating runs; for the
-smaller weights this order made the step slower, 0.71×). The swapped GEMM inside the graph gained only
-9 %, and torch 2.13's CPU inductor miscompiled it at its default realize threshold (a transposed product
-inlined into the next RMSNorm read wrong values at batch 2; tests/infer/test_compiled.py caught it).
-The rows are a buffer of the graph before the product (``stored``): inlined into it, a producer such as an
-RMSNorm's scale could make inductor store the whole [N, O, D] product instead of streaming it into the sum
-(``k2lab.infer.compiled.REALIZE_OPCOUNT``).
+between the row passes, so they are summed [O, N], each weight row read once for all N rows (the head alone, 4
+rows, cold: 1.36 → 0.58 ms; batch-4 k2-mini steps 1.09× faster, median of 24 alternating runs; for the smaller
+weights this order made the step slower, 0.71×). The swapped GEMM inside the graph gained only 9 %, and torch
+2.13's CPU inductor miscompiled it at its default realize threshold (a transposed product inlined into the
+next RMSNorm read wrong values at batch 2; tests/infer/test_compiled.py caught it). The rows are a buffer of
+the graph before the product (``stored``): inlined into it, a producer such as an RMSNorm's scale could make
+inductor store the whole [N, O, D] product instead of streaming it into the sum
+(``k2lab.infer.compiled.REALIZE_OPCOUNT``). Past ``MAX_ROWS`` (a batch of chats, a speculative verify window)
+the reduction still beats a GEMM over the twin's weights, widened to fp32 per call: ``COMPILED_MAX_ROWS``.
 """
 
 from __future__ import annotations
@@ -46,9 +47,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Above this many rows MKL's GEMM no longer gains from the swap (N = 8 measured equal); the compiled
-# reduction tier has the same bound (measured up to 6).
+# Above this many rows MKL's GEMM no longer gains from the swap (N = 8 measured equal).
 MAX_ROWS = 6
+# Under torch.compile the reduction tier takes up to this many rows. Past MAX_ROWS it still beats MKL's
+# few-row GEMM, which the bf16 twin's weights reach only as a whole widened fp32 copy per call. Measured on a
+# Zen 5 (2 threads, compiled, alternating medians of 41) against F.linear of the widened bf16 weight:
+#   the 8,192 × 256 head  N = 8: 0.28 against 1.23 ms; N = 20: 0.65 / 0.93; N = 32: 1.00 / 1.31; 64: 2.1 / 2.3
+#   a 256 × 256 weight     N = 8: 24 against 37 µs;     N = 20: 58 / 66;     N = 32: 60 / 57
+# so 32, where the two meet (F.linear over fp32 weights: 1.22 ms and 52 µs at N = 32).
+COMPILED_MAX_ROWS = 32
 # One row: only weights this large (768 × 256 gains 45 µs; 256 × 256 gains 7 µs, less than the extra ops).
 MIN_SINGLE_ROW = 1 << 17
 # Under torch.compile, several rows of a weight well above a core's L2 (1–2 MiB on current x86 server cores):
@@ -66,7 +73,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     O, D = weight.shape
     n = x.numel() // D
     if torch.compiler.is_compiling():
-        if n > MAX_ROWS or not cpu_fp32_inference(x, weight):
+        if n > COMPILED_MAX_ROWS or not cpu_fp32_inference(x, weight):
             return F.linear(x, widened(weight, x))
         rows = stored(x.reshape(-1, D))
         if n == 1 or weight.numel() * weight.element_size() < LARGE_WEIGHT_BYTES:

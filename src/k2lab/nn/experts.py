@@ -15,7 +15,8 @@ oneDNN's primitive cache keeps (``_padded_groups``).
 No loop over tokens and no compute for unselected experts.
 
 Decode tiers, with fewer (token, pick) rows than experts (a few tokens at a time) and no gradient: the same
-products as the grouped tier, without visiting every expert.
+products as the grouped tier, without visiting every expert. A compiled CPU step takes the gathered tier up to
+``GATHERED_MAX_ROWS`` rows, more rows than experts included (a batch of chats, a speculative verify window).
 
 - eager (``looped_forward``): one pass per picked expert over its rows, with the expert's weights used in
   place (views of the stacked parameters): no weight is copied;
@@ -63,6 +64,13 @@ def _row_products(h_RI: torch.Tensor, w_EOI: torch.Tensor, expert_R: torch.Tenso
 # step, so without rounding its cache thrashes and rebuilds primitives (≈ 0.7 ms each; docs/performance.md).
 GROUP_ROWS = 32
 PAD_MIN_GROUPS = 8
+# A compiled CPU step (decode, a speculative verify) with up to this many (token, pick) rows takes the gathered
+# tier even when the rows outnumber the experts. The grouped tier there multiplies every expert's whole weights,
+# which a bf16 twin (k2lab.infer.decode_weights) first widens to fp32 copies. Measured on a Zen 5 (2 threads,
+# k2-mini demo model, whole compiled steps, alternating medians of 41, with the reduction tier of
+# ``decode_linear.COMPILED_MAX_ROWS``): batch 8 4.55 -> 2.81 ms, batch 16 6.30 -> 3.77 ms, a verify window of
+# 4 × 5 tokens 7.84 -> 5.74 ms from this tier alone; 256 rows (batch 128) still 1.17× faster.
+GATHERED_MAX_ROWS = 256
 
 
 def _padded_groups(
@@ -125,10 +133,14 @@ class RoutedExperts(nn.Module):
         The weighted rows are summed in ``out_dtype`` (default ``x.dtype``), which is also the result's dtype.
         """
         out_dtype = x_ND.dtype if out_dtype is None else out_dtype
-        if indices_NK.numel() < self.n_experts and not torch.is_grad_enabled():
-            if torch.compiler.is_compiling():
+        rows = indices_NK.numel()
+        if not torch.is_grad_enabled():
+            if torch.compiler.is_compiling() and (
+                rows < self.n_experts or (x_ND.device.type == "cpu" and rows <= GATHERED_MAX_ROWS)
+            ):
                 return self.gathered_forward(x_ND, indices_NK, weights_NK, out_dtype)
-            return self.looped_forward(x_ND, indices_NK, weights_NK, out_dtype)
+            if rows < self.n_experts:
+                return self.looped_forward(x_ND, indices_NK, weights_NK, out_dtype)
         top_k = indices_NK.shape[1]
         flat_expert = indices_NK.reshape(-1)
         order = flat_expert.argsort(stable=True)
@@ -158,15 +170,26 @@ class RoutedExperts(nn.Module):
 
             y_n = Σ_k w_{n,k} · W_down[e_r] act(W_gate[e_r] x_n, W_up[e_r] x_n),
 
-        over the NK rows: x [N, D] -> x_r [NK, D], W[e_r] [NK, F, D] -> [N, D] (see the module docstring)."""
+        over the NK rows: x [N, D] -> x_r [NK, D], W[e_r] [NK, F, D] -> [N, D] (see the module docstring).
+
+        With at least as many rows as experts the rows go in expert order (a stable sort), so that an expert's
+        rows follow each other and its weights, read once from memory, stay in cache for the next ones; the
+        results are scatter-added back to their tokens in fp32."""
         N, K = indices_NK.shape
         flat = indices_NK.reshape(-1)
-        x_RD = x_ND.repeat_interleave(K, dim=0)
+        if flat.numel() < self.n_experts:
+            x_RD, weight_R = x_ND.repeat_interleave(K, dim=0), weights_NK.reshape(-1, 1)
+        else:
+            order = flat.argsort(stable=True)
+            flat, token_R = flat[order], order // K
+            x_RD, weight_R = x_ND.index_select(0, token_R), weights_NK.reshape(-1, 1)[order]
         hidden = self.activation(
             _row_products(x_RD, self.gate_proj, flat), _row_products(x_RD, self.up_proj, flat)
         )
-        y_R = _row_products(hidden, self.down_proj, flat).float() * weights_NK.reshape(-1, 1)
-        return y_R.view(N, K, -1).sum(1).to(out_dtype)
+        y_R = _row_products(hidden, self.down_proj, flat).float() * weight_R
+        if flat.numel() < self.n_experts:
+            return y_R.view(N, K, -1).sum(1).to(out_dtype)
+        return y_R.new_zeros(N, y_R.shape[1]).index_add_(0, token_R, y_R).to(out_dtype)
 
     def looped_forward(
         self, x_ND: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor, out_dtype: torch.dtype
