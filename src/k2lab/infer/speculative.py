@@ -53,7 +53,7 @@ def speculation_decision(
 
     - the decode step runs compiled (``decode_compile_decision``): there plain compiled decoding beat
       speculative decoding in every measured case (k2-mini with an MTP draft, batch 1 and 4, greedy and
-      sampled: 0.24–0.81×, the draft compiled too; docs/generation.md);
+      sampled: 0.24–0.84×, the draft compiled too; docs/generation.md);
     - or the decoding is ``sampled`` (``generate`` with a temperature; ``serve`` learns its temperatures per
       request, so its engine asks with ``sampled=True`` for the sampled requests alone and lets only its
       greedy ones draft: ``k2lab.serve.speculation.Speculation``): eager sampled speculative decoding ran at 0.50–1.02× plain decoding over

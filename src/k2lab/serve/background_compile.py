@@ -12,7 +12,8 @@ first requests for minutes. ``k2lab serve`` therefore starts eager on a CPU and 
 
 Only a size whose step needs a graph of its own pays a build; the others find one and take milliseconds.
 Which sizes those are depends on the model's own thresholds (dynamo guards them: one row; the decode-linear
-reduction tier up to ``MAX_ROWS`` rows; the routed experts' tiers, e.g. rows·top-k below the expert count;
+reduction tier up to ``COMPILED_MAX_ROWS`` rows; the routed experts' tiers: rows·top-k below the expert count,
+up to ``GATHERED_MAX_ROWS``;
 sizes that happen to equal another dimension), so every size is run rather than a guessed list — a graph
 missed here would be built by the engine mid-serving, stopping every request for tens of seconds
 (measured: a list of three sizes left two builds to the engine). The engine keeps a spare cache slot so that
