@@ -79,6 +79,7 @@ from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.model_dir import load_model
 from k2lab.serve import Engine
+from k2lab.serve.threads import hand_threads_to_engine
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 from k2lab.train.pretraining import tokenizer_family_for
@@ -174,16 +175,34 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_server(checkpoint: str | Path, max_batch: int = 16) -> Iterator[tuple[str, str]]:
-    """k2lab's OpenAI-compatible server over ``checkpoint`` on loopback in this process: (base_url, model)."""
+    """k2lab's OpenAI-compatible server over ``checkpoint`` on loopback in this process: (base_url, model).
+
+    While it runs, the calling thread is single-threaded and the engine's thread has torch's threads, as in
+    ``k2lab serve`` (``k2lab.serve.threads``: one OpenMP team; with two, the engine's small ops each paid a
+    kernel wake). Its thread count comes back on exit, for the training that follows."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "tokenizer.json").is_file():
+        raise K2LabError(f"{checkpoint} has no tokenizer.json: the server needs one to render chats")
+    threads = hand_threads_to_engine()
+    engine = None
+    try:
+        model = load_model(checkpoint)
+        engine = Engine(getattr(model, "language_model", model), max_batch=max_batch, threads=threads).start()
+        with _serving(engine, checkpoint) as (base_url, name):
+            yield base_url, name
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _serving(engine: Engine, checkpoint: Path) -> Iterator[tuple[str, str]]:
+    """uvicorn over ``engine`` in a daemon thread on a free loopback port: (base_url, model name)."""
     import uvicorn  # lazy: uvicorn (0.2 s) only for the local server
 
     from k2lab.serve.server import build_app  # lazy: the server imports fastapi (0.3 s)
 
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "tokenizer.json").is_file():
-        raise K2LabError(f"{checkpoint} has no tokenizer.json: the server needs one to render chats")
-    model = load_model(checkpoint)
-    engine = Engine(getattr(model, "language_model", model), max_batch=max_batch).start()
     name = checkpoint.resolve().name
     port = free_port()
     app = build_app(engine, load_tokenizer(checkpoint / "tokenizer.json"), name)
@@ -200,7 +219,6 @@ def local_server(checkpoint: str | Path, max_batch: int = 16) -> Iterator[tuple[
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        engine.shutdown()
 
 
 def rephrase_settings(ablation: RephraseAblationConfig, base_url: str, model: str) -> RephraseSettings:
