@@ -176,20 +176,21 @@ class RoutedExperts(nn.Module):
         rows follow each other and its weights, read once from memory, stay in cache for the next ones; the
         results are scatter-added back to their tokens in fp32."""
         N, K = indices_NK.shape
-        flat = indices_NK.reshape(-1)
-        if flat.numel() < self.n_experts:
-            x_RD, weight_R = x_ND.repeat_interleave(K, dim=0), weights_NK.reshape(-1, 1)
-        else:
-            order = flat.argsort(stable=True)
-            flat, token_R = flat[order], order // K
-            x_RD, weight_R = x_ND.index_select(0, token_R), weights_NK.reshape(-1, 1)[order]
+        expert_R, weight_R = indices_NK.reshape(-1), weights_NK.reshape(-1, 1)
+        in_expert_order = expert_R.numel() >= self.n_experts
+        if in_expert_order:
+            order = expert_R.argsort(stable=True)
+            expert_R, weight_R, token_R = expert_R[order], weight_R[order], order // K
+            x_RD = x_ND.index_select(0, token_R)
+        else:  # row r = (n, k): token n's k-th pick
+            x_RD = x_ND.repeat_interleave(K, dim=0)
         hidden = self.activation(
-            _row_products(x_RD, self.gate_proj, flat), _row_products(x_RD, self.up_proj, flat)
+            _row_products(x_RD, self.gate_proj, expert_R), _row_products(x_RD, self.up_proj, expert_R)
         )
-        y_R = _row_products(hidden, self.down_proj, flat).float() * weight_R
-        if flat.numel() < self.n_experts:
-            return y_R.view(N, K, -1).sum(1).to(out_dtype)
-        return y_R.new_zeros(N, y_R.shape[1]).index_add_(0, token_R, y_R).to(out_dtype)
+        y_R = _row_products(hidden, self.down_proj, expert_R).float() * weight_R
+        if in_expert_order:
+            return y_R.new_zeros(N, y_R.shape[1]).index_add_(0, token_R, y_R).to(out_dtype)
+        return y_R.view(N, K, -1).sum(1).to(out_dtype)
 
     def looped_forward(
         self, x_ND: torch.Tensor, indices_NK: torch.Tensor, weights_NK: torch.Tensor, out_dtype: torch.dtype
