@@ -5,8 +5,11 @@ once at the continuous-batching engine (``max_batch`` = N, no prefix cache). Fir
 ``background_compile`` starts and rounds of the N requests are served while its thread builds the compiled
 step (the build's wall time and the eager throughput meanwhile); then, the step built, an eager engine and a
 compiled one alternate (the compiled engine takes the step the build left on the model, as the first engine
-does once it switched), medians of ``--repeats``. Throughput = completion tokens / wall time; ``identical``:
-whether every reply matched the eager ones. Run it with an empty ``TORCHINDUCTOR_CACHE_DIR`` for a cold build.
+does once it switched), medians of ``--repeats``. Throughput = completion tokens / wall time;
+``same_replies``: how many of the compiled engine's replies match the eager engine's. The compiled step reads
+its matrices in ``--decode-weights`` (auto: bf16 where the CPU runs bf16 natively), the eager one the model's
+fp32 weights, so with bf16 a near-tie can go the other way; ``--decode-weights fp32`` compares like with like.
+Run it with an empty ``TORCHINDUCTOR_CACHE_DIR`` for a cold build.
 
     python benchmarks/bench_serve_compile.py --json               # k2-mini (random weights), N = 8
     python benchmarks/bench_serve_compile.py --model runs/demo-mtp/model --requests 1,4,8
@@ -29,6 +32,7 @@ from timing import (  # benchmarks/timing.py
 )
 
 from k2lab import build_model, load_preset
+from k2lab.infer.decode_weights import decode_weights_choice
 from k2lab.model_dir import load_model
 from k2lab.serve import Engine
 
@@ -37,7 +41,14 @@ def during_build(model: torch.nn.Module, prompts: list[list[int]], args: argpars
     """Serve rounds of ``prompts`` with a background-compiling engine until its step is built: the build's
     seconds, the rounds' median throughput and the replies of the first round."""
     start = time.perf_counter()
-    engine = Engine(model, len(prompts), 0, background_compile=True, threads=args.engine_threads).start()
+    engine = Engine(
+        model,
+        len(prompts),
+        0,
+        background_compile=True,
+        decode_weights=args.decode_weights,
+        threads=args.engine_threads,
+    ).start()
     seconds, first = [], None
     while not seconds or engine.decode_report()["build"] in ("waiting", "building"):  # one round at least
         took, replies = serve_concurrently(engine, prompts, args.max_tokens, shutdown=False)
@@ -63,7 +74,14 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Nam
     replies: dict[str, list] = {}
     for _ in range(args.repeats):
         for side, compile in (("eager", "off"), ("compiled", "on")):
-            engine = Engine(model, len(prompts), 0, compile=compile, threads=args.engine_threads).start()
+            engine = Engine(
+                model,
+                len(prompts),
+                0,
+                compile=compile,
+                decode_weights=args.decode_weights,
+                threads=args.engine_threads,
+            ).start()
             seconds, replies[side] = serve_concurrently(engine, prompts, args.max_tokens)
             times[side].append(seconds)
     median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
@@ -78,7 +96,9 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Nam
         "eager_tokens_per_s": round(tokens / median["eager"], 1),
         "compiled_tokens_per_s": round(tokens / median["compiled"], 1),
         "ratio": round(median["eager"] / median["compiled"], 2),
-        "identical": replies["eager"] == replies["compiled"] == building["replies"],
+        "same_replies": sum(a == b for a, b in zip(replies["eager"], replies["compiled"], strict=True)),
+        "eager_same_during_build": replies["eager"] == building["replies"],
+        "decode_weights": decode_weights_choice(args.decode_weights, "cpu", compiled=True).name,
         "threads": args.engine_threads,
     }
 
@@ -89,7 +109,9 @@ def describe(row: dict) -> str:
         f"{row['requests']} chats: build {row['build_s']} s (eager meanwhile "
         f"{row['eager_tokens_per_s_during_build']} tok/s over {row['rounds_during_build']} rounds); then "
         f"eager {row['eager_tokens_per_s']} tok/s, compiled {row['compiled_tokens_per_s']} tok/s: "
-        f"{row['ratio']}x; identical replies: {row['identical']}"
+        f"{row['ratio']}x; compiled replies equal to eager: {row['same_replies']} of {row['requests']} "
+        f"(compiled step's weights {row['decode_weights']}, eager fp32)"
+        + ("" if row["eager_same_during_build"] else "; the eager replies differ from the first round's!")
     )
 
 
@@ -102,6 +124,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--decode-weights",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="matrices of the compiled step (k2lab.infer.decode_weights); fp32 to compare replies like with like",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     add_smoke_argument(parser)
     args = apply_smoke(
