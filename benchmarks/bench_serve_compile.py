@@ -37,18 +37,19 @@ from k2lab.model_dir import load_model
 from k2lab.serve import Engine
 
 
+def _engine(model: torch.nn.Module, max_batch: int, args: argparse.Namespace, **decode: object) -> Engine:
+    """A started engine without a prefix cache, its compiled step's weights and its threads per ``args``;
+    ``decode``: how it decodes (``compile=…`` or ``background_compile=True``)."""
+    return Engine(
+        model, max_batch, 0, decode_weights=args.decode_weights, threads=args.engine_threads, **decode
+    ).start()
+
+
 def during_build(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """Serve rounds of ``prompts`` with a background-compiling engine until its step is built: the build's
     seconds, the rounds' median throughput and the replies of the first round."""
     start = time.perf_counter()
-    engine = Engine(
-        model,
-        len(prompts),
-        0,
-        background_compile=True,
-        decode_weights=args.decode_weights,
-        threads=args.engine_threads,
-    ).start()
+    engine = _engine(model, len(prompts), args, background_compile=True)
     seconds, first = [], None
     while not seconds or engine.decode_report()["build"] in ("waiting", "building"):  # one round at least
         took, replies = serve_concurrently(engine, prompts, args.max_tokens, shutdown=False)
@@ -74,14 +75,7 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Nam
     replies: dict[str, list] = {}
     for _ in range(args.repeats):
         for side, compile in (("eager", "off"), ("compiled", "on")):
-            engine = Engine(
-                model,
-                len(prompts),
-                0,
-                compile=compile,
-                decode_weights=args.decode_weights,
-                threads=args.engine_threads,
-            ).start()
+            engine = _engine(model, len(prompts), args, compile=compile)
             seconds, replies[side] = serve_concurrently(engine, prompts, args.max_tokens)
             times[side].append(seconds)
     median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
