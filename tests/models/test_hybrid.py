@@ -126,3 +126,19 @@ def test_meta_cache_bytes_equal_allocated(preset):
     tensors = [real.rows, *(t for s in real.kda_states.values() for t in (s.conv, s.recurrent))]
     assert meta == sum(t.untyped_storage().nbytes() for t in tensors)
     assert meta == real.bytes_per_sequence(300)
+
+
+def test_decode_steps_run_every_product_through_decode_linear(model):
+    """A cached decode step of a hybrid model calls no ``nn.Linear`` forward: KDA's projections, its forget
+    gate's and the latent MoE's run through ``decode_linear`` like MLA's, so the compiled step takes the
+    reduction tier for them over fp32 weights too (a bf16 twin swaps the ``nn.Linear`` classes instead)."""
+    model.eval()
+    called = []
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.register_forward_hook(lambda module, args, out: called.append(module))
+    with torch.inference_mode():
+        cache = LatentCache(model.config, batch_size=2, max_length=8)
+        model(torch.randint(3, 128, (2, 5)), cache=cache)
+        model(torch.randint(3, 128, (2, 1)), cache=cache)
+    assert called == []

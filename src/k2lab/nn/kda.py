@@ -33,6 +33,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from k2lab.config import ModelConfig
+from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.kda_gate import ForgetGate
 from k2lab.nn.norm import GatedRMSNorm
 from k2lab.ops.kda import kda, recurrent_kda_states
@@ -169,7 +170,10 @@ class _L2Normalize(torch.autograd.Function):
 
 
 class KimiDeltaAttention(nn.Module):
-    """x [B, T, D] -> [B, T, D]."""
+    """x [B, T, D] -> [B, T, D]. The projections run through ``k2lab.nn.decode_linear`` (as MLA's): ``F.linear``
+    itself in training, and a decode step's few rows in the operand order or the compiled reduction that
+    streams the weights (compiled k3-mini decode over fp32 weights 1.18–1.24× faster than through
+    ``nn.Linear``'s own forward; docs/generation.md)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -195,8 +199,8 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> gate logits [B, T, H·K]."""
         if hasattr(self, "g_proj"):
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+            return decode_linear(x, self.g_proj.weight)
+        return decode_linear(decode_linear(x, self.g_a_proj.weight), self.g_b_proj.weight)
 
     def forward(
         self,
@@ -211,7 +215,9 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.n_heads, self.head_dim
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        projected = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        projected = torch.cat(
+            [decode_linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1
+        )
         mixed, conv_state = causal_short_conv(
             projected, self.conv1d.weight, None if state is None else state.conv, document_starts
         )
@@ -220,7 +226,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x)
         if document_starts is not None:
             g = g.masked_fill(document_starts[:, :, None, None], RESET_LOG_DECAY)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(decode_linear(x, self.b_proj.weight).float())
         if getattr(state, "record_steps", False):  # a speculative verify window: every token's state
             out, steps = recurrent_kda_states(q, k, v, g, beta, initial_state=state.recurrent)
             state.update_steps(conv_history_steps(projected, state.conv), steps)
@@ -231,4 +237,4 @@ class KimiDeltaAttention(nn.Module):
             if state is not None:
                 state.update(conv_state, final)
         gate = self.output_gate(x).view(B, T, H, K)
-        return self.o_proj(self.o_norm(out, gate).reshape(B, T, H * K))
+        return decode_linear(self.o_norm(out, gate).reshape(B, T, H * K), self.o_proj.weight)

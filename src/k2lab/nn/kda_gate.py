@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k2lab.config import ModelConfig
+from k2lab.nn.decode_linear import decode_linear
 
 
 def softplus_decay(f: torch.Tensor, a_log: torch.Tensor) -> torch.Tensor:
@@ -52,9 +53,8 @@ class ForgetGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(
-            B, T, self.n_heads, self.head_dim
-        )
+        f_low = decode_linear(decode_linear(x, self.f_a_proj.weight), self.f_b_proj.weight)
+        f = (f_low.float() + self.dt_bias.float()).view(B, T, self.n_heads, self.head_dim)
         if self.kind == "lower_bound":
             return lower_bounded_decay(f, self.A_log, self.g_min)
         return softplus_decay(f, self.A_log)

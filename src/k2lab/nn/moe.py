@@ -23,6 +23,7 @@ from torch import nn
 from k2lab.config import ModelConfig
 from k2lab.nn.activations import mlp_activation
 from k2lab.nn.balancing import sequence_balance_loss
+from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.experts import RoutedExperts, expert_counts
 from k2lab.nn.mlp import GatedMLP
 from k2lab.nn.norm import RMSNorm
@@ -77,11 +78,15 @@ class MoE(nn.Module):
             y = self.experts(x_ND, routing.indices, routing.weights, counts_E).view_as(x)
         else:
             u_NL = self.experts(
-                self.latent_down(x_ND), routing.indices, routing.weights, counts_E, out_dtype=torch.float32
+                decode_linear(x_ND, self.latent_down.weight),
+                routing.indices,
+                routing.weights,
+                counts_E,
+                out_dtype=torch.float32,
             )
             if self.latent_norm is not None:
                 u_NL = self.latent_norm(u_NL)
-            y = self.latent_up(u_NL.to(x.dtype)).view_as(x)
+            y = decode_linear(u_NL.to(x.dtype), self.latent_up.weight).view_as(x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
