@@ -28,7 +28,9 @@ from timing import (  # benchmarks/timing.py
     print_report,
     run_machine_report,
     serve_concurrently,
+    serve_sides,
     serving_threads,
+    side_rates,
 )
 
 from k2lab import build_model, load_preset
@@ -71,15 +73,13 @@ def during_build(model: torch.nn.Module, prompts: list[list[int]], args: argpars
 def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     """One row: the background build, then eager against compiled serving, alternating."""
     building = during_build(model, prompts, args)
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    replies: dict[str, list] = {}
-    for _ in range(args.repeats):
-        for side, compile in (("eager", "off"), ("compiled", "on")):
-            engine = _engine(model, len(prompts), args, compile=compile)
-            seconds, replies[side] = serve_concurrently(engine, prompts, args.max_tokens)
-            times[side].append(seconds)
-    median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
-    tokens = len(prompts) * args.max_tokens
+
+    def serve(compile: str) -> tuple[float, list[list[int]], None]:
+        engine = _engine(model, len(prompts), args, compile=compile)
+        return (*serve_concurrently(engine, prompts, args.max_tokens), None)
+
+    sides = {"eager": lambda: serve("off"), "compiled": lambda: serve("on")}
+    median, replies, _ = serve_sides(sides, args.repeats)
     return {
         "name": "background_compile_serve",
         "requests": len(prompts),
@@ -87,9 +87,7 @@ def measure(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Nam
         "build_s": building["build_s"],
         "rounds_during_build": building["rounds_during_build"],
         "eager_tokens_per_s_during_build": building["eager_tokens_per_s_during_build"],
-        "eager_tokens_per_s": round(tokens / median["eager"], 1),
-        "compiled_tokens_per_s": round(tokens / median["compiled"], 1),
-        "ratio": round(median["eager"] / median["compiled"], 2),
+        **side_rates(median, len(prompts) * args.max_tokens, "eager", "compiled"),
         "same_replies": sum(a == b for a, b in zip(replies["eager"], replies["compiled"], strict=True)),
         "eager_same_during_build": replies["eager"] == building["replies"],
         "decode_weights": decode_weights_choice(args.decode_weights, "cpu", compiled=True).name,

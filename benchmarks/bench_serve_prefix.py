@@ -24,7 +24,9 @@ from timing import (  # benchmarks/timing.py
     print_report,
     run_machine_report,
     serve_concurrently,
+    serve_sides,
     serving_threads,
+    side_rates,
 )
 
 from k2lab import build_model, load_preset
@@ -79,16 +81,10 @@ def main() -> None:
     prompts = chats(args, model.config.vocab_size)
 
     serve_all(model, prompts[:2], args, 0)  # warm-up
-    times: dict[str, list[float]] = {"with": [], "without": []}
-    replies: dict[str, list] = {}
-    stats = None
-    for _ in range(args.repeats):
-        for side, cache in (("without", 0), ("with", args.cache_mb << 20)):
-            seconds, replies[side], counters = serve_all(model, prompts, args, cache)
-            times[side].append(seconds)
-            stats = counters or stats
+    caches = {"without": 0, "with": args.cache_mb << 20}
+    runs = {side: (lambda c=c: serve_all(model, prompts, args, c)) for side, c in caches.items()}
+    median, replies, counters = serve_sides(runs, args.repeats)
     tokens = args.requests * args.max_tokens
-    median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
     row = {
         "name": "prefix_cache_serve",
         "requests": args.requests,
@@ -98,11 +94,9 @@ def main() -> None:
         "max_batch": args.max_batch,
         "without_s": round(median["without"], 3),
         "with_s": round(median["with"], 3),
-        "without_tokens_per_s": round(tokens / median["without"], 1),
-        "with_tokens_per_s": round(tokens / median["with"], 1),
-        "ratio": round(median["without"] / median["with"], 2),
+        **side_rates(median, tokens, "without", "with"),
         "identical_replies": replies["with"] == replies["without"],
-        "prefix_cache": stats,
+        "prefix_cache": counters["with"],
         "threads": args.engine_threads,
     }
     print_report([row], run_machine_report(args), args.json, describe)

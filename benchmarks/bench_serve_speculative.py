@@ -29,7 +29,9 @@ from timing import (  # benchmarks/timing.py
     print_report,
     run_machine_report,
     serve_concurrently,
+    serve_sides,
     serving_threads,
+    side_rates,
 )
 
 from k2lab import build_model, load_preset
@@ -88,16 +90,11 @@ def serve_all(model, draft, prompts: list[list[int]], args: argparse.Namespace, 
 def measure(model, draft, prompts, args, k: int) -> dict:
     """One row: plain against speculative serving of ``prompts``, alternating, medians of the repeats."""
     load_before = os.getloadavg()[0]
-    times: dict[str, list[float]] = {"plain": [], "speculative": []}
-    replies: dict[str, list] = {}
-    report = None
-    for _ in range(args.repeats):
-        for side, drafter in (("plain", None), ("speculative", draft)):
-            seconds, replies[side], counters = serve_all(model, drafter, prompts, args, k)
-            times[side].append(seconds)
-            report = counters or report
+    sides = {"plain": None, "speculative": draft}
+    runs = {side: (lambda d=d: serve_all(model, d, prompts, args, k)) for side, d in sides.items()}
+    median, replies, reports = serve_sides(runs, args.repeats)
+    report = reports["speculative"]
     tokens = len(prompts) * args.max_tokens
-    median = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
     return {
         "name": "speculative_serve",
         "requests": len(prompts),
@@ -107,9 +104,7 @@ def measure(model, draft, prompts, args, k: int) -> dict:
         "sampled_drafts": report["sampled_drafts"],
         "plain_s": round(median["plain"], 3),
         "speculative_s": round(median["speculative"], 3),
-        "plain_tokens_per_s": round(tokens / median["plain"], 1),
-        "speculative_tokens_per_s": round(tokens / median["speculative"], 1),
-        "ratio": round(median["plain"] / median["speculative"], 2),
+        **side_rates(median, tokens, "plain", "speculative"),
         "mean_accepted": report["mean_accepted"],
         "tokens_per_step": report["tokens_per_step"],
         "identical_replies": replies["plain"] == replies["speculative"],

@@ -244,3 +244,35 @@ def serve_concurrently(
     if shutdown:
         engine.shutdown()
     return seconds, [r.tokens for r in requests]
+
+
+ServeRun = Callable[
+    [], tuple[float, list[list[int]], object]
+]  # a fresh engine's run: (seconds, replies, extra)
+
+
+def serve_sides(
+    sides: dict[str, ServeRun], repeats: int
+) -> tuple[dict[str, float], dict[str, list[list[int]]], dict[str, object]]:
+    """The serve benchmarks' A/B: each side's run ``repeats`` times, the sides alternating in ``sides``' order;
+    per side the median seconds (the middle run, the upper one of an even count), the last run's replies and
+    the last ``extra`` that was not None (an engine's counters)."""
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    replies: dict[str, list[list[int]]] = {}
+    extras: dict[str, object] = dict.fromkeys(sides)
+    for _ in range(repeats):
+        for side, run in sides.items():
+            seconds, replies[side], extra = run()
+            times[side].append(seconds)
+            extras[side] = extra if extra is not None else extras[side]
+    return {side: sorted(t)[len(t) // 2] for side, t in times.items()}, replies, extras
+
+
+def side_rates(median: dict[str, float], tokens: int, first: str, second: str) -> dict[str, float]:
+    """``{first}_tokens_per_s``, ``{second}_tokens_per_s`` and ``ratio`` (first's seconds ÷ second's: how much
+    faster the second side ran) of ``serve_sides``' medians for ``tokens`` completion tokens a run."""
+    return {
+        f"{first}_tokens_per_s": round(tokens / median[first], 1),
+        f"{second}_tokens_per_s": round(tokens / median[second], 1),
+        "ratio": round(median[first] / median[second], 2),
+    }
