@@ -107,7 +107,11 @@ def _mixture(
     """(h [..., D], the weights a [S, ...], p = w ⊙ g [D], the logits z [S, ...]) for fp32 values [..., D]
     and r_i [...]."""
     projected = query.float() * key_norm_weight.float()  # w ⊙ g [D]
-    logits = torch.stack([(v @ projected) * r for v, r in zip(values, inverse_rms, strict=True)])  # [S, ...]
+    # in fp32 under autocast too, which would round every v_i to bf16 for its product (a cast per source)
+    with torch.autocast(projected.device.type, enabled=False):
+        logits = torch.stack(
+            [(v @ projected) * r for v, r in zip(values, inverse_rms, strict=True)]
+        )  # [S, ...]
     weights = logits.softmax(dim=0)  # [S, ...]
     h = weights[0].unsqueeze(-1) * values[0]
     for weight, value in zip(weights[1:], values[1:], strict=True):
