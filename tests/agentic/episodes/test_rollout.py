@@ -5,11 +5,15 @@ rollouts continued), on a tiny random model with sampling at temperature 1."""
 from __future__ import annotations
 
 import copy
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from k2lab import build_model, load_preset
+from k2lab.agentic.episodes import rollout as rollout_module
 from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, run_episode, run_episodes
 from k2lab.agentic.recipe.mini import RecipeConfig, RecipeToolTasks
 from k2lab.agentic.rl.envs import ArithmeticEnv
@@ -156,3 +160,42 @@ def test_sampling_rollouts_record_no_max_logits(model, small_tokenizer):
     finally:
         clip.recorded_maxima()
         clip.record(False)
+
+
+def test_calls_from_several_threads_take_turns_and_answer_as_alone(model, small_tokenizer, monkeypatch):
+    """PARL's ``SwarmEnv`` calls its workers from a thread pool. A ``LocalPolicy`` there shares its model,
+    prefix cache and the model's mode switches, so its calls take turns: never two ``generate`` at once,
+    each reply the one its request gets alone, and the model left in the mode it was in."""
+    policy = LocalPolicy(model, small_tokenizer, temperature=1.0, max_new_tokens=12)
+    requests = [([{"role": "user", "content": f"what is {s} + {s}?"}], [], s) for s in range(6)]
+
+    def outcome(result):
+        prompt, reply = result
+        return prompt, (reply.reason, reply.completion_ids) if isinstance(reply, Exception) else reply
+
+    alone = [outcome(policy.respond_batch([request])[0]) for request in requests]
+    running, most = [0], [0]
+    lock = threading.Lock()
+    real = rollout_module.generate
+
+    def watched(*args, **kwargs):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.02)  # room for another thread to come in
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(rollout_module, "generate", watched)
+    model.train()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda request: outcome(policy.respond_batch([request])[0]), requests))
+        assert model.training
+    finally:
+        model.eval()
+    assert most[0] == 1
+    assert together == alone

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -127,6 +128,11 @@ class LocalPolicy:
     changes no output, only what is recomputed. ``drop_finished``: a row that ends its turn leaves the
     batched decode (``GenerationConfig.drop_finished``), so a call no longer decodes every row until its
     longest one ends; the tokens are the same up to the rounding of a smaller batch.
+
+    Calls from several threads take turns (a lock around ``respond_batch``): PARL's ``SwarmEnv`` calls its
+    workers from a thread pool, and a ``LocalPolicy`` there shares one model, its prefix cache and the
+    model's eval/train and max-logit switches that a call sets and restores. Concurrent generation would
+    also give each thread an OpenMP team of its own on the same cores.
     """
 
     def __init__(
@@ -147,6 +153,7 @@ class LocalPolicy:
         self.chat_format = chat_format_of(model, tool_format, tokenizer)  # K2's, or K3's XTML (K3 family)
         self.im_end = tokenizer.special_tokens[self.chat_format.turn_end]
         self._grammars: dict[str, Any] = {}
+        self._turn = threading.Lock()  # one respond_batch at a time (class docstring)
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The ids the model continues: the conversation and the generation prompt."""
@@ -224,6 +231,21 @@ class LocalPolicy:
             eos_token_id=self.im_end,
             drop_finished=self.drop_finished,
         )
+        with self._turn:
+            self._generate(requests, prompts, rows, replies, config, batch_size)
+        return [(prompt, reply) for prompt, reply in zip(prompts, replies, strict=True)]  # type: ignore[misc]
+
+    def _generate(
+        self,
+        requests: Sequence[tuple[list[dict[str, Any]], list[dict[str, Any]], int]],
+        prompts: list[list[int]],
+        rows: list[int],
+        replies: list[Reply | None],
+        config: GenerationConfig,
+        batch_size: int,
+    ) -> None:
+        """The replies of the requests ``rows`` (sorted by prompt length) into ``replies``, ``batch_size``
+        prompts per ``generate``, the model in eval mode and recording no max logits meanwhile."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -242,7 +264,6 @@ class LocalPolicy:
                         replies[i] = self._reply(ids)
         finally:
             self.model.train(was_training)
-        return [(prompt, reply) for prompt, reply in zip(prompts, replies, strict=True)]  # type: ignore[misc]
 
     def _reply(self, ids: list[int]) -> Reply:
         if not ids or ids[-1] != self.im_end:
