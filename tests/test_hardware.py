@@ -1,6 +1,9 @@
 """k2lab.hardware: the precision of each hot path, chosen from what the device runs fast."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +57,33 @@ def test_measurement_is_cached_per_machine(clean_env, monkeypatch):
     assert saved[hardware.machine_key()]["fp32"] == 2e9
     hardware.cpu_rates.cache_clear()  # a new process reads the file instead of measuring
     assert hardware.cpu_rates() == first and len(calls) == 2
+
+
+@pytest.mark.parametrize("variable", hardware.ISA_LIMITS)
+def test_an_instruction_set_cap_is_another_machine(clean_env, monkeypatch, variable):
+    """The same CPU with its matmul libraries capped (``ONEDNN_MAX_CPU_ISA=AVX2``, …) keeps its flags but not
+    its bf16 rate: the cached measurement of the uncapped CPU is not taken for it."""
+    for name in hardware.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    plain = hardware.machine_key()
+    monkeypatch.setenv(variable, "AVX2")
+    assert hardware.machine_key() != plain
+
+
+@pytest.mark.skipif(not hardware.native_bf16_flags(), reason="the CPU advertises no native bf16")
+def test_a_cpu_capped_at_avx2_is_measured_again_and_runs_fp32(tmp_path):
+    """End to end, in a fresh process (oneDNN reads its cap at start): a cache that says this CPU runs bf16
+    4× faster than fp32 — what the uncapped CPU measured — and oneDNN capped at AVX2, where bf16 products are
+    emulated (tens of times slower than fp32 on every CPU of the class): ``auto`` measures again and runs fp32."""
+    key = hardware.machine_key()
+    (tmp_path / "hardware.json").write_text(json.dumps({key: {"fp32": 1e11, "bf16": 4e11}}))
+    script = "from k2lab import hardware; c = hardware.choose('autocast'); print(c.dtype, '|', c.reason)"
+    env = {**os.environ, "K2LAB_CACHE_DIR": str(tmp_path), "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    for variable in (hardware.ENV_ALL, *hardware.ENV_PATH.values()):
+        env.pop(variable, None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("torch.float32 |"), out.stdout
+    assert len(json.loads((tmp_path / "hardware.json").read_text())) == 2  # both machines' entries kept
 
 
 def test_a_corrupt_cache_is_measured_again(clean_env, monkeypatch):

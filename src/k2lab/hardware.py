@@ -14,7 +14,8 @@ The rule for ``requested="auto"``:
     CPU    fp32 unless the CPU advertises native bf16 (``amx_bf16`` / ``avx512_bf16`` in /proc/cpuinfo),
            and then bf16 only if a one-time micro-measurement confirms it: a square bf16 matmul at least
            ``BF16_MIN_SPEEDUP`` × the fp32 rate. The measurement is cached per machine (CPU model, flags,
-           threads, torch version) in ``$K2LAB_CACHE_DIR`` or ``~/.cache/k2lab``.
+           torch's CPU capability, the instruction-set caps of ``ISA_LIMITS``, threads, torch version) in
+           ``$K2LAB_CACHE_DIR`` or ``~/.cache/k2lab``.
 
 A CPU without native bf16 is never measured (an emulated 512³ bf16 product alone takes seconds) and never
 runs bf16 unless asked. ``requested="fp32"`` / ``"bf16"`` force a precision, as do the environment variables
@@ -44,6 +45,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 BF16_MIN_SPEEDUP = 1.3  # bf16 must beat fp32 by this much to be worth its rounding
 PROBE_SIZE = 512  # n of the n³ products timed (≈ 0.3 s on 2 cores)
+# Settings that cap the instruction sets torch's kernels and matmul libraries use. The CPU's flags stay the
+# same, but with oneDNN capped at AVX2 a Zen 5 with avx512_bf16 multiplies bf16 at 2.6 GFLOP/s (emulated)
+# against 208 in fp32 (637 uncapped): a measurement taken without the cap must not decide with it.
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 ENV_ALL = "K2LAB_PRECISION"
 ENV_PATH = {"newton_schulz": "K2LAB_NS_PRECISION"}
 
@@ -130,8 +135,17 @@ def cache_file() -> Path:
 
 
 def machine_key() -> str:
-    """What identifies this machine's matmul rates: CPU model, flags, threads and torch version."""
-    parts = [cpu_model(), " ".join(sorted(cpu_flags())), str(torch.get_num_threads()), torch.__version__]
+    """What identifies this machine's matmul rates: CPU model, flags, torch's CPU capability, the
+    instruction-set caps set in the environment (``ISA_LIMITS``), threads and torch version."""
+    limits = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
+    parts = [
+        cpu_model(),
+        " ".join(sorted(cpu_flags())),
+        torch.backends.cpu.get_cpu_capability(),
+        *limits,
+        str(torch.get_num_threads()),
+        torch.__version__,
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
