@@ -72,17 +72,26 @@ def test_an_instruction_set_cap_is_another_machine(clean_env, monkeypatch, varia
 
 @pytest.mark.skipif(not hardware.native_bf16_flags(), reason="the CPU advertises no native bf16")
 def test_a_cpu_capped_at_avx2_is_measured_again_and_runs_fp32(tmp_path):
-    """End to end, in a fresh process (oneDNN reads its cap at start): a cache that says this CPU runs bf16
-    4× faster than fp32 — what the uncapped CPU measured — and oneDNN capped at AVX2, where bf16 products are
-    emulated (tens of times slower than fp32 on every CPU of the class): ``auto`` measures again and runs fp32."""
-    key = hardware.machine_key()
+    """End to end, in fresh processes (oneDNN reads its cap at start): the cache says this CPU runs bf16 4×
+    faster than fp32 — what the uncapped CPU would have measured. Uncapped, ``auto`` takes that and picks bf16;
+    with oneDNN capped at AVX2, where bf16 products are emulated (tens of times slower than fp32 on every CPU
+    of the class), it measures again and picks fp32."""
+    dropped = (*hardware.ISA_LIMITS, hardware.ENV_ALL, *hardware.ENV_PATH.values())
+    env = {name: value for name, value in os.environ.items() if name not in dropped}
+    env["K2LAB_CACHE_DIR"] = str(tmp_path)
+
+    def run(code: str, **extra: str) -> str:
+        command = [sys.executable, "-c", f"from k2lab import hardware; {code}"]
+        return subprocess.run(
+            command, env={**env, **extra}, capture_output=True, text=True, check=True
+        ).stdout
+
+    key = run("print(hardware.machine_key())").strip()
     (tmp_path / "hardware.json").write_text(json.dumps({key: {"fp32": 1e11, "bf16": 4e11}}))
-    script = "from k2lab import hardware; c = hardware.choose('autocast'); print(c.dtype, '|', c.reason)"
-    env = {**os.environ, "K2LAB_CACHE_DIR": str(tmp_path), "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    for variable in (hardware.ENV_ALL, *hardware.ENV_PATH.values()):
-        env.pop(variable, None)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.startswith("torch.float32 |"), out.stdout
+    choice = "print(hardware.choose('autocast').describe())"
+    uncapped = run(choice)
+    assert uncapped.startswith("bf16 (") and "bf16 400 vs fp32 100" in uncapped  # the cached rates
+    assert run(choice, ONEDNN_MAX_CPU_ISA="AVX2").startswith("fp32 (")
     assert len(json.loads((tmp_path / "hardware.json").read_text())) == 2  # both machines' entries kept
 
 
