@@ -202,3 +202,18 @@ def test_per_row_sampling_refuses_nan_like_multinomial():
     logits = torch.full((2, 5), float("-inf"))
     with pytest.raises(RuntimeError, match="inf, nan or element < 0"):
         sample_next(logits, GenerationConfig(temperature=1.0), [torch.Generator(), torch.Generator()])
+
+
+def test_sampling_at_the_limits_of_fp32():
+    """T = 1e-45 (logits / T overflows) samples the argmax, its limit; top_p = 1e-300 (0 in fp32) keeps the
+    most likely token rather than nothing; both in the speculative path's per-row form too."""
+    from k2lab.infer.speculative import processed_probs
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.999], [-3.0, -2.0, -2.5, float("-inf")]])
+    best = torch.tensor([1, 1])
+    for temperature, top_p in ((1e-45, 1.0), (1.0, 1e-300)):
+        probs = sampling_probs(logits, GenerationConfig(temperature=temperature, top_p=top_p))
+        assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), best)
+        assert torch.equal((probs > 0).sum(-1), torch.tensor([1, 1]))
+        per_row = processed_probs(logits, torch.tensor([temperature] * 2), torch.tensor([top_p] * 2))
+        torch.testing.assert_close(per_row, torch.nn.functional.one_hot(best, 4).float())

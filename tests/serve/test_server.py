@@ -227,3 +227,107 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         time.sleep(0.05)
     assert server[1].active == 0
     assert server[1].finished.get("cancelled", 0) == cancelled + 1  # freed, not run to its 400 tokens
+
+
+def test_a_client_that_leaves_a_non_streaming_completion_frees_its_slot(server):
+    body = {"model": "nano", "messages": [{"role": "user", "content": "go"}], "max_tokens": 480,
+            "temperature": 1.0, "seed": 4, "ignore_eos": True}  # fmt: skip
+    cancelled = server[1].finished.get("cancelled", 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server[0] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10.0, read=0.05))  # fmt: skip
+    deadline = time.time() + 10
+    while server[1].active and time.time() < deadline:
+        time.sleep(0.05)
+    assert server[1].active == 0
+    assert server[1].finished.get("cancelled", 0) == cancelled + 1  # freed, not run to its 400 tokens
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"temperature": 1e-45}, {"top_p": 1e-300}, {"seed": 2**64}, {"seed": -(2**70)}],
+)
+def test_extreme_sampling_values_sample_and_fail_no_one(server, client, settings):
+    """Values the API allows but fp32 and torch's generator do not hold as given (T = 1e-45 overflows
+    logits / T; top_p = 1e-300 is 0 in fp32; seeds past 64 bits) sample as their limits, and a request
+    decoding beside them is not cut short: before, the step raised and every request in the batch ended
+    with an empty "stop"."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    long = {"model": "nano", "messages": [{"role": "user", "content": "beside"}], "max_tokens": 60,
+            "temperature": 1.0, "seed": 5, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=long, headers=headers) as stream:
+        lines = stream.iter_lines()
+        next(lines)
+        out = client.chat.completions.create(
+            model="nano", messages=[{"role": "user", "content": "hi"}], max_tokens=8, **settings
+        )
+        rest = [line for line in lines if line.startswith("data: {")]
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens > 0
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in rest]
+    assert finish[-1] == "length"  # the neighbour ran to its 60 tokens
+    if "temperature" in settings:  # the greedy limit
+        greedy = client.chat.completions.create(
+            model="nano", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+        )
+        assert out.choices[0].message.content == greedy.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1}, "presence_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_fields_k2lab_cannot_honour_are_refused_not_ignored(server, extra, field):
+    body = {"model": "nano", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+    response = httpx.post(
+        server[0] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "does not support" in error["message"]
+    defaults = {
+        "logprobs": False,
+        "response_format": {"type": "text"},
+        "frequency_penalty": 0,
+        "logit_bias": {},
+    }
+    body.pop(field)
+    ok = httpx.post(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                    json={**body, **defaults})  # fmt: skip
+    assert ok.status_code == 200, ok.text
+
+
+def test_lone_surrogates_and_bad_tools_on_tokenize_get_400(server):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    raw = b'{"model": "nano", "messages": [{"role": "user", "content": "lone \\ud800"}], "max_tokens": 2}'
+    for path, body in [
+        ("/v1/chat/completions", raw),
+        ("/v1/completions", b'{"model": "nano", "prompt": "lone \\udc00", "max_tokens": 2}'),
+        ("/tokenize", b'{"prompt": "lone \\ud800"}'),
+        ("/tokenize", json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}).encode()),
+    ]:  # fmt: skip
+        response = httpx.post(server[0] + path, content=body, headers=headers)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["message"]
+    assert httpx.post(server[0] + "/tokenize", json={"prompt": "fine"}, headers=headers).status_code == 200
+
+
+def test_repeated_tool_call_ids_are_made_distinct():
+    """The model writes K2's call ids itself and may repeat one (three calls of ``f``, all
+    ``functions.f:3001``, were served as such): a repeated or missing id becomes functions.<name>:<position>,
+    suffixed while that is taken too."""
+    from k2lab.serve.server import _distinct_ids
+
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calls = [{**call, "id": "functions.f:1"}, {**call, "id": "functions.f:1"}, {**call, "id": "functions.f:1"},
+             {**call}]  # fmt: skip
+    ids = [c["id"] for c in _distinct_ids(calls)]
+    assert ids == ["functions.f:1", "functions.f:1.1", "functions.f:2", "functions.f:3"]
+    assert _distinct_ids(calls[:1]) == calls[:1]  # distinct ids stay as the model wrote them

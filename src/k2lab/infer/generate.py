@@ -102,13 +102,29 @@ def sample_next(
 
 def sampling_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """The distribution sampled from: softmax(logits / T) [B, V], cut to the top-p nucleus (unnormalised)."""
-    probs = (logits.float() / config.temperature).softmax(dim=-1)
+    probs = tempered_softmax(logits, config.temperature)
     if config.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= config.top_p, 0.0)
+        sorted_probs = sorted_probs.masked_fill(outside_nucleus(sorted_probs, config.top_p), 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs
+
+
+def tempered_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """softmax(z / T) of logits z [..., V] in fp32, taken as softmax((z − max z) / T): for a tiny T (an API
+    allows any T > 0, say 1e-45) z / T overflows to ±inf and the softmax to NaN, where (z − max z) / T only
+    runs to −inf below the maximum, the greedy limit. ``temperature`` broadcasts (a float, or per row)."""
+    z = logits.float()
+    return ((z - z.amax(dim=-1, keepdim=True)) / temperature).softmax(dim=-1)
+
+
+def outside_nucleus(sorted_probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Where probabilities sorted in descending order [..., V] fall outside the top-p nucleus: the mass before
+    them is ≥ top_p. The most likely token always stays (a top_p below fp32's smallest number, 1e-300 say,
+    compares as 0 with the mass before it, which is 0, and would leave nothing to sample)."""
+    outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    outside[..., 0] = False
+    return outside
 
 
 def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

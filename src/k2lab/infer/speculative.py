@@ -38,7 +38,15 @@ import torch
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_compile_decision, decode_step
 from k2lab.infer.draft import Draft
-from k2lab.infer.generate import Constraint, GenerationConfig, generate, last_positions, left_pad
+from k2lab.infer.generate import (
+    Constraint,
+    GenerationConfig,
+    generate,
+    last_positions,
+    left_pad,
+    outside_nucleus,
+    tempered_softmax,
+)
 from k2lab.infer.rollback import CacheWindow, ensure_room
 
 #: k, the tokens the draft proposes per step: the default of ``generate --draft-tokens`` and ``k2lab serve``.
@@ -92,12 +100,11 @@ def processed_probs(logits: torch.Tensor, temperature: Setting, top_p: Setting) 
     tokens with mass ≥ top_p keeps its (unrenormalised) mass, as ``sample_next`` draws from. T and top_p
     are floats, or per-row tensors [B] for logits [B, ..., V]."""
     temperature, top_p = _per_row(temperature, logits), _per_row(top_p, logits)
-    probs = (logits.float() / temperature).softmax(dim=-1)
+    probs = tempered_softmax(logits, temperature)
     nucleus = top_p < 1  # a bool, or [B, 1 …] per row (rows at 1 keep every token, as sample_next)
     if nucleus if isinstance(nucleus, bool) else nucleus.any():
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill((mass_before >= top_p) & nucleus, 0.0)
+        sorted_probs = sorted_probs.masked_fill(outside_nucleus(sorted_probs, top_p) & nucleus, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)
 

@@ -53,9 +53,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat import ChatFormatError
 from k2lab.runtime.chat_format import ChatFormat
+from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
-from k2lab.serve.errors import APIError, check_model
+from k2lab.serve.errors import APIError, check_model, check_unicode
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -314,6 +315,7 @@ def _plan(state: ServedModel, body: CompletionRequest) -> list[_Choice]:
     prompts: list[tuple[list[int], str]] = []
     for i, prompt in enumerate(raw):
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             prompts.append((tokenizer.encode(prompt), prompt))
             if not prompts[-1][0]:
                 raise CompletionError(400, f"prompt {i} is empty", "prompt")
@@ -466,13 +468,18 @@ class _Completion:
 def _tokenize(state: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
     if body.messages is not None:
         try:
+            tools = validate_tools(body.tools) if body.tools else None
+        except ToolSpecError as error:
+            raise CompletionError(400, str(error), "tools") from error
+        try:
             text = state.chat_format.render_chat(
-                body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
+                body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt
             )
         except ChatFormatError as error:
             raise CompletionError(400, str(error), "messages") from error
     else:
         text = body.prompt or ""
+    check_unicode(text, "messages" if body.messages is not None else "prompt")
     tokens = state.tokenizer.encode(text)
     strs = [state.tokenizer.backend.id_to_token(t) for t in tokens] if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": state.max_context, "tokens": tokens, "token_strs": strs}

@@ -255,8 +255,8 @@ class Engine:
             cache, logits, forward = prefill_for_draft(
                 self.model, prompts, budget, self.prefix_cache, block, spec.draft.uses_hidden
             )
-        for r in requests:
-            r._generator = torch.Generator().manual_seed(r.params.seed)
+        for r in requests:  # any integer seed: torch takes 0 … 2⁶⁴ − 1 (2⁶⁴ itself failed the whole batch)
+            r._generator = torch.Generator().manual_seed(r.params.seed % 2**64)
         first = self._sample(requests, logits)
         room = max(r.params.max_tokens - len(r.tokens) for r in [*self._running, *requests]) + SPARE_SLOTS
         if spec is not None:
@@ -281,12 +281,20 @@ class Engine:
         """One token per request (its own settings and generator); delivers it or finishes the request."""
         tokens = []
         for row, request in enumerate(requests):
-            if request.finish_reason is not None:
-                tokens.append(self.pad_id)
-                continue
-            tokens.append(self._choose(request, logits[row]))
-            self._deliver(request, tokens[-1])
+            token = None if request.finish_reason is not None else self._choose_or_fail(request, logits[row])
+            tokens.append(self.pad_id if token is None else token)
+            if token is not None:
+                self._deliver(request, token)
         return torch.tensor(tokens, dtype=torch.long)
+
+    def _choose_or_fail(self, request: Request, logits: torch.Tensor) -> int | None:
+        """``_choose``; where that raises (its constraint, its sampling settings), the request alone finishes
+        with the error and None comes back: the other rows of the batch go on."""
+        try:
+            return self._choose(request, logits)
+        except Exception as error:  # noqa: BLE001 - one request's failure, reported to it
+            self._finish(request, f"error: {type(error).__name__}: {error}")
+            return None
 
     @staticmethod
     def _choose(request: Request, logits: torch.Tensor) -> int:
@@ -303,8 +311,8 @@ class Engine:
 
     def _plain_tokens(self, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Tokens [n] of the running rows ``rows`` [n] that take no drafts, from their logits [n, V]."""
-        chosen = [self._choose(self._running[r], logits[i]) for i, r in enumerate(rows.tolist())]
-        return torch.tensor(chosen, dtype=torch.long)
+        chosen = [self._choose_or_fail(self._running[r], logits[i]) for i, r in enumerate(rows.tolist())]
+        return torch.tensor([self.pad_id if c is None else c for c in chosen], dtype=torch.long)
 
     @staticmethod
     def _row_settings(requests: Sequence[Request], spec: Speculation) -> RowSettings:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["APIError", "check_model", "error_body"]
+__all__ = ["APIError", "check_model", "check_unicode", "error_body"]
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
@@ -39,3 +39,15 @@ def check_model(served: str, asked: str | None) -> None:
     if asked is not None and asked != served:
         raise APIError(404, f"The model '{asked}' does not exist; this server serves '{served}'.",
                        param="model", code="model_not_found")  # fmt: skip
+
+
+def check_unicode(text: str, param: str) -> None:
+    """400 for text the tokenizer cannot take: a lone UTF-16 surrogate (JSON's ``"\\ud800"`` unpaired) is a
+    Python ``str`` but no Unicode text, and would fail inside the tokenizer as a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start : error.end].encode("utf-8", "backslashreplace").decode()
+        raise APIError(
+            400, f"Text in {param} contains {bad}, a lone surrogate, which is not valid Unicode.", param=param
+        ) from None

@@ -14,12 +14,16 @@ tool-call section as ``tool_calls`` with ``finish_reason: "tool_calls"`` (never 
 a section the model spelled past the enforcer is left out, its text reply kept). A stop string is matched
 in, and cut from, the visible text (``ChatFormat.text_before_calls``; K3: the response channel), with the
 reasoning kept when the think channel closed. Streaming sends content deltas as tokens arrive and each
-tool call as one delta once its section closes. A client that disconnects cancels its request, which frees its batch
-row at the engine's next step.
+tool call as one delta once its section closes. A client that disconnects cancels its request, streaming or
+not, which frees its batch row at the engine's next step. Tool-call ids are made distinct when the model repeats
+one.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed JSON, wrong
-types, invalid tools or a prompt longer than the context, 401 for a missing or wrong bearer token (when
-``api_key`` is set), 404 for an unknown model.
+types, invalid tools, text that is not Unicode (a lone surrogate), a prompt longer than the context or an
+OpenAI field k2lab does not implement set to anything but its default (``logprobs``, ``response_format``,
+penalties, ``logit_bias``: refused, never silently ignored), 401 for a missing or wrong bearer token (when
+``api_key`` is set), 404 for an unknown model, 500 when generation failed (a streaming response then ends with
+an error event). A request whose sampling fails fails alone; the batch decodes on.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.completions import add_completion_routes
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
-from k2lab.serve.errors import APIError, check_model, error_body
+from k2lab.serve.errors import APIError, check_model, check_unicode, error_body
 
 __all__ = ["ChatCompletionRequest", "build_app"]
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming completion checks that its client is still there
 
 
 class StreamOptions(BaseModel):
@@ -54,7 +60,8 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The fields of OpenAI's chat completion request that k2lab implements (unknown fields are ignored)."""
+    """The fields of OpenAI's chat completion request that k2lab implements (unknown fields are ignored;
+    known ones it does not implement are refused unless at their defaults: ``unsupported``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -73,6 +80,33 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model samples
+    # OpenAI fields k2lab does not implement: taken at their defaults only, anything else is refused (400)
+    # rather than silently ignored (``unsupported``)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set to something k2lab cannot do, or None."""
+        refused = {
+            "logprobs": (self.logprobs, "; /v1/completions returns logprobs"),
+            "top_logprobs": (self.top_logprobs is not None, "; /v1/completions returns logprobs"),
+            "response_format": (
+                self.response_format not in (None, {"type": "text"}),
+                ' other than {"type": "text"}; declare a tool to get JSON that follows a schema',
+            ),
+            "frequency_penalty": (self.frequency_penalty != 0, " other than 0"),
+            "presence_penalty": (self.presence_penalty != 0, " other than 0"),
+            "logit_bias": (bool(self.logit_bias), ""),
+            "stream_options": (self.stream_options is not None and not self.stream, " without stream: true"),
+        }
+        for field, (refuse, detail) in refused.items():
+            if refuse:
+                return field, f"{field}{detail}"
+        return None
 
 
 def _validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -108,6 +142,7 @@ class _Completion:
             prompt_text = fmt.render_chat(body.messages, tools=tools, tool_choice=body.tool_choice)
         except ChatFormatError as error:
             raise APIError(400, str(error), "invalid_request_error", "messages") from error
+        check_unicode(prompt_text, "messages")
         self.prompt = app_state.tokenizer.encode(prompt_text)
         limit = app_state.max_context
         budget = body.max_completion_tokens or body.max_tokens or app_state.default_max_tokens
@@ -182,7 +217,7 @@ class _Completion:
         if parsed.get("tool_calls") and self.choice == "none":  # a call spelled past the enforcer: text only
             message["content"] = message["content"] or ""
         elif parsed.get("tool_calls"):
-            message["tool_calls"] = parsed["tool_calls"]
+            message["tool_calls"] = _distinct_ids(parsed["tool_calls"])
             return message, "tool_calls"
         return message, "length" if finish == "length" else "stop"
 
@@ -238,13 +273,7 @@ def build_app(
         message, param = _validation_message(error)
         return error_body(400, message, "invalid_request_error", param)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        protected = state.api_key and request.url.path.startswith("/v1/")
-        if protected and request.headers.get("authorization") != f"Bearer {state.api_key}":
-            return error_body(401, "Incorrect or missing API key (Authorization: Bearer ...).",
-                               "invalid_request_error", None, "invalid_api_key")  # fmt: skip
-        return await call_next(request)
+    app.add_middleware(_RequireKey, key=state.api_key)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -267,16 +296,39 @@ def build_app(
     async def chat_completions(request: Request):
         body = await _parse_body(request)
         check_model(state.model_name, body.model)
+        refused = body.unsupported()
+        if refused is not None:
+            field, what = refused
+            raise APIError(400, f"k2lab serve does not support {what}.", "invalid_request_error", field)
         try:
             completion = _Completion(state, body)
         except (ToolSpecError, GrammarError) as error:
             raise APIError(400, str(error), "invalid_request_error", "tools") from error
         if body.stream:
             return StreamingResponse(_stream(completion), media_type="text/event-stream")
-        return await _complete(completion)
+        return await _complete(completion, request)
 
     add_completion_routes(app, state)  # /v1/completions, /tokenize, /detokenize, /tokenizer_info
     return app
+
+
+class _RequireKey:
+    """401 for ``/v1/`` requests without ``Authorization: Bearer <key>`` (no key: every request passes). A
+    plain ASGI middleware: Starlette's ``@app.middleware("http")`` wraps the app's ``receive``, and behind it a
+    handler never saw its client disconnect (``Request.is_disconnected`` stayed False)."""
+
+    def __init__(self, app: Any, key: str | None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.key}":
+                response = error_body(401, "Incorrect or missing API key (Authorization: Bearer ...).",
+                                      "invalid_request_error", None, "invalid_api_key")  # fmt: skip
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _parse_body(request: Request) -> ChatCompletionRequest:
@@ -295,14 +347,19 @@ async def _parse_body(request: Request) -> ChatCompletionRequest:
         raise APIError(400, message, "invalid_request_error", param) from error
 
 
-async def _complete(completion: _Completion) -> dict[str, Any]:
+async def _complete(completion: _Completion, http: Request) -> dict[str, Any]:
     stream = _Stream(asyncio.get_running_loop())
     request = completion.submit(stream)
+    watch = asyncio.create_task(_cancel_on_disconnect(http, request))
     try:
         finish = await _drain(completion, stream, request)
     except asyncio.CancelledError:
         request.cancel()
         raise
+    finally:
+        watch.cancel()
+    if finish.startswith("error"):
+        raise APIError(500, f"generation failed: {finish}")
     message, reason = completion.message(finish)
     return {
         "id": completion.id,
@@ -322,6 +379,33 @@ async def _drain(completion: _Completion, stream: _Stream, request: EngineReques
         completion.tokens.append(value)
         if completion.stops and completion.stop_hit() is not None:
             request.cancel()
+
+
+async def _cancel_on_disconnect(http: Request, request: EngineRequest) -> None:
+    """Cancel ``request`` once the client of a non-streaming completion has gone (a streaming one notices when
+    its next chunk cannot be sent): its row is freed instead of generating to max_tokens for nobody."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    request.cancel()
+
+
+def _distinct_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls with distinct ids, so each tool reply can name its call: the model writes K2's
+    ``functions.<name>:<index>`` itself and may repeat one (three calls of ``f`` all ``functions.f:3001``); a
+    repeated or missing id becomes ``functions.<name>:<position>`` (suffixed until distinct)."""
+    seen: set[str] = set()
+    out = []
+    for position, call in enumerate(calls):
+        call_id = call.get("id")
+        if not call_id or call_id in seen:
+            base = f"functions.{call.get('function', {}).get('name', 'call')}:{position}"
+            call_id, suffix = base, 1
+            while call_id in seen:
+                call_id, suffix = f"{base}.{suffix}", suffix + 1
+            call = {**call, "id": call_id}
+        seen.add(call_id)
+        out.append(call)
+    return out
 
 
 def _chunk(completion: _Completion, delta: dict[str, Any], finish: str | None = None) -> str:
@@ -357,6 +441,11 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
             if safe > sent and not visible[:safe].endswith("\ufffd"):
                 yield _chunk(completion, {"content": visible[sent:safe]})
                 sent = safe
+        if finish.startswith("error"):  # OpenAI's error body as an event; the stream then ends
+            failure = {"message": f"generation failed: {finish}", "type": "internal_server_error"}
+            yield f"data: {json.dumps({'error': {**failure, 'param': None, 'code': None}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         message, reason = completion.message(finish)
         content = message.get("content") or ""
         if len(content) > sent:
