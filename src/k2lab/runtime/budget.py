@@ -7,7 +7,9 @@ with a witness (the path itself), found greedily by consuming tokens on the matc
 
 1. a *closing* token if the grammar allows one, in the order ``<|tool_calls_section_end|>``,
    ``<|tool_call_end|>``, ``<|tool_call_argument_begin|>``, ``}``, ``]``, ``"``, ``,`` (a value, object,
-   array or call index that may end here ends);
+   array or call index that may end here ends). Inside a string ``}`` and ``]`` are content, not closers:
+   one after which ``"`` may follow (never so after a ``}`` or ``]`` that closes: JSON wants a comma first) is
+   passed over, so ``"`` closes the string (taken as content, the path never left the string);
 2. else the shortest value start: ``0``–``9`` (one digit), ``t`` / ``f`` / ``n``, ``[``, ``{``, ``-``;
 3. else the grammar's forced tokens (llguidance's fast-forward tokens: a key, ``functions.{name}:``);
 4. else (a choice the list does not cover: an enum's first letter, a pattern) the allowed token with the
@@ -48,6 +50,11 @@ class CompletionSearch:
             if len(ids) == 1:
                 preferred.append(ids[0])
         self.preferred = [*closers, *preferred]
+        quote = tokenizer.tokenize_bytes(b'"')
+        self.quote = quote[0] if len(quote) == 1 else None
+        self.brackets = {
+            ids[0] for ids in (tokenizer.tokenize_bytes(b) for b in (b"}", b"]")) if len(ids) == 1
+        }
 
     def shortest(self, matcher: LLMatcher, limit: int) -> list[int] | None:
         """A completion of at most ``limit`` tokens from the matcher's state (left as it was), or None
@@ -71,6 +78,9 @@ class CompletionSearch:
         """Consume the next piece of the greedy path on ``matcher``; returns its tokens ([] if stuck)."""
         for token in self.preferred:
             if matcher.try_consume_tokens([token]):
+                if token in self.brackets and self._string_content(matcher):
+                    matcher.rollback(1)
+                    continue
                 return [token]
         forced = matcher.compute_ff_tokens()
         if forced:
@@ -80,6 +90,13 @@ class CompletionSearch:
         if len(allowed) and matcher.try_consume_tokens([int(allowed[-1])]):
             return [int(allowed[-1])]
         return []
+
+    def _string_content(self, matcher: LLMatcher) -> bool:
+        """Whether the ``}`` or ``]`` just consumed was a string's content: ``"`` may follow it."""
+        if self.quote is None or not matcher.try_consume_tokens([self.quote]):
+            return False
+        matcher.rollback(1)
+        return True
 
     def retokenized(self, matcher: LLMatcher, path: list[int]) -> list[int]:
         """``path`` with its runs of ordinary tokens encoded afresh, if that is accepted and shorter."""
