@@ -65,6 +65,35 @@ def replace_directory(staging: Path, target: Path) -> None:
         os.replace(staging, target)
 
 
+#: Files that mark a directory as a model k2lab wrote (HF format, k2lab format): one that a new write may replace.
+MODEL_MARKERS = ("config.json", "k2lab.json")
+
+
+def check_replaceable(target: Path, what: str, source: Path | None = None) -> None:
+    """Refuse (``CheckpointError``) to write ``what`` (a model directory) at ``target`` where that would lose
+    anything else: ``target`` must be new, empty, or an earlier model (it holds one of ``MODEL_MARKERS``), and
+    must not be ``source`` or hold it. ``staged_directory`` replaces the whole directory, and an export to a
+    directory of other files, to its own run or to a parent of it deleted them all."""
+    if source is not None:
+        resolved, inside = target.resolve(), source.resolve()
+        if resolved == inside or resolved in inside.parents:
+            raise CheckpointError(
+                f"{target} holds the source {source}: writing {what} there would replace it; choose another "
+                "directory"
+            )
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory")
+    entries = sorted(entry.name for entry in target.iterdir())
+    if entries and not any((target / marker).is_file() for marker in MODEL_MARKERS):
+        shown = ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "")
+        raise CheckpointError(
+            f"{target} holds other files ({shown}) and no earlier model; writing {what} replaces the whole "
+            "directory, so choose a new or empty one"
+        )
+
+
 @contextmanager
 def staged_directory(target: Path) -> Iterator[Path]:
     """Write a directory atomically: yields a fresh staging sibling of ``target``; when the block ends

@@ -106,3 +106,24 @@ def test_errors_keep_long_paths_on_one_line_and_brackets_as_text(tmp_path, capsy
         main(["train", "--recipe", str(recipe), "--out", str(tmp_path / "run")])
     assert done.value.code == 2
     assert "[vision] needs a vision-language preset" in capsys.readouterr().err
+
+
+def test_writers_refuse_to_replace_a_directory_of_other_files(tmp_path):
+    """`init -o` and `export -o` replace their output directory whole: onto a directory of other files, or
+    onto (or above) the source itself, they refuse and delete nothing; an earlier model there is replaced."""
+    mixed = tmp_path / "mixed"
+    (mixed / "sub").mkdir(parents=True)
+    (mixed / "precious.txt").write_text("keep")
+    for extra in ([], ["--hf"]):
+        assert_clean_error(
+            k2lab("init", "--preset", "k2-nano", "--out", str(mixed), *extra), "holds other files"
+        )
+    model = tmp_path / "model"
+    assert k2lab("init", "--preset", "k2-nano", "--out", str(model)).returncode == 0
+    assert k2lab("init", "--preset", "k2-nano", "--out", str(model), "--seed", "1").returncode == 0  # a model
+    for out in (model, tmp_path):
+        assert_clean_error(k2lab("export", str(model), "--out", str(out)), "holds the source")
+    assert_clean_error(k2lab("export", str(model), "--out", str(mixed)), "holds other files")
+    assert_clean_error(k2lab("export", str(model), "--out", str(mixed), "--format", "gguf"), "is a directory")
+    assert sorted(p.name for p in mixed.iterdir()) == ["precious.txt", "sub"]
+    assert (model / "k2lab.json").is_file()

@@ -240,13 +240,14 @@ def test_bad_sources_are_clear_errors(tmp_path: Path, model_dir: Path, tokenizer
 def test_a_model_the_format_cannot_hold_writes_nothing(tmp_path: Path, model_dir: Path):
     # K3 with RoPE MLA: kimi_k3 (K3's features) has NoPE MLA only
     k3 = save_model(build_model(load_preset("k3-nano", vocab_size=400, mla_rope=True)), tmp_path / "k3")
-    out = tmp_path / "out"
+    out = tmp_path / "out"  # an earlier export, which a successful one would replace
     out.mkdir()
+    (out / "config.json").write_text("{}")
     (out / "keep.txt").write_text("old")
     with pytest.raises(K2LabError, match="no equivalent for: mla_rope=True"):
         export(ExportConfig(out=out, tokenizer=model_dir / "tokenizer.json"), k3, log=quiet)
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
-    assert [path.name for path in out.iterdir()] == ["keep.txt"]
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "keep.txt"]
 
 
 def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]):

@@ -128,6 +128,7 @@ def init(
     ] = False,
 ) -> None:
     """Write a randomly initialised checkpoint of a preset (k2lab format, or HF format with --hf)."""
+    from k2lab.fsutil import check_replaceable
     from k2lab.model_dir import save_model
     from k2lab.models import build_model
     from k2lab.params import count_parameters
@@ -139,6 +140,7 @@ def init(
             f"preset {preset!r} has {total:,} parameters; `init` materialises weights in memory, which this "
             "command refuses above 2B. Use `k2lab params` to inspect large presets."
         )
+    check_replaceable(out, "a checkpoint")
     model = build_model(config, seed=seed)
     if hf:
         from k2lab.hf import to_hf

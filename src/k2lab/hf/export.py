@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import staged_directory
+from k2lab.fsutil import check_replaceable, staged_directory
 from k2lab.hf.chat_template import chat_template_for
 from k2lab.hf.export_source import Choice, find_source
 from k2lab.hf.gguf_export import write_gguf
@@ -85,7 +85,10 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    out: Path = Field(description="Directory to write the model repository to (replaced atomically).")
+    out: Path = Field(
+        description="Directory to write the model repository to: new, empty or an earlier export (replaced "
+        "atomically; a directory of other files is refused)."
+    )
     format: Literal["hf", "gguf"] = Field(
         default="hf",
         description="hf = Hugging Face model repository (transformers and vLLM; a kimi_k3 one: vLLM and "
@@ -164,6 +167,13 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     """Write the model repository of ``source`` (run, checkpoint or model directory) to ``config.out``."""
     if config.quantize is not None and config.format == "gguf":
         raise K2LabError("--quantize applies to --format hf; a GGUF file is written unquantised (--dtype)")
+    out = Path(config.out)
+    if config.format == "gguf" and out.is_dir():
+        raise CheckpointError(
+            f"{out} is a directory; --format gguf writes one file: give its path (say {out}/model.gguf)"
+        )
+    if config.format == "hf":
+        check_replaceable(out, "the export", source)
     found = find_source(source, config.checkpoint, config.tokenizer, log)
     log(f"exporting {found.description}")
     model, tokenizer = found.load(log)
@@ -178,9 +188,6 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     if config.format == "gguf":
         return write_gguf(model, tokenizer, config.out, template, DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} exists and is not a directory")
     files = tokenizer_files(tokenizer, template, _text_config(model).max_position_embeddings)
     files[GENERATION_CONFIG_FILE] = (
         json.dumps(generation_config(tokenizer, turn_end=chat_format.turn_end), indent=2) + "\n"
