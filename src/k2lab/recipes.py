@@ -32,6 +32,10 @@ def read_recipe(recipe: str | Path | None) -> dict[str, Any]:
         raise K2LabError(f"recipe {path} does not exist") from error
     except tomllib.TOMLDecodeError as error:
         raise K2LabError(f"recipe {path} is not valid TOML ({error})") from error
+    except UnicodeDecodeError as error:
+        raise K2LabError(f"recipe {path} is not UTF-8 text, as TOML must be ({error.reason})") from error
+    except OSError as error:  # a directory, no permission, …
+        raise K2LabError(f"recipe {path} cannot be read: {error.strerror or error}") from error
 
 
 def set_dotted(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -127,3 +127,25 @@ def test_writers_refuse_to_replace_a_directory_of_other_files(tmp_path):
     assert_clean_error(k2lab("export", str(model), "--out", str(mixed), "--format", "gguf"), "is a directory")
     assert sorted(p.name for p in mixed.iterdir()) == ["precious.txt", "sub"]
     assert (model / "k2lab.json").is_file()
+
+
+def test_unreadable_recipes_and_run_directories_get_one_line(tmp_path):
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe\x00x")
+    (tmp_path / "afile").write_text("")
+    assert_clean_error(k2lab("train", "--recipe", str(tmp_path)), "cannot be read")
+    assert_clean_error(k2lab("train", "--recipe", str(tmp_path / "bin.toml")), "is not UTF-8")
+    small = ["--preset", "k2-nano", "--steps", "2"]
+    assert_clean_error(k2lab("train", *small, "--out", str(tmp_path / "afile")), "is not a directory")
+    assert_clean_error(k2lab("train", *small, "--out", str(tmp_path / "afile" / "run")), "cannot make")
+
+
+def test_resuming_a_complete_run_changes_nothing(tmp_path):
+    """--resume on a run already at its last step said "validation loss nan" and wrote NaN into its
+    summary.json (not even JSON); now it says the run is complete and leaves everything as it was."""
+    run = tmp_path / "run"
+    args = ["train", "--preset", "k2-nano", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+            "--save-every", "1", "--out", str(run)]  # fmt: skip
+    assert k2lab(*args).returncode == 0
+    summary = (run / "summary.json").read_bytes()
+    assert_clean_error(k2lab(*args, "--resume"), "already complete at step 2")
+    assert (run / "summary.json").read_bytes() == summary

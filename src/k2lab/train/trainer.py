@@ -250,6 +250,12 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     with distributed.session(config.device):
         console.quiet = not distributed.is_main()
         run_dir = Path(config.out)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise K2LabError(f"the run directory {run_dir} exists and is not a directory")
+        try:  # before the corpus and the model: a run directory that cannot be made fails first
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise K2LabError(f"cannot make the run directory {run_dir}: {error.strerror or error}") from error
         if list_checkpoints(run_dir) and not resume:
             raise K2LabError(
                 f"{run_dir} already holds checkpoints; pass --resume to continue it or choose a new --out"
@@ -274,6 +280,11 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
         if loaded is not None:
             restore_training_state(trainer, data, loaded[1])
             console.print(f"resumed {run_dir} at step {trainer.step}")
+        if trainer.step >= config.steps:  # finishing again would validate nothing and overwrite its summary
+            raise K2LabError(
+                f"{run_dir} is already complete at step {trainer.step} (steps = {config.steps}); raise --steps "
+                "to train it further"
+            )
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     for path, choice in trainer.precision.items():
         console.print(f"precision of {path.replace('_', '-')}: {choice.describe()}", markup=False)
