@@ -217,3 +217,22 @@ def test_sampling_at_the_limits_of_fp32():
         assert torch.equal((probs > 0).sum(-1), torch.tensor([1, 1]))
         per_row = processed_probs(logits, torch.tensor([temperature] * 2), torch.tensor([top_p] * 2))
         torch.testing.assert_close(per_row, torch.nn.functional.one_hot(best, 4).float())
+
+
+@pytest.mark.parametrize("preset", ["k25-nano", "k3-vl-nano"])
+def test_a_vision_language_model_never_samples_a_media_placeholder(preset):
+    """Only a prompt's media can fill an image or video placeholder: sampled, the next step failed ("input_ids
+    has 1 image placeholders but no image pixels"; the end-of-run sample of a k3-vl-nano training crashed so).
+    With the placeholders made the most likely tokens, greedy and sampled text decoding skip them."""
+    from k2lab.presets.vision_language import load_vlm_preset
+    from k2lab.vision.vlm import build_vlm
+
+    model = build_vlm(load_vlm_preset(preset)).eval()
+    config = model.config
+    with torch.no_grad():
+        for token in (config.image_token_id, config.video_token_id):
+            if token < model.language_model.config.vocab_size:
+                model.language_model.lm_head.weight[token] *= 50.0
+    for temperature in (0.0, 1.0):
+        out = generate(model, [[5, 6, 7]], GenerationConfig(max_new_tokens=12, temperature=temperature))
+        assert len(out[0]) == 12 and not {config.image_token_id, config.video_token_id} & set(out[0])

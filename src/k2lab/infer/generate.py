@@ -100,6 +100,16 @@ def sample_next(
     return _exponential_race(probs, generator)
 
 
+def media_placeholders(model: torch.nn.Module, vocab_size: int) -> list[int]:
+    """The image and video placeholder ids of a vision-language ``model`` inside its vocabulary (none for a
+    text model): ``generate`` never samples them, since only a prompt's media can fill a placeholder."""
+    config = getattr(model, "config", None)
+    if not hasattr(model, "language_model") or config is None:
+        return []
+    ids = (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+    return [i for i in ids if i is not None and 0 <= i < vocab_size]
+
+
 def sampling_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """The distribution sampled from: softmax(logits / T) [B, V], cut to the top-p nucleus (unnormalised)."""
     probs = tempered_softmax(logits, config.temperature)
@@ -222,7 +232,12 @@ def generate(
     batch = _LiveRows(
         len(prompts), constraints, generator, config, cache is not None or prefix_cache is not None
     )
+    placeholders = media_placeholders(model, logits.shape[-1])
     for step in range(config.max_new_tokens):
+        if placeholders:  # a sampled placeholder has no pixels to fill it: the next step would fail
+            logits = logits.float().index_fill(
+                -1, torch.tensor(placeholders, device=logits.device), -torch.inf
+            )
         if constraints is not None:
             logits = logits.float().clone()
             for row, constraint in enumerate(batch.constraints):
