@@ -139,9 +139,10 @@ def test_unreadable_recipes_and_run_directories_get_one_line(tmp_path):
     assert_clean_error(k2lab("train", *small, "--out", str(tmp_path / "afile" / "run")), "cannot make")
 
 
-def test_resuming_a_complete_run_changes_nothing(tmp_path):
+def test_resuming_a_complete_or_another_run_changes_nothing(tmp_path):
     """--resume on a run already at its last step said "validation loss nan" and wrote NaN into its
-    summary.json (not even JSON); now it says the run is complete and leaves everything as it was."""
+    summary.json (not even JSON); now it says the run is complete and leaves everything as it was. Resumed
+    with another optimizer or preset, one line names the mismatch (was torch's traceback)."""
     run = tmp_path / "run"
     args = ["train", "--preset", "k2-nano", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
             "--save-every", "1", "--out", str(run)]  # fmt: skip
@@ -149,3 +150,7 @@ def test_resuming_a_complete_run_changes_nothing(tmp_path):
     summary = (run / "summary.json").read_bytes()
     assert_clean_error(k2lab(*args, "--resume"), "already complete at step 2")
     assert (run / "summary.json").read_bytes() == summary
+    further = [*args[:4], "3", *args[5:], "--resume"]  # --steps 3
+    assert_clean_error(k2lab(*further, "--optimizer", "adamw"), "does not fit this run's optimizer")
+    mismatched = [arg if arg != "k2-nano" else "k3-nano" for arg in further]
+    assert_clean_error(k2lab(*mismatched), "does not fit this run's model", "size mismatch")

@@ -33,7 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
-from k2lab.errors import K2LabError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.hardware import Choice, choose
 from k2lab.infer import GenerationConfig, generate
 from k2lab.model_dir import save_model
@@ -215,9 +215,25 @@ def training_state(trainer: Trainer, data: TrainingData) -> dict:
 
 
 def restore_training_state(trainer: Trainer, data: TrainingData, state: dict) -> None:
-    """Load a ``training_state`` into the trainer and the data; the trainer reads the data's batches anew."""
-    distributed.load_full_state_dict(trainer.model, state["model"])
-    distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"])
+    """Load a ``training_state`` into the trainer and the data; the trainer reads the data's batches anew.
+    A checkpoint of another model or optimizer (a run resumed with another preset or ``--optimizer``) is a
+    ``CheckpointError`` naming the mismatch, not torch's traceback."""
+    for what, load in (
+        ("model", lambda: distributed.load_full_state_dict(trainer.model, state["model"])),
+        (
+            "optimizer",
+            lambda: distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"]),
+        ),
+    ):
+        try:
+            load()
+        except (RuntimeError, ValueError, KeyError) as error:
+            first = str(error).strip().splitlines()
+            detail = next((line.strip() for line in first if "mismatch" in line), first[0] if first else "")
+            raise CheckpointError(
+                f"the checkpoint at step {state.get('step')} does not fit this run's {what} ({detail}): resume "
+                "with the preset, model settings and optimizer the run was started with"
+            ) from error
     data.load_state_dict(state["data"])
     restore_rng_state(state["rng"])
     trainer.step = int(state["step"])
