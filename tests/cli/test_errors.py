@@ -31,6 +31,8 @@ def test_init_then_generate(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "prompt [1, 2, 3] ->" in result.stdout and "prompt [4, 5] ->" in result.stdout
+    too_long = ["generate", "--checkpoint", str(out), "--prompt", "1 2 3", "--max-new-tokens", "100000"]
+    assert_clean_error(k2lab(*too_long), "pass the model's context")  # ran on for minutes, past the context
 
 
 @pytest.mark.parametrize(

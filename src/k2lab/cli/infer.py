@@ -138,11 +138,18 @@ def generate(
         prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text) for text in prompt]
     decoder = getattr(model, "language_model", model)
     vocab = decoder.config.vocab_size
+    context = decoder.config.max_position_embeddings
     for ids in prompts:
         if not ids:
             raise K2LabError("a prompt encodes to no tokens")
         if max(ids) >= vocab:
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
+        if len(ids) + config.max_new_tokens > context:  # past it the model was never trained (and ran on)
+            raise K2LabError(
+                f"a prompt of {len(ids)} tokens and --max-new-tokens {config.max_new_tokens} pass the model's "
+                f"context of {context} tokens (max_position_embeddings); ask for at most "
+                f"{max(context - len(ids), 0)} new tokens"
+            )
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
         config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
     sampled = config.temperature > 0
