@@ -156,3 +156,23 @@ def test_resuming_a_complete_or_another_run_changes_nothing(tmp_path):
     assert_clean_error(k2lab(*further, "--optimizer", "adamw"), "does not fit this run's optimizer")
     mismatched = [arg if arg != "k2-nano" else "k3-nano" for arg in further]
     assert_clean_error(k2lab(*mismatched), "does not fit this run's model", "size mismatch")
+
+
+def test_ctrl_c_says_where_the_run_stands(tmp_path):
+    """Ctrl-C during training exits 130 (interrupted) and names the checkpoint --resume continues from
+    (it said nothing, and the steps after the last save were silently lost)."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    args = ["train", "--preset", "k2-nano", "--steps", "100000", "--batch-size", "2", "--seq-len", "32",
+            "--save-every", "5", "--out", str(run)]  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-m", "k2lab", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (run / "checkpoints").is_dir() or not any((run / "checkpoints").glob("step_*")):
+        assert time.time() < deadline and process.poll() is None, "no checkpoint written"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, output[-2000:]
+    assert "interrupted:" in output and "its last checkpoint, step" in output and "--resume" in output

@@ -278,7 +278,18 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
             )
         distributed.check_batch_size(config.batch_size)
         torch.manual_seed(config.seed)
-        return train(build_training_data(config, log=console.print), resume)
+        try:
+            return train(build_training_data(config, log=console.print), resume)
+        except KeyboardInterrupt:  # Ctrl-C: say where the run stands, then exit as interrupted (130)
+            saved = list_checkpoints(run_dir)
+            where = f"its last checkpoint, step {saved[0][0]}" if saved else "no checkpoint yet"
+            console.print(
+                f"\ninterrupted: {run_dir} keeps {where} (later steps were not saved); run the same command "
+                "with --resume to continue",
+                markup=False,
+                soft_wrap=True,
+            )
+            raise
 
 
 def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
