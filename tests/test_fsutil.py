@@ -35,3 +35,15 @@ def test_staged_file_renames_on_success_and_keeps_the_old_file_on_error(tmp_path
         raise RuntimeError("failed mid-write")
     assert target.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_saved_weights_are_readable_like_their_siblings(tmp_path):
+    """A model directory's safetensors file had mode 0600 beside 0644 files (safetensors' writer)."""
+    import stat
+
+    from k2lab import build_model, load_preset
+    from k2lab.model_dir import save_model
+
+    out = save_model(build_model(load_preset("k2-nano")), tmp_path / "model")
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes

@@ -126,3 +126,12 @@ def save_figure_atomically(figure: Any, target: Path, dpi: int = 100) -> Path:
     with staged_file(target, suffix=".png") as temporary:
         figure.savefig(temporary, format="png", dpi=dpi)
     return target
+
+
+def save_tensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` to ``path``, then mode 0644 like its sibling files (the writer leaves
+    the file private to its owner)."""
+    from safetensors.torch import save_file  # lazy: torch-free users of this module stay light
+
+    save_file(tensors, str(path), metadata=metadata)
+    path.chmod(0o644)

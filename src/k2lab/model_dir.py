@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, staged_directory
+from k2lab.fsutil import read_json_object, save_tensors, staged_directory
 from k2lab.hf import from_hf
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
@@ -56,7 +56,7 @@ def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLi
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         state = {key: value.detach().contiguous() for key, value in model.state_dict().items()}
         state.pop(tied_head_key(model), None)
-        save_file(state, str(staging / WEIGHTS), metadata={"format": FORMAT})
+        save_tensors(state, staging / WEIGHTS, metadata={"format": FORMAT})
     return target
 
 
@@ -65,14 +65,19 @@ def load_model(
 ) -> CausalLM | VisionLanguageModel:
     """Load a k2lab checkpoint or a DeepseekV3 / Kimi-K2 / Kimi Linear / Kimi K2.5 Hugging Face directory."""
     path = Path(directory)
-    if not path.is_dir():
+    if not path.exists():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is a file; a checkpoint is a directory (model.safetensors and its config)"
+        )
     if (path / MANIFEST).is_file():
         return _load_own(path, dtype)
     if (path / "config.json").is_file():
         return from_hf(path, dtype=dtype)
+    hint = f"; a run's model is in {path / 'model'}" if (path / "model" / MANIFEST).is_file() else ""
     raise CheckpointError(
-        f"{path} holds neither {MANIFEST} (k2lab format) nor config.json (Hugging Face format)"
+        f"{path} holds neither {MANIFEST} (k2lab format) nor config.json (Hugging Face format){hint}"
     )
 
 

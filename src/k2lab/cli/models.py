@@ -23,7 +23,10 @@ def presets() -> None:
 
     table = Table(title="k2lab presets")
     for column in ("preset", "layers (MLA / KDA)", "hidden", "experts (top-k)", "total", "active"):
-        table.add_column(column, justify="left" if column == "preset" else "right")
+        # the name whole (it is what --preset takes): narrow terminals wrap the other columns instead
+        table.add_column(
+            column, justify="left" if column == "preset" else "right", no_wrap=column == "preset"
+        )
     for name in available_presets("text"):
         config = load_preset(name)
         report = count_parameters(config)
@@ -48,7 +51,9 @@ def _print_vlm_presets() -> None:
     table = Table(title="vision-language presets (train with --preset NAME)")
     for column in ("preset", "language model", "tower", "tower params", "projector", "total"):
         table.add_column(
-            column, justify="left" if column in ("preset", "language model", "tower") else "right"
+            column,
+            justify="left" if column in ("preset", "language model", "tower") else "right",
+            no_wrap=column in ("preset", "language model"),
         )
     for name in available_presets("vision-language"):
         config = load_vlm_preset(name)

@@ -39,12 +39,12 @@ from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from k2lab.config import ModelConfig
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import read_json_object, staged_directory
+from k2lab.fsutil import read_json_object, save_tensors, staged_directory
 from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_step, reads_bf16
@@ -317,7 +317,7 @@ def save_draft(
         state = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
         if vocab is not None:
             state[VOCAB_KEY] = vocab.ids.cpu().contiguous()
-        save_file(state, str(staging / DRAFT_WEIGHTS), metadata={"format": DRAFT_FORMAT})
+        save_tensors(state, staging / DRAFT_WEIGHTS, metadata={"format": DRAFT_FORMAT})
     return target
 
 
