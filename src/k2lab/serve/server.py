@@ -38,7 +38,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
@@ -69,21 +69,22 @@ class ChatCompletionRequest(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    max_tokens: int | None = Field(default=None, gt=0)
-    max_completion_tokens: int | None = Field(default=None, gt=0)
+    # integers and booleans as JSON types (strict): "5" or true for max_tokens, "yes" for stream are refused
+    parallel_tool_calls: StrictBool = True
+    max_tokens: StrictInt | None = Field(default=None, gt=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
+    seed: StrictInt | None = None
+    n: StrictInt = Field(default=1, ge=1, le=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model samples
+    ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model samples
     # OpenAI fields k2lab does not implement: taken at their defaults only, anything else is refused (400)
     # rather than silently ignored (``unsupported``)
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
