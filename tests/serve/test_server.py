@@ -334,3 +334,17 @@ def test_repeated_tool_call_ids_are_made_distinct():
     ids = [c["id"] for c in _distinct_ids(calls)]
     assert ids == ["functions.f:1", "functions.f:1.1", "functions.f:2", "functions.f:3"]
     assert _distinct_ids(calls[:1]) == calls[:1]  # distinct ids stay as the model wrote them
+
+
+def test_error_bodies_name_the_field_and_unknown_routes_answer_like_openai(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base = {"model": "nano", "messages": [{"role": "user", "content": "x"}]}
+    for extra, param in (({"tool_choice": "sometimes"}, "tool_choice"), ({"stop": 5}, "stop")):
+        response = httpx.post(server[0] + "/v1/chat/completions", json={**base, **extra}, headers=headers)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)):
+        response = httpx.request(method, server[0] + path, headers=headers)
+        assert response.status_code == status and response.json()["error"]["message"], response.text
+    bad_stop = {"model": "nano", "prompt": "x", "max_tokens": 2, "stop_token_ids": [10**12]}
+    response = httpx.post(server[0] + "/v1/completions", json=bad_stop, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop_token_ids"

@@ -333,6 +333,7 @@ def _plan(state: ServedModel, body: CompletionRequest) -> list[_Choice]:
                 "prompt",
                 "context_length_exceeded",
             )
+    _check_vocabulary(body.stop_token_ids or [], vocab, "stop_token_ids")
     stop_ids = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else state.stop_ids)
     seed = body.seed if body.seed is not None else int(uuid.uuid4().int % 2**31)
     choices = []

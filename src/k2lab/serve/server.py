@@ -35,10 +35,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
@@ -111,9 +113,17 @@ class ChatCompletionRequest(BaseModel):
 
 
 def _validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request's first validation error; param is the field's path (``messages.0.role``)
+    without pydantic's tags for the member of a union it tried (``tool_choice.literal[...]``, ``stop.str``)."""
     first = error.errors()[0]
-    location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    parts = [part for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
+    location = ".".join(str(part) for part in parts)
     return f"{location or 'body'}: {first.get('msg', 'invalid value')}", location or None
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a location part names a union member's type (``str``, ``list[str]``, ``literal['a','b']``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)
 
 
 class _Stream:
@@ -274,6 +284,10 @@ def build_app(
         message, param = _validation_message(error)
         return error_body(400, message, "invalid_request_error", param)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_body(error.status_code, str(error.detail), "invalid_request_error")  # 404, 405 …
+
     app.add_middleware(_RequireKey, key=state.api_key)
 
     @app.get("/health")
@@ -301,8 +315,8 @@ def build_app(
         if refused is not None:
             field, what = refused
             raise APIError(400, f"k2lab serve does not support {what}.", "invalid_request_error", field)
-        try:
-            completion = _Completion(state, body)
+        try:  # rendering and tokenizing off the event loop: a long prompt must not stall /health and streams
+            completion = await asyncio.to_thread(_prepared, state, body)
         except (ToolSpecError, GrammarError) as error:
             raise APIError(400, str(error), "invalid_request_error", "tools") from error
         if body.stream:
@@ -330,6 +344,13 @@ class _RequireKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _prepared(state: _State, body: ChatCompletionRequest) -> _Completion:
+    """``_Completion(state, body)`` in a worker thread, which keeps one intra-op thread: no OpenMP team beside
+    the engine's (``k2lab.serve.threads``), should the grammar's tensor work ever be large enough for one."""
+    torch.set_num_threads(1)
+    return _Completion(state, body)
 
 
 async def _parse_body(request: Request) -> ChatCompletionRequest:
