@@ -167,7 +167,12 @@ def test_ctrl_c_says_where_the_run_stands(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--preset", "k2-nano", "--steps", "100000", "--batch-size", "2", "--seq-len", "32",
             "--save-every", "5", "--out", str(run)]  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "k2lab", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    # SIGINT as a terminal leaves it: a pytest-xdist worker ignores it, and Python started with SIGINT ignored
+    # installs no KeyboardInterrupt handler, so the child would train on
+    process = subprocess.Popen(
+        [sys.executable, "-m", "k2lab", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     deadline = time.time() + 120
     while not (run / "checkpoints").is_dir() or not any((run / "checkpoints").glob("step_*")):
         assert time.time() < deadline and process.poll() is None, "no checkpoint written"
