@@ -233,11 +233,10 @@ def generate(
         len(prompts), constraints, generator, config, cache is not None or prefix_cache is not None
     )
     placeholders = media_placeholders(model, logits.shape[-1])
+    unsampled = torch.tensor(placeholders, device=logits.device) if placeholders else None
     for step in range(config.max_new_tokens):
-        if placeholders:  # a sampled placeholder has no pixels to fill it: the next step would fail
-            logits = logits.float().index_fill(
-                -1, torch.tensor(placeholders, device=logits.device), -torch.inf
-            )
+        if unsampled is not None:  # a sampled placeholder has no pixels to fill it: the next step would fail
+            logits = logits.float().index_fill(-1, unsampled, -torch.inf)
         if constraints is not None:
             logits = logits.float().clone()
             for row, constraint in enumerate(batch.constraints):

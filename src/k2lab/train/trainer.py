@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,26 +219,29 @@ def restore_training_state(trainer: Trainer, data: TrainingData, state: dict) ->
     """Load a ``training_state`` into the trainer and the data; the trainer reads the data's batches anew.
     A checkpoint of another model or optimizer (a run resumed with another preset or ``--optimizer``) is a
     ``CheckpointError`` naming the mismatch, not torch's traceback."""
-    for what, load in (
-        ("model", lambda: distributed.load_full_state_dict(trainer.model, state["model"])),
-        (
-            "optimizer",
-            lambda: distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"]),
-        ),
-    ):
-        try:
-            load()
-        except (RuntimeError, ValueError, KeyError) as error:
-            first = str(error).strip().splitlines()
-            detail = next((line.strip() for line in first if "mismatch" in line), first[0] if first else "")
-            raise CheckpointError(
-                f"the checkpoint at step {state.get('step')} does not fit this run's {what} ({detail}): resume "
-                "with the preset, model settings and optimizer the run was started with"
-            ) from error
+    with _fitting("model", state):
+        distributed.load_full_state_dict(trainer.model, state["model"])
+    with _fitting("optimizer", state):
+        distributed.load_full_optimizer_state_dict(trainer.muonclip, state["optimizer"])
     data.load_state_dict(state["data"])
     restore_rng_state(state["rng"])
     trainer.step = int(state["step"])
     trainer.batches, trainer.val_batches = data.train_batches(), data.val_batches()
+
+
+@contextmanager
+def _fitting(what: str, state: dict) -> Iterator[None]:
+    """Loading ``what`` of a training ``state``: torch's refusal of a different shape or layout becomes a
+    ``CheckpointError`` naming its first mismatch."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError) as error:
+        lines = str(error).strip().splitlines()
+        detail = next((line.strip() for line in lines if "mismatch" in line), lines[0] if lines else "")
+        raise CheckpointError(
+            f"the checkpoint at step {state.get('step')} does not fit this run's {what} ({detail}): resume "
+            "with the preset, model settings and optimizer the run was started with"
+        ) from error
 
 
 def sample_text(model: CausalLM, tokenizer: Tokenizer, prompt: str, tokens: int, seed: int) -> str:
