@@ -3,13 +3,15 @@ and the engine's thread running with the count it was given."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
+import pytest
 import torch
 
 from k2lab import build_model, load_preset
 from k2lab.serve import Engine, Request, SamplingParams
-from k2lab.serve.threads import hand_threads_to_engine
+from k2lab.serve.threads import hand_threads_to_engine, in_worker_thread
 
 
 def test_hand_threads_to_engine_leaves_the_caller_one():
@@ -39,3 +41,23 @@ def test_the_engine_thread_runs_with_the_threads_it_was_given():
         assert torch.get_num_threads() == before  # the caller's own setting is untouched
     finally:
         torch.set_num_threads(before)  # torch's count for threads yet to start is process-wide
+
+
+def test_in_worker_thread_runs_with_one_thread_and_passes_arguments_and_errors():
+    def work(a: int, *, b: int) -> tuple[int, int, str]:
+        return a + b, torch.get_num_threads(), threading.current_thread().name
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        total, threads, name = asyncio.run(in_worker_thread(work, 1, b=2))
+        assert (total, threads) == (3, 1) and name != threading.current_thread().name
+        assert torch.get_num_threads() == 2  # the caller keeps its own count
+
+        def fail() -> None:
+            raise ValueError("boom")
+
+        with pytest.raises(ValueError, match="boom"):
+            asyncio.run(in_worker_thread(fail))
+    finally:
+        torch.set_num_threads(before)

@@ -57,6 +57,7 @@ from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode
+from k2lab.serve.threads import in_worker_thread
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -214,7 +215,6 @@ class _Scorer:
         self.model, self.lock = model, threading.Lock()
 
     def _run(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
-        torch.set_num_threads(1)  # no OpenMP team beside the engine's (k2lab.serve.threads)
         with self.lock:
             chosen, values, indices = token_logprobs(self.model, ids, top)
         steps: list[tuple[float, list[tuple[int, float]]] | None] = [None]
@@ -224,7 +224,7 @@ class _Scorer:
 
     async def steps(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]] | None]:
         """Per token of ``ids``: None for the first, else (its log-prob, [(id, log-prob)] of the top ones)."""
-        return await asyncio.to_thread(self._run, ids, top)
+        return await in_worker_thread(self._run, ids, top)
 
 
 def _logprobs_object(

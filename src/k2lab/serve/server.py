@@ -35,7 +35,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -51,6 +50,7 @@ from k2lab.serve.completions import add_completion_routes
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode, error_body
+from k2lab.serve.threads import in_worker_thread
 
 __all__ = ["ChatCompletionRequest", "build_app"]
 
@@ -316,7 +316,7 @@ def build_app(
             field, what = refused
             raise APIError(400, f"k2lab serve does not support {what}.", "invalid_request_error", field)
         try:  # rendering and tokenizing off the event loop: a long prompt must not stall /health and streams
-            completion = await asyncio.to_thread(_prepared, state, body)
+            completion = await in_worker_thread(_Completion, state, body)
         except (ToolSpecError, GrammarError) as error:
             raise APIError(400, str(error), "invalid_request_error", "tools") from error
         if body.stream:
@@ -344,13 +344,6 @@ class _RequireKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _prepared(state: _State, body: ChatCompletionRequest) -> _Completion:
-    """``_Completion(state, body)`` in a worker thread, which keeps one intra-op thread: no OpenMP team beside
-    the engine's (``k2lab.serve.threads``), should the grammar's tensor work ever be large enough for one."""
-    torch.set_num_threads(1)
-    return _Completion(state, body)
 
 
 async def _parse_body(request: Request) -> ChatCompletionRequest:

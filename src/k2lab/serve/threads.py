@@ -18,9 +18,16 @@ worker thread too. A thread that exits takes its team with it (a background buil
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
 
-__all__ = ["hand_threads_to_engine"]
+__all__ = ["hand_threads_to_engine", "in_worker_thread"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def hand_threads_to_engine() -> int:
@@ -29,3 +36,14 @@ def hand_threads_to_engine() -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     return threads
+
+
+async def in_worker_thread(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """``fn(*args, **kwargs)`` in a worker thread that keeps one intra-op thread: no OpenMP team beside the
+    engine's (module docstring). For a request's tensor work off the event loop (scoring, a chat's rendering)."""
+    return await asyncio.to_thread(_single_threaded, fn, *args, **kwargs)
+
+
+def _single_threaded(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    torch.set_num_threads(1)
+    return fn(*args, **kwargs)
