@@ -1,11 +1,13 @@
 """Every command: it runs a config through ``runs_config`` (--recipe, --set, options derived from the config)
 or it is one of the few that run none; no help text carries a copied default."""
 
+import inspect
 import re
 
 import click
 import pytest
 import typer
+from typer.testing import CliRunner
 
 from k2lab.cli import app
 from k2lab.cli.options import field_at
@@ -53,3 +55,23 @@ def test_no_help_text_carries_a_copied_default(name):
     for param in click_command.params:
         text = getattr(param, "help", None) or ""
         assert not COPIED_DEFAULT.search(text), f"{name} {param.opts}: {text!r}"
+
+
+def _listing(args: list[str]) -> str:
+    result = CliRunner().invoke(app, args, terminal_width=400, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("group", ["", "draft", "ablate", "mopd"])
+def test_command_lists_show_each_summary_unbroken(group):
+    """A group's command list shows each command's first help paragraph unbroken at a wide terminal (rich help
+    kept a docstring's line breaks there, so ``export`` and ``draft train`` broke mid-sentence)."""
+    output = _listing([*group.split(), "--help"])
+    click_group = typer.main.get_command(app)
+    for part in group.split():
+        click_group = click_group.commands[part]
+    for name, command in click_group.commands.items():
+        # 160 characters reach past a docstring's first line break (they are ~110 wide)
+        first = " ".join(inspect.cleandoc(command.help or "").split("\n\n")[0].split())[:160]
+        assert any(first in line for line in output.splitlines()), f"{name}: {first!r} is not on one line"

@@ -23,14 +23,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from k2lab.allocator import keep_freed_memory
-from k2lab.cli.app import app
+from k2lab.cli.app import app, flow_command_summaries
 from k2lab.config import format_validation_error
 from k2lab.errors import K2LabError
 
 # the command modules register themselves on ``app`` when imported, in this (the --help) order
 # isort: off
 from k2lab.cli import models, infer, train, ablate, data, runtime, agentic  # noqa: E402, F401
+
 # isort: on
+flow_command_summaries(app)
 
 __all__ = ["app", "main"]
 

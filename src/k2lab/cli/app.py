@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
@@ -16,3 +17,19 @@ app = typer.Typer(
 )
 console = Console()
 PresetOption = Annotated[str, typer.Option("--preset", "-p", help="Preset name; `k2lab presets` lists them.")]
+
+
+def flow_command_summaries(typer_app: typer.Typer) -> None:
+    """Give every command of ``typer_app`` (and of its groups) a ``short_help``: the first paragraph of its
+    help with its line breaks joined. Rich help keeps a docstring's single newlines in a group's command list,
+    which then breaks mid-sentence; a command's own ``--help`` reflows its text already."""
+    for command in typer_app.registered_commands:
+        if command.short_help is None:
+            command.short_help = _first_paragraph(command.help or inspect.getdoc(command.callback) or "")
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            flow_command_summaries(group.typer_instance)
+
+
+def _first_paragraph(text: str) -> str:
+    return " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
