@@ -181,3 +181,25 @@ def test_ctrl_c_says_where_the_run_stands(tmp_path):
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output[-2000:]
     assert "interrupted:" in output and "its last checkpoint, step" in output and "--resume" in output
+
+
+def test_training_commands_keep_foreign_directories_and_their_sources(tmp_path):
+    """train / sft / rl into a directory of other files, or into the run they read from, wiped it (model/
+    replaced whole, metrics and samples overwritten); now one line and nothing touched."""
+    victim = tmp_path / "victim"
+    (victim / "model").mkdir(parents=True)
+    (victim / "model" / "weights.bin").write_text("precious")
+    small = ["--preset", "k2-nano", "--steps", "1", "--batch-size", "2", "--seq-len", "16"]
+    assert_clean_error(k2lab("train", *small, "--out", str(victim)), "not a k2lab run directory")
+    assert_clean_error(k2lab("train", *small, "--out", ""), "is empty")
+    assert [p.name for p in victim.rglob("*")] == ["model", "weights.bin"]
+    model = tmp_path / "run" / "model"
+    assert k2lab("init", "--preset", "k2-nano", "--out", str(model)).returncode == 0
+    (model / "tokenizer.json").write_text("{}")  # rl checks for it before the run directory
+    before = (model / "model.safetensors").read_bytes()
+    for out in (model.parent, model):
+        assert_clean_error(k2lab("rl", "-c", str(model), "--out", str(out)), "which this run reads")
+        assert_clean_error(
+            k2lab("sft", "-c", str(model), "--data", "x.jsonl", "--out", str(out)), "which this run reads"
+        )
+    assert (model / "model.safetensors").read_bytes() == before

@@ -51,6 +51,7 @@ from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
+from k2lab.train.run_directory import claim_run_directory
 from k2lab.train.schedule import lr_multiplier
 
 console = Console()
@@ -269,13 +270,11 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
     with distributed.session(config.device):
         console.quiet = not distributed.is_main()
-        run_dir = Path(config.out)
-        if run_dir.exists() and not run_dir.is_dir():
-            raise K2LabError(f"the run directory {run_dir} exists and is not a directory")
-        try:  # before the corpus and the model: a run directory that cannot be made fails first
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise K2LabError(f"cannot make the run directory {run_dir}: {error.strerror or error}") from error
+        # before the corpus and the model: a run directory that cannot be made, or not without loss, fails first
+        reads = [config.sft.init_checkpoint if config.sft is not None else None]
+        run_dir = claim_run_directory(
+            config.out, "sft" if config.sft else "train", reads, distributed.is_main()
+        )
         if list_checkpoints(run_dir) and not resume:
             raise K2LabError(
                 f"{run_dir} already holds checkpoints; pass --resume to continue it or choose a new --out"

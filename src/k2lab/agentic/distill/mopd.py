@@ -75,6 +75,7 @@ from k2lab.posttrain.base import IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import budget_penalty
 from k2lab.posttrain.scoring import turn_logprobs
 from k2lab.train.persistence import derive_seed
+from k2lab.train.run_directory import claim_run_directory
 
 __all__ = [
     "MOPDConfig",
@@ -365,8 +366,7 @@ def run_mopd(
     """``k2lab mopd distill``: student from ``student_checkpoint``, teachers from ``experts_dir``; trains
     (resuming from ``OUT/checkpoints``) and saves the student to ``OUT/model`` with the tokenizer."""
     specs = manifest_specs(load_manifest(experts_dir))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_run_directory(out_dir, f"mopd {mode}", [experts_dir, student_checkpoint])
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
     student = load_model(student_checkpoint)

@@ -79,6 +79,7 @@ from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs
 from k2lab.train.persistence import derive_seed
 from k2lab.train.run_checkpoints import list_checkpoints
+from k2lab.train.run_directory import claim_run_directory
 
 __all__ = [
     "Group",
@@ -559,6 +560,9 @@ def run_rl(
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
+    claim_run_directory(
+        out, "rl", [checkpoint, config.critic if config.critic not in ("self", "none") else None]
+    )
     if not resume and list_checkpoints(out):
         raise K2LabError(f"{out} already holds checkpoints: resume it or choose another --out")
     if threads is not None:

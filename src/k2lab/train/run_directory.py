@@ -1,0 +1,73 @@
+"""The run directory a training command writes (``train``, ``sft``, ``rl``, ``mopd distill``).
+
+A run writes ``checkpoints/``, ``model/`` (replaced whole), ``metrics.jsonl``, ``summary.json``, its plots and
+samples into ``--out``. Before any of that, ``claim_run_directory`` makes sure doing so loses nothing: the
+directory must be new, empty or an earlier run (it holds ``RUN_MARKER``, or, for runs from before the marker,
+``checkpoints/`` or ``summary.json``), and it must not be or hold a directory the run reads (``-c`` model,
+experts, critic): an RL run into its own source run replaced the model it was loading. A claimed directory gets
+``RUN_MARKER`` (which command made it, when) at once, so a run that fails before its first checkpoint can be
+run again into the same place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text
+
+__all__ = ["RUN_MARKER", "claim_run_directory"]
+
+RUN_MARKER = "run.json"
+LEGACY_MARKERS = ("checkpoints", "summary.json")  # what every run held before RUN_MARKER existed
+
+
+def claim_run_directory(
+    out: str | os.PathLike[str],
+    command: str,
+    reads: Iterable[str | os.PathLike[str] | None] = (),
+    write: bool = True,
+) -> Path:
+    """Check ``out`` (module docstring), make it and write ``RUN_MARKER`` there (``write``: False on the ranks of
+    a distributed run other than the first). ``reads``: the directories the run loads from (None entries are
+    skipped). Raises ``K2LabError`` naming the problem, before anything is written."""
+    if not str(out).strip():
+        raise K2LabError("the run directory (--out) is empty; name a directory for the run")
+    run_dir = Path(out)
+    for source in (Path(s) for s in reads if s is not None and str(s)):
+        _refuse_holding(run_dir, source)
+    if run_dir.exists():
+        _refuse_foreign(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise K2LabError(f"cannot make the run directory {run_dir}: {error.strerror or error}") from error
+    if write and not (run_dir / RUN_MARKER).is_file():
+        marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
+    return run_dir
+
+
+def _refuse_holding(run_dir: Path, source: Path) -> None:
+    resolved, inside = run_dir.resolve(), source.resolve()
+    if resolved == inside or resolved in inside.parents:
+        raise K2LabError(
+            f"the run directory {run_dir} holds {source}, which this run reads: the run writes model/, "
+            "checkpoints/ and its logs there; choose another --out"
+        )
+
+
+def _refuse_foreign(run_dir: Path) -> None:
+    if not run_dir.is_dir():
+        raise K2LabError(f"the run directory {run_dir} exists and is not a directory")
+    entries = sorted(entry.name for entry in run_dir.iterdir())
+    if entries and not any((run_dir / name).exists() for name in (RUN_MARKER, *LEGACY_MARKERS)):
+        shown = ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "")
+        raise K2LabError(
+            f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; a run writes model/, "
+            "metrics.jsonl and more there, so choose a new or empty --out"
+        )

@@ -1,0 +1,55 @@
+"""``claim_run_directory``: a run's --out is new, empty or an earlier run, and never holds what the run reads."""
+
+import json
+
+import pytest
+
+from k2lab.errors import K2LabError
+from k2lab.train.run_directory import RUN_MARKER, claim_run_directory
+
+
+def test_a_new_or_empty_directory_is_made_and_marked(tmp_path):
+    run = claim_run_directory(tmp_path / "a" / "run", "train")
+    assert json.loads((run / RUN_MARKER).read_text())["command"] == "train"
+    (tmp_path / "empty").mkdir()
+    assert (claim_run_directory(tmp_path / "empty", "rl") / RUN_MARKER).is_file()
+    assert not (claim_run_directory(tmp_path / "b", "sft", write=False) / RUN_MARKER).exists()
+
+
+def test_an_earlier_run_is_claimed_again(tmp_path):
+    run = claim_run_directory(tmp_path / "run", "train")
+    (run / "metrics.jsonl").write_text("{}\n")  # a run that stopped before its first checkpoint
+    assert claim_run_directory(run, "train") == run
+    for legacy in ("checkpoints", "summary.json"):  # runs from before the marker
+        old = tmp_path / f"old-{legacy}"
+        old.mkdir()
+        (old / "metrics.jsonl").write_text("{}\n")
+        (old / "checkpoints").mkdir() if legacy == "checkpoints" else (old / legacy).write_text("{}")
+        assert claim_run_directory(old, "train") == old
+
+
+def test_a_directory_of_other_files_is_refused_untouched(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "weights.bin").write_text("precious")
+    (tmp_path / "notes.txt").write_text("notes")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(K2LabError, match="holds other files .*model, notes.txt.* not a k2lab run"):
+        claim_run_directory(tmp_path, "train")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("out", ["run", "run/model", "."])
+def test_a_directory_that_is_or_holds_a_source_is_refused(tmp_path, out):
+    source = tmp_path / "run" / "model"
+    source.mkdir(parents=True)
+    with pytest.raises(K2LabError, match="which this run reads"):
+        claim_run_directory(tmp_path / out, "rl", [None, source])
+    assert not (tmp_path / "run" / RUN_MARKER).exists()
+
+
+def test_an_empty_name_or_a_file_is_refused(tmp_path):
+    with pytest.raises(K2LabError, match="is empty"):
+        claim_run_directory("", "train")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(K2LabError, match="is not a directory"):
+        claim_run_directory(tmp_path / "afile", "train")
