@@ -263,6 +263,14 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(setup, reference)
     assert losses(killed) == losses(reference[0])  # every step, bit for bit
 
 
+def test_sequences_longer_than_the_checkpoints_context_are_refused(setup):
+    overrides = {"sft.init_checkpoint": str(setup["ckpt"]), "sft.data": str(setup["data"])}
+    with pytest.raises(
+        SFTDataError, match=r"seq_len 300 exceeds the context of .*max_position_embeddings 256"
+    ):
+        SFTData.from_config(load_sft_config(setup["recipe"], seq_len=300, **overrides))
+
+
 def test_malformed_lines_are_named(setup, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(CONVERSATIONS[0]) + "\n\n" + '{"messages": [{"role": "user"\n')

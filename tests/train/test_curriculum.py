@@ -71,3 +71,20 @@ def test_curriculum_run_switches_stages_and_resumes_across_the_boundary(tmp_path
     shutil.rmtree(part / "checkpoints" / "step_00000008")
     run_training(load_train_config(path, out=str(part)), resume=True)
     assert [(r["step"], r["loss"]) for r in read_metrics(part)] == [(r["step"], r["loss"]) for r in rows]
+
+
+def test_sequences_longer_than_the_models_context_are_refused():
+    """seq_len past max_position_embeddings trained positions the saved model then refuses (an SFT at 1,024
+    tokens on a 256-token model left every RL rollout failing as "context overflow")."""
+    assert load_train_config(preset="k2-nano", seq_len=256).seq_len == 256
+    with pytest.raises(K2LabError, match=r"seq_len 257 exceeds the context of preset 'k2-nano' \(max_posit"):
+        load_train_config(preset="k2-nano", seq_len=257)
+    stages = [{"start_step": 0, "seq_len": 128}, {"start_step": 5, "seq_len": 512, "yarn_factor": 4.0}]
+    with pytest.raises(K2LabError, match="seq_len 512 exceeds"):
+        load_train_config(preset="k2-nano", curriculum=stages)
+    longer = load_train_config(
+        preset="k2-nano", curriculum=stages, model_overrides={"max_position_embeddings": 512}
+    )
+    assert longer.stages()[-1].seq_len == 512
+    with pytest.raises(K2LabError, match="exceeds the context of preset 'k25-nano'"):  # its language model's
+        load_train_config(preset="k25-nano", seq_len=4096)

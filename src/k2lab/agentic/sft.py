@@ -60,6 +60,7 @@ from k2lab.runtime.chat import normalize_messages
 from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
+from k2lab.train.curriculum import context_error
 from k2lab.train.data import Log, StagedData
 from k2lab.vision.mixture import vision_rows_at
 from k2lab.vision.vlm import VisionLanguageModel
@@ -390,6 +391,9 @@ class SFTData(StagedData):
         sft = config.sft
         assert sft is not None
         tokenizer, model = load_sft_checkpoint(Path(sft.init_checkpoint).expanduser())
+        error = context_error(config.stages(), model.config.max_position_embeddings, sft.init_checkpoint)
+        if error is not None:
+            raise SFTDataError(error)
         data = cls(config, tokenizer, model)
         if sft.epochs is not None:
             data.config = config.model_copy(update={"steps": data.steps_for(sft.epochs)})

@@ -24,11 +24,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from k2lab.config import ModelConfig
 from k2lab.hardware import CompileMode, DeviceChoice, Precision
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.presets import available_presets, get_preset
 from k2lab.recipes import is_set, load_config, read_recipe, unset_defaults
-from k2lab.train.curriculum import CurriculumStage, validate_stages
+from k2lab.train.curriculum import CurriculumStage, context_error, validate_stages
 from k2lab.train.schedule import ScheduleConfig
 from k2lab.train.sections import SFTConfig, VisionDataConfig
 
@@ -125,6 +126,19 @@ class TrainConfig(BaseModel):
     def _sft_alone(self) -> TrainConfig:
         if self.sft is not None and (self.vision is not None or self.curriculum):
             raise ValueError("[sft] trains a text checkpoint at one seq_len: no [vision], no curriculum")
+        return self
+
+    @model_validator(mode="after")
+    def _within_the_context(self) -> TrainConfig:
+        if self.sft is None:  # SFT's model comes from its checkpoint: checked when it is loaded
+            language = get_preset(get_preset(self.preset).language_model).data
+            default = ModelConfig.model_fields["max_position_embeddings"].default
+            context = self.model_overrides.get(
+                "max_position_embeddings", language.get("max_position_embeddings", default)
+            )
+            error = context_error(self.stages(), int(context), f"preset {self.preset!r}")
+            if error is not None:
+                raise ValueError(error)
         return self
 
     @field_validator("curriculum")

@@ -64,3 +64,17 @@ def rope_scaling_for(stages: list[CurriculumStage], index: int) -> YarnScaling |
         mscale=1.0,
         mscale_all_dim=1.0,
     )
+
+
+def context_error(stages: list[CurriculumStage], context: int, model: str) -> str | None:
+    """Why ``stages`` cannot train ``model`` whose context is ``context`` (``max_position_embeddings``), or
+    None. A sequence longer than the context trains positions the saved model then refuses (``generate``,
+    the engines, RL's context limit): an SFT at 1,024 tokens on a 256-token model left every RL rollout
+    failing with "context overflow" and nothing trained."""
+    longest = max(stage.seq_len for stage in stages)
+    if longest <= context:
+        return None
+    return (
+        f"seq_len {longest} exceeds the context of {model} (max_position_embeddings {context}); lower seq_len, "
+        "or give the model a longer context (model_overrides.max_position_embeddings, pre-training only)"
+    )
