@@ -203,3 +203,15 @@ def test_training_commands_keep_foreign_directories_and_their_sources(tmp_path):
             k2lab("sft", "-c", str(model), "--data", "x.jsonl", "--out", str(out)), "which this run reads"
         )
     assert (model / "model.safetensors").read_bytes() == before
+
+
+def test_a_one_file_corpus_says_why_it_cannot_validate(tmp_path):
+    """Files go to validation whole: a one-file corpus trained its tokenizer, then failed with "validation split
+    has 0 tokens"; now it says why before any work."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "data.jsonl").write_text("".join(f'{{"text": "doc {i} hello world"}}\n' for i in range(200)))
+    small = ["--preset", "k2-nano", "--steps", "1", "--batch-size", "2", "--seq-len", "16"]
+    result = k2lab("train", *small, "--data", str(corpus), "--out", str(tmp_path / "run"))
+    assert_clean_error(result, "has no validation text", "holds 1 file;")
+    assert "tokenizer" not in result.stdout.lower()

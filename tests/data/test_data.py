@@ -146,7 +146,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, reason):
 def test_missing_or_empty_directory_is_a_clear_error(tmp_path):
     with pytest.raises(K2LabError, match="does not exist"):
         load_corpus(tmp_path / "nowhere")
-    with pytest.raises(K2LabError, match="holds no .txt/.md/.jsonl files"):
+    with pytest.raises(K2LabError, match="holds no non-empty .txt/.md/.jsonl files"):
         load_corpus(tmp_path)
     (tmp_path / "f.txt").write_text("x")
     with pytest.raises(K2LabError, match="is not a directory"):

@@ -91,7 +91,7 @@ def load_corpus(
             raise K2LabError(f"corpus directory {root} {reason}")
         files = list_files(root, DIRECTORY_SUFFIXES)
     if not files:
-        raise K2LabError(f"corpus directory {root} holds no {'/'.join(DIRECTORY_SUFFIXES)} files")
+        raise K2LabError(f"corpus directory {root} holds no non-empty {'/'.join(DIRECTORY_SUFFIXES)} files")
     if max_bytes is not None:
         files = cap_files(root, files, max_bytes)
     return build_corpus(name, root, files, val_fraction)

@@ -20,6 +20,7 @@ import torch
 from k2lab.data.corpus import Corpus, load_corpus
 from k2lab.data.packing import PackedBatches, unigram_baseline, validation_batches
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer, min_vocab_size, train_tokenizer
+from k2lab.errors import K2LabError
 from k2lab.models import CausalLM, build_model
 from k2lab.presets import language_model_config, load_preset
 from k2lab.runtime.chat_format import is_k3_family
@@ -77,6 +78,12 @@ class PretrainingData(StagedData):
         """Corpus, tokenizer (trained or loaded), a fresh model and stage 0's batches; the config gets the
         tokenizer's special ids among its model overrides."""
         corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
+        if not corpus.val:  # before the tokenizer is trained: validation would find no text
+            raise K2LabError(
+                f"corpus {corpus.root} has no validation text: whole files go to validation, and it holds "
+                f"{corpus.num_files} file{'s' if corpus.num_files != 1 else ''}; give it at least two (a JSON-lines "
+                "corpus can be split into several .jsonl files)"
+            )
         with distributed.main_first():  # rank 0 fills the tokenizer cache, the others read it
             tokenizer = (
                 load_tokenizer(config.tokenizer) if config.tokenizer else run_tokenizer(config, corpus, log)
