@@ -85,3 +85,30 @@ def test_deepseek_v3_with_its_mtp_layer():
     assert report.active - base.active == mtp - (E - 8) * 3 * D * F
     assert report.moe_layers == base.moe_layers + 1
     assert round((report.total + 2 * V * D) / 1e9, 1) == 684.5
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch):
+    """``k2lab train --preset k2`` tried to allocate terabytes and ended in the allocator's traceback."""
+    import k2lab.params as params
+    from k2lab.errors import K2LabError
+    from k2lab.optim.grouping import OptimizerConfig
+    from k2lab.optim.stability import stability_run
+
+    nano = load_preset("k2-nano")
+    need = 3 * 4 * count_parameters(nano).total
+    monkeypatch.setattr(params, "available_memory", lambda: need)
+    params.check_fits_in_memory(nano, "training", copies=3)  # exactly fits
+    monkeypatch.setattr(params, "available_memory", lambda: need - 1)
+    with pytest.raises(K2LabError, match=r"k2-nano has .* training needs about .* GB \(3 fp32 copies\)"):
+        params.check_fits_in_memory(nano, "training", copies=3)
+    with pytest.raises(K2LabError, match="a stability run needs"):
+        stability_run(nano, OptimizerConfig(), steps=1)
+    monkeypatch.setattr(params, "available_memory", lambda: None)  # unknown: no refusal
+    params.check_fits_in_memory(load_preset("k2"), "training", copies=3)
+
+
+def test_available_memory_reads_the_os():
+    from k2lab.params import available_memory
+
+    value = available_memory()
+    assert value is None or value > 0

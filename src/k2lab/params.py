@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k2lab.config import ModelConfig
+from k2lab.errors import K2LabError
 from k2lab.models import build_model
 
 # What the papers / model cards report, shown beside our exact counts (source in the note).
@@ -153,3 +154,29 @@ def humanize(count: float) -> str:
         if abs(count) >= size:
             return f"{count / size:.2f}{unit}"
     return str(int(count))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the OS reports available (``MemAvailable`` of /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits_in_memory(config: ModelConfig, what: str, copies: int = 1) -> None:
+    """Refuse (``K2LabError``) to build ``config`` for ``what`` where ``copies`` fp32 copies of its parameters
+    (weights, gradients, optimizer state) exceed the memory available: ``k2lab train --preset k2`` tried to
+    allocate terabytes and ended in the allocator's traceback."""
+    total = count_parameters(config).total
+    need, available = 4 * copies * total, available_memory()
+    if available is not None and need > available:
+        raise K2LabError(
+            f"{config.name or 'this model'} has {humanize(total)} parameters: {what} needs about "
+            f"{need / 1e9:,.1f} GB ({copies} fp32 cop{'y' if copies == 1 else 'ies'}) and this machine has "
+            f"{available / 1e9:,.1f} GB available; the mini presets train on a CPU (`k2lab presets`)"
+        )

@@ -15,6 +15,7 @@ from k2lab.config import ModelConfig
 from k2lab.models import build_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
+from k2lab.params import check_fits_in_memory
 
 _OPTIMIZER_DEFAULTS = {"lr": 0.05, "qk_clip_tau": 5.0}  # high on purpose: logits grow within 30 steps
 
@@ -47,6 +48,7 @@ def stability_run(
     weight_scale: float = 1.0,
 ) -> list[dict[str, float]]:
     """Train ``steps`` steps on one random batch; returns MuonClip's telemetry per step (plus ``loss``)."""
+    check_fits_in_memory(config, "a stability run", copies=3)
     torch.manual_seed(seed)
     model = build_model(config, seed=seed)
     if weight_scale != 1.0:

@@ -22,6 +22,7 @@ from k2lab.data.packing import PackedBatches, unigram_baseline, validation_batch
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer, min_vocab_size, train_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.models import CausalLM, build_model
+from k2lab.params import check_fits_in_memory
 from k2lab.presets import language_model_config, load_preset
 from k2lab.runtime.chat_format import is_k3_family
 from k2lab.train import distributed
@@ -77,6 +78,8 @@ class PretrainingData(StagedData):
     def from_config(cls, config: TrainConfig, log: Log = print) -> PretrainingData:
         """Corpus, tokenizer (trained or loaded), a fresh model and stage 0's batches; the config gets the
         tokenizer's special ids among its model overrides."""
+        # before the corpus and the tokenizer: a full-size preset cannot be built on this machine
+        check_fits_in_memory(load_preset(config.preset, **config.model_overrides), "training", copies=3)
         corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
         if not corpus.val:  # before the tokenizer is trained: validation would find no text
             raise K2LabError(
