@@ -20,6 +20,7 @@ from k2lab.data.rephrase import (
     rephrase_corpus,
     split_chunks,
 )
+from k2lab.errors import K2LabError
 from tests.ablations.test_optimizer import PNG_MAGIC, run_cli
 from tests.conftest import randomize, serving
 
@@ -281,3 +282,30 @@ def test_cli_rephrase_runs_a_recipe_with_free_text_styles(tmp_path, monkeypatch)
     ]
     assert type(seen[0]) is RephraseSettings
     assert run_cli("data", "rephrase", "--recipe", recipe, "--base-url", "u", "--temperature", "3") == 2
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://x/v1", "http://"])
+def test_base_url_must_be_an_http_url(url):
+    with pytest.raises(K2LabError, match="base_url must be an http"):
+        settings(url)
+
+
+def test_an_output_of_other_settings_is_refused_untouched(echo, tmp_path):
+    """A re-run with other styles counted the earlier texts as done and rewrote the manifest's settings."""
+    docs = [Document("d0.txt", FACTS)]
+    rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2, styles=("qa", "wiki")))
+    manifest = (tmp_path / "manifest.json").read_bytes()
+    with pytest.raises(K2LabError, match=r"other settings \(styles: \['qa', 'wiki'\] there, \['qa'\] now\)"):
+        rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2, styles=("qa",)))
+    assert (tmp_path / "manifest.json").read_bytes() == manifest
+    more = rephrase_corpus(
+        docs, tmp_path, settings(echo.base, n_rephrasings=3, styles=("qa", "wiki"), retries=0)
+    )
+    assert more.done == 1  # more rephrasings (or another endpoint or concurrency) redo a document
+
+
+def test_cli_fails_when_every_document_failed(echo, tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(FACTS + " FAIL-ME")
+    args = ("data", "rephrase", "--data", tmp_path / "corpus", "--out", tmp_path / "out", "--model", "echo")
+    assert run_cli(*args, "--base-url", echo.base, "--retries", "0", "--set", "backoff=0.0") == 2

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -72,6 +73,12 @@ STYLES: dict[str, str] = {
 }
 DEFAULT_STYLES = ("encyclopedic", "textbook", "qa", "plain")
 MANIFEST = "manifest.json"
+# the settings a document's rephrasings depend on: an output directory holds rephrasings of one such set
+# (n_rephrasings aside: more of them redo a document; the endpoint, concurrency and retries change no text)
+OUTPUT_SETTINGS = (
+    "model", "chunk_chars", "tail_chars", "styles", "fidelity_threshold", "min_length_ratio",
+    "max_length_ratio", "judge", "judge_threshold", "max_tokens", "temperature", "seed",
+)  # fmt: skip
 SYSTEM_PROMPT = (
     "You rewrite text in a requested style. Keep every fact, name, number and claim of the source; add no "
     "new information; do not repeat text that was already rewritten. Reply with the rewritten text only."
@@ -133,7 +140,18 @@ class RephraseSettings(BaseModel):
             raise K2LabError("tail_chars must be >= 0 and min_length_ratio <= max_length_ratio")
         if (self.max_tokens is not None and self.max_tokens < 1) or not 0.0 <= self.temperature <= 2.0:
             raise K2LabError("max_tokens must be positive and temperature in [0, 2]")
+        url = urlparse(self.base_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise K2LabError(
+                f"base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, not {self.base_url!r}"
+            )
         return self
+
+    def output_record(self) -> dict[str, Any]:
+        """The settings that shape what is written (``OUTPUT_SETTINGS``), as the manifest records them."""
+        return {
+            name: value for name, value in self.model_dump(mode="json").items() if name in OUTPUT_SETTINGS
+        }
 
     def style_text(self, name: str) -> str:
         """The instruction of a style: a known name's description, or the name itself as free text."""
@@ -385,6 +403,24 @@ def source_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def check_same_settings(out: Path, manifest: dict[str, Any], settings: RephraseSettings) -> None:
+    """Refuse (``K2LabError``) to add to ``out`` rephrasings made with other ``OUTPUT_SETTINGS`` than its
+    manifest records: a re-run with other styles counted the earlier texts as done and rewrote the recorded
+    settings, so the manifest no longer described the texts on disk."""
+    recorded = manifest.get("settings")
+    if not manifest["documents"] or not isinstance(recorded, dict):
+        return
+    wanted = settings.output_record()
+    changed = [name for name in OUTPUT_SETTINGS if name in recorded and recorded[name] != wanted[name]]
+    if changed:
+        name = changed[0]
+        raise K2LabError(
+            f"{out} holds rephrasings made with other settings ({name}: {recorded[name]!r} there, "
+            f"{wanted[name]!r} now{', and more' if len(changed) > 1 else ''}); choose a new --out, or run "
+            "with the settings its manifest.json records"
+        )
+
+
 def read_manifest(out: Path) -> dict[str, Any]:
     """The manifest in ``out`` (an empty one when there is none)."""
     path = out / MANIFEST
@@ -500,6 +536,7 @@ def rephrase_corpus(
     start = time.perf_counter()
     endpoint = endpoint or OpenAIEndpoint(settings)
     manifest = read_manifest(out)
+    check_same_settings(out, manifest, settings)
     writer = _Writer(out, manifest, settings)
     report = RephraseReport(out=str(out))
     todo = [d for d in documents if not is_done(manifest["documents"].get(d.path), d, settings)]
