@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from k2lab.fsutil import staged_directory, staged_file
+from k2lab.errors import K2LabError
+from k2lab.fsutil import check_output_file, make_directory, staged_directory, staged_file
 
 
 def test_staged_directory_replaces_on_success_and_leaves_the_target_on_error(tmp_path: Path) -> None:
@@ -47,3 +48,28 @@ def test_saved_weights_are_readable_like_their_siblings(tmp_path):
     out = save_model(build_model(load_preset("k2-nano")), tmp_path / "model")
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_check_output_file_refuses_an_input_a_directory_and_a_file_parent(tmp_path: Path) -> None:
+    """An output that is one of the inputs (same resolved path) would replace it; a directory or a file in
+    the parent's place failed with an OS traceback after all the work. Nothing is created by the check."""
+    source = tmp_path / "in.json"
+    source.write_text("{}")
+    with pytest.raises(K2LabError, match="is also an input"):
+        check_output_file(tmp_path / "sub" / ".." / "in.json", "the tools", [None, source])
+    with pytest.raises(K2LabError, match="is a directory"):
+        check_output_file(tmp_path, "the tools")
+    with pytest.raises(K2LabError, match="in.json is not a directory"):
+        check_output_file(source / "new" / "out.jsonl", "the tools")
+    check_output_file(tmp_path / "new" / "out.jsonl", "the tools", [source])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.json"]
+
+
+def test_make_directory_says_what_stands_in_the_way(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(K2LabError, match="the run directory .*file exists and is not a directory"):
+        make_directory(tmp_path / "file", "the run directory")
+    with pytest.raises(K2LabError, match="cannot make the run directory"):
+        make_directory(tmp_path / "file" / "run", "the run directory")
+    assert make_directory(tmp_path / "a" / "b", "the run directory").is_dir()
+    assert (tmp_path / "file").read_text() == "keep"

@@ -6,12 +6,12 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from k2lab.errors import CheckpointError
+from k2lab.errors import CheckpointError, K2LabError
 
 
 @contextmanager
@@ -92,6 +92,35 @@ def check_replaceable(target: Path, what: str, source: Path | None = None) -> No
             f"{target} holds other files ({shown}) and no earlier model; writing {what} replaces the whole "
             "directory, so choose a new or empty one"
         )
+
+
+def check_output_file(target: Path, what: str, inputs: Iterable[Path | None] = ()) -> None:
+    """Refuse (one-line ``K2LabError``) to write ``what`` (one file, replaced atomically) at ``target`` before
+    any work is done: ``target`` must not be a directory, its nearest existing ancestor must be one, and it
+    must not be one of ``inputs`` (same resolved path; None entries are skipped), which the write would
+    replace."""
+    for source in inputs:
+        if source is not None and target.resolve() == source.resolve():
+            raise K2LabError(f"{target} is also an input ({source}): writing {what} there would replace it")
+    if target.is_dir():
+        raise K2LabError(f"{target} is a directory: give the path of a file for {what}")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise K2LabError(f"cannot write {what} to {target}: {parent} is not a directory")
+
+
+def make_directory(path: Path, what: str) -> Path:
+    """Create directory ``path`` with its parents (``mkdir -p``) and return it; a one-line ``K2LabError``
+    naming ``what`` when a file stands in its place or it cannot be made (no OS traceback)."""
+    if path.exists() and not path.is_dir():
+        raise K2LabError(f"{what} {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise K2LabError(f"cannot make {what} {path}: {error.strerror or error}") from error
+    return path
 
 
 @contextmanager

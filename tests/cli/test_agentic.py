@@ -62,6 +62,23 @@ def test_mopd_experts_keep_two_checkpoints_unless_told_otherwise(tmp_path, monke
     assert [s.budget for s in seen[-1][1]] == [16, 48, 128]
 
 
+def test_mopd_experts_refuse_bad_budgets_and_domains_before_training(tmp_path, monkeypatch, capsys):
+    """--budgets a,b,c was a ValueError traceback, -1,0,5 and 8,6,4 were accepted, --domains foo failed after
+    earlier experts had trained and --domains , trained all defaults: each is now one line, nothing trained."""
+    monkeypatch.setattr(agentic, "train_experts", lambda *args, **kwargs: pytest.fail("trained"))
+    base = ["mopd", "experts", "-c", tmp_path, "--out", tmp_path / "x"]
+    for args, fragment in [
+        (["--budgets", "a,b,c"], "--budgets needs 3 comma-separated whole token budgets"),
+        (["--budgets", "-1,0,5"], "must be positive"),
+        (["--budgets", "8,6,4"], "must increase with the effort, low < high < max"),
+        (["--domains", "arithmetic,foo"], "unknown environment 'foo'"),
+        (["--domains", ","], "no domains"),
+    ]:
+        assert run([*base, *args]) == 2
+        err = capsys.readouterr().err
+        assert fragment in " ".join(err.split()) and "Traceback" not in err
+
+
 def test_mopd_distill_prompts_alias_and_objective(tmp_path, monkeypatch):
     seen: list[MOPDConfig] = []
     monkeypatch.setattr(

@@ -163,3 +163,16 @@ def test_a_checkpoint_holds_the_counter_parts_rngs_and_settings(tmp_path):
     assert set(state) == {"step", "weight", "optimizer", "rng", "config"}
     assert state["config"] == config.model_dump(mode="json")
     assert {"python", "torch"} <= set(state["rng"])
+
+
+def test_a_file_in_place_of_the_run_directory_is_one_line_error(tmp_path: Path) -> None:
+    """``k2lab rl --out FILE`` ended in a FileExistsError traceback from the loop's mkdir."""
+    from k2lab.errors import K2LabError
+
+    taken = tmp_path / "notes.txt"
+    taken.write_text("keep")
+    with pytest.raises(K2LabError, match="notes.txt exists and is not a directory"):
+        Dummy(DummyConfig(), taken)
+    with pytest.raises(K2LabError, match="cannot make the run directory"):
+        Dummy(DummyConfig(), taken / "run")
+    assert taken.read_text() == "keep"

@@ -259,13 +259,51 @@ def test_cli_bad_config_exits_2(tmp_path, capsys) -> None:
 def test_cli_strict_exit_code(tmp_path, capsys) -> None:
     from k2lab.cli import main
 
-    config = write_config(tmp_path, {"gone": {"command": str(tmp_path / "no-such-server")}})
+    gone = {"command": str(tmp_path / "no-such-server")}
+    config = write_config(tmp_path, {"weather": server("weather.py"), "gone": gone})
     out = tmp_path / "t.jsonl"
     for flags, code in [([], 0), (["--strict"], 1)]:  # a failed server is reported; --strict also fails
         with pytest.raises(SystemExit) as exit_info:
             main(["tools", "harvest", "--config", str(config), "--out", str(out), *flags])
         assert exit_info.value.code == code
-        assert out.read_text() == "" and "cannot start the server" in capsys.readouterr().out
+        assert len(out.read_text().splitlines()) == 4 and "cannot start the server" in capsys.readouterr().out
+
+
+def test_cli_writes_nothing_when_every_server_failed(tmp_path, capsys) -> None:
+    """Zero tools because every server failed replaced an earlier tools.jsonl by an empty one (exit code 0);
+    now the failures are named, exit code 2, and the earlier output is kept."""
+    from k2lab.cli import main
+
+    config = write_config(tmp_path, {"gone": {"command": str(tmp_path / "no-such-server")}})
+    out = tmp_path / "t.jsonl"
+    out.write_text('{"name": "earlier"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tools", "harvest", "--config", str(config), "--out", str(out)])
+    assert exit_info.value.code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "no tools harvested" in message and "gone: cannot start the server" in message
+    assert out.read_text() == '{"name": "earlier"}\n' and not (tmp_path / "t.summary.json").exists()
+
+
+@pytest.mark.parametrize("target", ["servers.json", "servers.summary.json", "folder"])
+def test_cli_refuses_its_input_or_a_directory_as_output_before_harvesting(tmp_path, capsys, target) -> None:
+    """-o servers.json emptied the servers file (its summary path is checked too); -o DIR failed with a
+    traceback after every server had run."""
+    from k2lab.cli import main
+
+    config = write_config(tmp_path, {"weather": server("weather.py")})
+    (tmp_path / "folder").mkdir()
+    out = tmp_path / ("servers.jsonl" if target == "servers.summary.json" else target)
+    if target == "servers.summary.json":
+        config = config.rename(tmp_path / target)
+    before = config.read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tools", "harvest", "--config", str(config), "--out", str(out)])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "MCP servers" not in captured.out and "Traceback" not in captured.err  # refused before any work
+    assert ("is a directory" if target == "folder" else "is also an input") in " ".join(captured.err.split())
+    assert config.read_text() == before
 
 
 def test_cli_runs_a_harvest_recipe_with_the_library_defaults(tmp_path, capsys) -> None:
@@ -284,7 +322,11 @@ def test_cli_runs_a_harvest_recipe_with_the_library_defaults(tmp_path, capsys) -
     recipe.write_text(f"servers = {json.dumps(str(config))}\nout = {json.dumps(str(out))}\nstrict = true\n")
     with pytest.raises(SystemExit) as exit_info:
         main(["tools", "harvest", "--recipe", str(recipe), "--set", "timeout=5"])
-    assert exit_info.value.code == 1 and out.read_text() == ""  # strict, from the recipe
+    assert exit_info.value.code == 2 and not out.exists()  # every server failed: nothing written
+    write_config(tmp_path, {"weather": server("weather.py"), "gone": {"command": "/no-such-server"}})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tools", "harvest", "--recipe", str(recipe), "--set", "timeout=5"])
+    assert exit_info.value.code == 1 and out.is_file()  # strict, from the recipe
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(["tools", "harvest", "--recipe", str(recipe), "--concurrency", "0"])

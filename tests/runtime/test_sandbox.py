@@ -18,6 +18,7 @@ from k2lab.runtime import sandbox
 from k2lab.runtime.sandbox import (
     INIT_FLAG,
     SANDBOX_UID_RANGE,
+    SandboxInputError,
     SandboxLimits,
     namespace_support,
     restore,
@@ -321,3 +322,31 @@ def test_cli_limits_come_from_sandbox_limits_recipe_set_and_options(tmp_path, mo
     with pytest.raises(SystemExit) as exit_info:
         main(["sandbox", "run", "--timeout", "0", str(program)])
     assert exit_info.value.code == 2 and "timeout_s" in capsys.readouterr().err and len(seen) == 1
+
+
+def test_undecodable_program_and_file_workdir_are_one_line_errors(tmp_path, capsys):
+    """A program that is not UTF-8 (UnicodeDecodeError) and a --workdir that is a file (FileExistsError)
+    ended in tracebacks; now one line, exit code 2, nothing run. A declared encoding (PEP 263) still runs."""
+    from k2lab.cli import main
+
+    latin = tmp_path / "l.py"
+    latin.write_bytes(b'print("h\xe9")')
+    good = tmp_path / "ok.py"
+    good.write_text("print(1)")
+    for args, fragment in [
+        ([latin], "is not Python source text"),
+        (["--workdir", latin, good], "exists and is not a directory"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["sandbox", "run", *map(str, args)])
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert fragment in " ".join(captured.err.split()) and "Traceback" not in captured.err
+        assert captured.out == ""
+    later = tmp_path / "later.py"
+    later.write_bytes(b'x = 1\n\nprint("h\xe9")\n')  # past the lines an encoding declaration may be on
+    with pytest.raises(SandboxInputError, match="codec can't decode"):
+        run_python(later, FAST)
+    declared = tmp_path / "declared.py"
+    declared.write_bytes(b'# -*- coding: latin-1 -*-\nprint("h\xe9")\n')
+    assert run_python(declared, FAST).stdout == "h\xe9\n"

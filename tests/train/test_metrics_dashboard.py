@@ -14,7 +14,7 @@ import torch
 
 from k2lab.errors import K2LabError
 from k2lab.train.dashboard import plot_dashboard
-from k2lab.train.metrics import MetricsLogger, read_metrics
+from k2lab.train.metrics import MetricsLogger, read_metrics, scan_metrics, truncate_metrics
 
 
 def values_at(step: int) -> dict:
@@ -152,3 +152,46 @@ def test_loss_panel_draws_the_mtp_loss_when_logged() -> None:
     assert labels(plain) == ["train loss"]
     with_mtp = [dict(r, mtp_loss=r["loss"] + 0.2) for r in plain]
     assert labels(with_mtp) == ["train loss", "MTP loss (mean over depths)"]
+
+
+GOOD_AND_BAD = b'{"step": 1, "loss": 2.0}\ngarbage\n\xff\xfe\x00\n\n{"step": 2, "loss": 1.0}\n{"step": 3'
+
+
+def test_undecodable_lines_are_skipped_and_counted(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 raised UnicodeDecodeError from every reader; they are unreadable lines now,
+    counted (blank lines are not), and a resume truncation keeps the good lines byte for byte."""
+    (tmp_path / "metrics.jsonl").write_bytes(GOOD_AND_BAD)
+    records, skipped = scan_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and skipped == 3
+    assert read_metrics(tmp_path) == records and scan_metrics(tmp_path / "missing") == ([], 0)
+    assert truncate_metrics(tmp_path, 1) == 1
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1, "loss": 2.0}\n'
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"\n\n", bytes(random.Random(0).randrange(256) for _ in range(3000))]
+)
+def test_plot_refuses_metrics_without_a_readable_record_and_keeps_the_dashboard(tmp_path, capsys, content):
+    """An empty, blank or random-bytes metrics.jsonl drew a blank dashboard over a good one (exit code 0) or
+    ended in a UnicodeDecodeError traceback."""
+    from k2lab.cli import main
+
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    (tmp_path / "dashboard.png").write_bytes(b"good dashboard")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / 'metrics.jsonl'} holds no readable records" in err and "Traceback" not in err
+    assert (tmp_path / "dashboard.png").read_bytes() == b"good dashboard"
+
+
+def test_plot_draws_the_readable_lines_and_says_how_many_were_skipped(tmp_path, capsys) -> None:
+    from k2lab.cli import main
+
+    (tmp_path / "metrics.jsonl").write_bytes(GOOD_AND_BAD)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(tmp_path)])
+    assert exit_info.value.code in (0, None)
+    assert "skipped 3 unreadable line(s)" in " ".join(capsys.readouterr().out.split())
+    assert png_size(tmp_path / "dashboard.png") == (1400, 900)

@@ -18,17 +18,19 @@ from k2lab.agentic.distill.effort import (
     DEFAULT_DOMAINS,
     EFFORTS,
     EXPERT_RL_DEFAULTS,
+    ExpertSpec,
     expert_specs,
     train_experts,
 )
 from k2lab.agentic.distill.mopd import MOPDConfig, markdown_table, mopd_report, run_mopd
-from k2lab.agentic.factory.pipeline import FactoryConfig, generate, print_summary
+from k2lab.agentic.factory.pipeline import FactoryConfig, generate, print_summary, summary_path_for
 from k2lab.agentic.recipe import mini as recipe_mini
 from k2lab.agentic.recipe.mini import RecipeConfig
 from k2lab.agentic.rl.trainer import RLConfig, run_rl
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
+from k2lab.fsutil import check_output_file
 
 CpuThreads = Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")]
 
@@ -118,6 +120,8 @@ def factory_generate(
     """
     if config.tools_path is not None and not config.tools_path.is_file():
         raise K2LabError(f"--tools {config.tools_path}: no such file")
+    for target, what in ((out, "the trajectories"), (summary_path_for(out), "the factory summary")):
+        check_output_file(target, what, [config.tools_path])
     result = generate(config)
     summary = result.write(out)
     print_summary(result.summary, console)
@@ -172,10 +176,23 @@ app.add_typer(mopd_app, name="mopd")
 
 
 def _mopd_budgets(text: str) -> dict[str, int]:
-    values = [int(x) for x in text.split(",") if x.strip()]
+    """``--budgets low,high,max`` as effort -> token budget (checked further by ``expert_specs``)."""
+    wanted = f"--budgets needs {len(EFFORTS)} comma-separated whole token budgets ({','.join(EFFORTS)})"
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as error:
+        raise K2LabError(f"{wanted}, not {text!r}") from error
     if len(values) != len(EFFORTS):
-        raise K2LabError(f"--budgets needs {len(EFFORTS)} comma-separated token budgets (low,high,max)")
+        raise K2LabError(f"{wanted}, not {text!r}")
     return dict(zip(EFFORTS, values, strict=True))
+
+
+def _mopd_specs(domains: str, budgets: str) -> list[ExpertSpec]:
+    """The experts of ``--domains`` and ``--budgets``, checked before any of them trains."""
+    try:
+        return expert_specs([d.strip() for d in domains.split(",") if d.strip()], _mopd_budgets(budgets))
+    except ValueError as error:
+        raise K2LabError(str(error)) from error
 
 
 @mopd_app.command("experts")
@@ -202,15 +219,15 @@ def mopd_experts(
     ],
     out: Annotated[Path, typer.Option(help="Experts directory (one RL run per domain-effort).")],
     domains: Annotated[str, typer.Option(help="Comma-separated environments.")] = ",".join(DEFAULT_DOMAINS),
-    budgets: Annotated[str, typer.Option(help="Token budgets of low,high,max effort.")] = ",".join(
-        str(DEFAULT_BUDGETS[effort]) for effort in EFFORTS
-    ),
+    budgets: Annotated[
+        str, typer.Option(help="Token budgets of low,high,max effort (increasing).")
+    ] = ",".join(str(DEFAULT_BUDGETS[effort]) for effort in EFFORTS),
     threads: CpuThreads = None,
 ) -> None:
     """Train the nine effort experts by RL from one SFT checkpoint (skips finished ones, resumes the rest)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    specs = expert_specs([d.strip() for d in domains.split(",") if d.strip()], _mopd_budgets(budgets))
+    specs = _mopd_specs(domains, budgets)
     train_experts(checkpoint, out, config, specs, log=lambda text: console.print(text, highlight=False))
     console.print(f"experts: {out / 'experts.json'}")
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
+from k2lab.fsutil import check_output_file
 from k2lab.runtime.mcp_harvest import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT
 from k2lab.runtime.sandbox import SandboxLimits
 
@@ -59,13 +60,22 @@ def tools_harvest(config: HarvestRun) -> None:
     """Start the MCP servers of a config, list their tools and write OpenAI-ready normalised specs (JSONL).
 
     A server that fails to start, crashes, hangs or answers garbage is reported; the others go on.
-    The summary is printed and written next to the output (OUT's stem + .summary.json).
+    The summary is printed and written next to the output (OUT's stem + .summary.json). When no tool was
+    harvested and a server failed, nothing is written (exit code 2).
     """
-    from k2lab.runtime.mcp_harvest import harvest, print_summary
+    from k2lab.runtime.mcp_harvest import harvest, print_summary, summary_path_for
 
+    for target, what in ((config.out, "the tools"), (summary_path_for(config.out), "the harvest summary")):
+        check_output_file(target, what, [config.servers])
     result = harvest(config.servers, timeout=config.timeout, concurrency=config.concurrency)
-    summary = result.write(config.out)
     print_summary(result, console)
+    if not result.tools and result.failed:
+        failures = "; ".join(f"{name}: {reason}" for name, reason in result.failed.items())
+        raise K2LabError(
+            f"no tools harvested and {len(result.failed)} server(s) failed ({failures}); nothing written to "
+            f"{config.out}"
+        )
+    summary = result.write(config.out)
     console.print(
         f"wrote {len(result.tools)} tools to {config.out} (summary: {summary})",
         highlight=False,
@@ -136,9 +146,12 @@ def sandbox_run(
     directory, an unprivileged uid, resource limits, and nothing of it survives the run; the result's
     `isolation` says what was actually contained on this machine.
     """
-    from k2lab.runtime.sandbox import run_python
+    from k2lab.runtime.sandbox import SandboxInputError, run_python
 
     if not file.is_file():
         raise K2LabError(f"cannot run {file}: it does not exist or is not a file")
-    result = run_python(file, config.limits(), workdir=config.workdir)
+    try:
+        result = run_python(file, config.limits(), workdir=config.workdir)
+    except SandboxInputError as error:
+        raise K2LabError(str(error)) from error
     print(json.dumps(result.to_dict(), indent=2))

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
+from k2lab.errors import K2LabError
 from k2lab.optim.stability import StabilityConfig, stability_run
 from k2lab.presets import load_preset
 from k2lab.train.config import SFT_DEFAULTS, TrainConfig, load_sft_config, load_train_config
@@ -123,13 +124,30 @@ def plot(
         ),
     ] = None,
 ) -> None:
-    """Draw RUN_DIR/dashboard.png from RUN_DIR/metrics.jsonl (loss, lr, max logit vs τ, clipping, expert load)."""
+    """Draw RUN_DIR/dashboard.png from RUN_DIR/metrics.jsonl (loss, lr, max logit vs τ, clipping, expert load).
+
+    Unreadable lines are skipped (and counted); a metrics.jsonl with no readable record draws nothing.
+    """
     from k2lab.train.dashboard import plot_dashboard
 
+    _check_metrics(run_dir)
     if tau is None:
         tau = _recorded_tau(run_dir)
     path = plot_dashboard(run_dir, tau=tau)
     console.print(f"wrote {path}", soft_wrap=True)
+
+
+def _check_metrics(run_dir: Path) -> None:
+    """Refuse a metrics.jsonl without one readable record (the dashboard would be blank, replacing a good one);
+    say how many lines are skipped as unreadable. A missing file is left to ``plot_dashboard`` to report."""
+    from k2lab.train.metrics import METRICS_FILE, scan_metrics
+
+    records, skipped = scan_metrics(run_dir)
+    path = run_dir / METRICS_FILE
+    if path.is_file() and not records:
+        raise K2LabError(f"{path} holds no readable records: nothing to plot")
+    if skipped:
+        console.print(f"skipped {skipped} unreadable line(s) of {path}", highlight=False, soft_wrap=True)
 
 
 def _recorded_tau(run_dir: Path) -> float | None:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from k2lab.fsutil import make_directory
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
 from k2lab.train.run_checkpoints import CheckpointWriter
 
@@ -66,8 +67,7 @@ class IterativeTrainer(ABC):
 
     def __init__(self, config: LoopConfig, out_dir: str | Path) -> None:
         self.config = config
-        self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = make_directory(Path(out_dir), "the run directory")
         self.checkpoints = CheckpointWriter()
 
     # ---- what a subclass supplies

@@ -53,6 +53,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import tokenize
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -63,6 +64,11 @@ NAMESPACE_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--k
 SANDBOX_UID_RANGE = (200_000, 260_000)  # dedicated per-run uids (root only); never real accounts
 STOP_GRACE_S = 2.0  # time the init process gets to kill and reap before we SIGKILL the whole group
 INIT_FLAG = "--sandbox-init"
+
+
+class SandboxInputError(ValueError):
+    """A program or working directory ``run_python`` cannot use (unreadable file, not Python source text, a
+    working directory that is a file); raised before anything runs."""
 
 
 @dataclass
@@ -125,17 +131,18 @@ def run_python(
     """Run Python ``source`` (code as ``str``, or a file as ``Path``) in a sandbox and return its result.
 
     ``workdir`` is the only writable directory (created if missing); by default a fresh temporary
-    directory that is removed afterwards. ``stdin`` is fed to the program's standard input.
+    directory that is removed afterwards. ``stdin`` is fed to the program's standard input. A file that
+    cannot be read or is not Python source text, or a ``workdir`` that cannot be a directory, raises
+    ``SandboxInputError`` before anything runs.
     """
     limits = limits or SandboxLimits()
-    code = source.read_text() if isinstance(source, Path) else source
+    code = _program_bytes(source)
     own_workdir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="k2lab-sandbox-") if own_workdir else workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    work = _working_directory(tempfile.mkdtemp(prefix="k2lab-sandbox-") if own_workdir else workdir)
     program_dir = Path(tempfile.mkdtemp(prefix="k2lab-sandbox-prog-"))
     try:
         program = program_dir / "main.py"
-        program.write_text(code)
+        program.write_bytes(code)
         program_dir.chmod(0o755)
         program.chmod(0o644)
         result = _run_program(program, work, limits, stdin)
@@ -145,6 +152,41 @@ def run_python(
             shutil.rmtree(work, ignore_errors=True)
     result.workdir = None if own_workdir else str(work)
     return result
+
+
+def _program_bytes(source: str | Path) -> bytes:
+    """The program to run: a file's bytes verbatim once they decode as Python source (UTF-8, or the encoding
+    its PEP 263 declaration names), code given as ``str`` in UTF-8."""
+    if not isinstance(source, Path):
+        return source.encode("utf-8")
+    try:
+        data = source.read_bytes()
+    except OSError as error:
+        raise SandboxInputError(f"cannot read the program {source}: {error.strerror or error}") from error
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        data.decode(encoding)
+    except (SyntaxError, UnicodeDecodeError) as error:
+        reason = error.msg if isinstance(error, SyntaxError) else str(error)
+        raise SandboxInputError(
+            f"the program {source} is not Python source text ({reason}): save it as UTF-8 or declare its "
+            "encoding (PEP 263)"
+        ) from error
+    return data
+
+
+def _working_directory(workdir: str | Path) -> Path:
+    """``workdir`` resolved and created (with its parents); ``SandboxInputError`` when it cannot be."""
+    work = Path(workdir).resolve()
+    if work.exists() and not work.is_dir():
+        raise SandboxInputError(f"the working directory {workdir} exists and is not a directory")
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SandboxInputError(
+            f"cannot make the working directory {workdir}: {error.strerror or error}"
+        ) from error
+    return work
 
 
 def _run_program(

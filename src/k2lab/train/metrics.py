@@ -139,24 +139,37 @@ def _plain(key: str, value: Any) -> float | int | list[float]:
     raise TypeError(f"metric {key!r}: expected a number or a list of numbers, got {type(value).__name__}")
 
 
-def _parse_line(line: str) -> dict[str, Any] | None:
-    """The record of one line, or ``None`` for a blank, partial or otherwise unreadable one."""
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+    """The record of one line, or ``None`` for a blank, partial, undecodable or otherwise unreadable one."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
+        record = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         return None
     return record
 
 
-def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every record of ``RUN_DIR/metrics.jsonl`` in file order (``[]`` if there is none; bad lines skipped)."""
+def scan_metrics(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """Every record of ``RUN_DIR/metrics.jsonl`` in file order and the number of non-blank lines skipped as
+    unreadable (not UTF-8, not JSON, no integer ``step``); ``([], 0)`` if there is no such file."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as handle:
-        return [record for line in handle if (record := _parse_line(line)) is not None]
+        return [], 0
+    records, skipped = [], 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            record = _parse_line(line)
+            if record is not None:
+                records.append(record)
+            elif line.strip():
+                skipped += 1
+    return records, skipped
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record of ``RUN_DIR/metrics.jsonl`` in file order (``[]`` if there is none; bad lines skipped)."""
+    return scan_metrics(run_dir)[0]
 
 
 def truncate_metrics(run_dir: str | os.PathLike[str], step: int) -> int:
@@ -168,9 +181,9 @@ def truncate_metrics(run_dir: str | os.PathLike[str], step: int) -> int:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return 0
-    with open(path, encoding="utf-8") as handle:
+    with open(path, "rb") as handle:
         kept = [
-            line if line.endswith("\n") else line + "\n"
+            line.decode("utf-8").rstrip("\n") + "\n"
             for line in handle
             if (record := _parse_line(line)) is not None and record["step"] <= step
         ]

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text
+from k2lab.fsutil import atomic_write_text, make_directory
 
 __all__ = ["RUN_MARKER", "claim_run_directory"]
 
@@ -42,10 +42,7 @@ def claim_run_directory(
         _refuse_holding(run_dir, source)
     if run_dir.exists():
         _refuse_foreign(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise K2LabError(f"cannot make the run directory {run_dir}: {error.strerror or error}") from error
+    make_directory(run_dir, "the run directory")
     if write and not (run_dir / RUN_MARKER).is_file():
         marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
@@ -63,7 +60,7 @@ def _refuse_holding(run_dir: Path, source: Path) -> None:
 
 def _refuse_foreign(run_dir: Path) -> None:
     if not run_dir.is_dir():
-        raise K2LabError(f"the run directory {run_dir} exists and is not a directory")
+        return  # make_directory says so
     entries = sorted(entry.name for entry in run_dir.iterdir())
     if entries and not any((run_dir / name).exists() for name in (RUN_MARKER, *LEGACY_MARKERS)):
         shown = ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "")

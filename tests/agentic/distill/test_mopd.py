@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
-from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, expert_specs, train_experts
+from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, expert_specs, load_manifest, train_experts
 from k2lab.agentic.distill.mopd import (
     MOPDConfig,
     MOPDTrainer,
@@ -415,3 +415,37 @@ def test_teacher_logprobs_scores_each_turn_with_its_own_model(small_tokenizer):
         with torch.no_grad():
             alone = turn_logprobs(model, [turn], 1, [mask])[0]
         assert torch.allclose(logp, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("domains", "budgets", "fragment"),
+    [
+        (["arithmetic"], {"low": -1, "high": 0, "max": 5}, "must be positive"),
+        (["arithmetic"], {"low": 8, "high": 6, "max": 4}, "must increase with the effort"),
+        (["arithmetic"], {"low": 8, "high": 8, "max": 9}, "must increase with the effort"),
+        (["arithmetic", "foo"], None, "unknown environment 'foo'"),
+        ([], None, "no domains"),
+        (["coding", "coding"], None, "named twice"),
+    ],
+)
+def test_expert_specs_are_checked_before_any_expert_trains(domains, budgets, fragment):
+    """Budgets low < high < max > 0, known and distinct domains: an unknown domain failed only when its
+    expert's turn came, after the earlier experts had trained; no domains ran nothing (or all defaults)."""
+    with pytest.raises(ValueError, match=fragment):
+        expert_specs(domains, budgets)
+
+
+def test_a_corrupt_experts_manifest_is_a_one_line_error_naming_it(tmp_path, capsys):
+    (tmp_path / "experts.json").write_text("{not json")
+    with pytest.raises(K2LabError, match="experts.json is not valid JSON"):
+        load_manifest(tmp_path)
+    (tmp_path / "experts.json").write_text('{"experts": [1]}')
+    with pytest.raises(K2LabError, match="experts.json is not an experts manifest"):
+        load_manifest(tmp_path)
+    (tmp_path / "experts.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["mopd", "distill", "--experts", str(tmp_path), "--student", str(tmp_path),
+              "--out", str(tmp_path / "out"), "--steps", "1"])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "experts.json is not valid JSON" in " ".join(err.split()) and "Traceback" not in err

@@ -655,3 +655,30 @@ def test_llm_backed_agent_and_user_speak_the_openai_protocol(env):
     user.client = _Stub(SimpleNamespace(content="Sure, go ahead."))
     task = Task.from_dict(episode.state["task"])
     assert user.reply(task, 0, "Shall I?", False) == ("Sure, go ahead.", False)
+
+
+def test_cli_generate_refuses_an_output_that_loses_a_file_before_any_work(
+    tmp_path, mcp_file, monkeypatch, capsys
+):
+    """--n 0 emptied the output, -o equal to --tools replaced the input, and -o DIR failed with a traceback
+    after every rollout: all refused (exit code 2) before generating, and every file is kept."""
+    from k2lab.cli import agentic
+
+    monkeypatch.setattr(agentic, "generate", lambda config: pytest.fail("generated before refusing"))
+    keep = tmp_path / "keep.jsonl"
+    keep.write_text('{"kept": true}\n')
+    tools = tmp_path / "tools.jsonl"
+    tools.write_text(mcp_file.read_text())
+    cases = [
+        (["--n", "0", "--out", keep], "greater than or equal to 1"),
+        (["--n", "2", "--tools", tools, "--out", tools], "is also an input"),
+        (["--n", "2", "--out", tmp_path], "is a directory"),
+    ]
+    for args, fragment in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["factory", "generate", *map(str, args)])
+        assert exit_info.value.code == 2
+        assert fragment in " ".join(capsys.readouterr().err.split())
+    assert keep.read_text() == '{"kept": true}\n' and tools.read_text() == mcp_file.read_text()
+    with pytest.raises(ValueError):
+        FactoryConfig(n=0)

@@ -19,6 +19,7 @@ from k2lab.agentic.rl.envs import (
     OpenQAEnv,
     ToolError,
     build_env,
+    check_env_name,
     check_instruction,
     extract_python,
     safe_eval,
@@ -265,3 +266,15 @@ def test_open_qa_marks_open_ended():
     episode = env.reset(1)
     env.step(episode, say("Use a dark, quiet room."))
     assert episode.done and episode.state["open_ended"] and episode.outcome.reason == "answered"
+
+
+def test_env_names_are_checked_without_building():
+    """``check_env_name`` accepts what ``build_env`` builds and refuses the rest with the choices, so a list of
+    names (``mopd experts --domains``) is checked before a long run, not when the bad one's turn comes."""
+    for name in ("arithmetic", "open_qa", "tools", "tools:bank", "mini-tools:files", "tool_tasks"):
+        check_env_name(name)
+    for name, fragment in [("foo", "unknown environment 'foo'"), ("tools:zoo", "unknown tool domain 'zoo'")]:
+        with pytest.raises(ValueError, match=fragment):
+            check_env_name(name)
+        with pytest.raises(ValueError, match=fragment):
+            build_env(name)

@@ -26,17 +26,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from k2lab.agentic.episodes.env import Environment, Episode
-from k2lab.agentic.rl.envs import GuardedEnv, build_env
+from k2lab.agentic.rl.envs import GuardedEnv, build_env, check_env_name
 from k2lab.agentic.rl.trainer import RLTrainer
 from k2lab.data import load_tokenizer
-from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text
+from k2lab.errors import CheckpointError, K2LabError
+from k2lab.fsutil import atomic_write_text, read_json_object
 from k2lab.model_dir import load_model, save_model
 
 __all__ = [
@@ -85,12 +86,38 @@ class ExpertSpec:
 def expert_specs(
     domains: Sequence[str] = DEFAULT_DOMAINS, budgets: dict[str, int] | None = None
 ) -> list[ExpertSpec]:
-    """The grid, domain-major: (d₁, low), (d₁, high), (d₁, max), (d₂, low) ..."""
+    """The grid, domain-major: (d₁, low), (d₁, high), (d₁, max), (d₂, low) ...
+
+    Checked before any expert trains (``ValueError``): at least one domain, each known to ``build_env`` and
+    named once; budgets of known effort levels, positive and strictly increasing with the effort."""
     budgets = budgets or DEFAULT_BUDGETS
+    _check_domains(domains)
+    _check_budgets(budgets)
+    return [ExpertSpec(d, e, int(budgets[e])) for d in domains for e in EFFORTS if e in budgets]
+
+
+def _check_domains(domains: Sequence[str]) -> None:
+    """At least one domain, each an environment name ``build_env`` knows, none twice."""
+    if not domains:
+        raise ValueError("no domains: name at least one environment (say arithmetic)")
+    for domain in domains:
+        check_env_name(domain)
+    repeated = sorted({d for d in domains if list(domains).count(d) > 1})
+    if repeated:
+        raise ValueError(f"domains named twice: {', '.join(repeated)}")
+
+
+def _check_budgets(budgets: dict[str, int]) -> None:
+    """Known effort levels with positive token budgets, strictly increasing in ``EFFORTS`` order."""
     unknown = set(budgets) - set(EFFORTS)
     if unknown:
         raise ValueError(f"unknown effort levels {sorted(unknown)}; use {EFFORTS}")
-    return [ExpertSpec(d, e, int(budgets[e])) for d in domains for e in EFFORTS if e in budgets]
+    ordered = [(effort, budgets[effort]) for effort in EFFORTS if effort in budgets]
+    if any(budget < 1 for _, budget in ordered):
+        raise ValueError(f"token budgets must be positive (got {dict(ordered)})")
+    if any(low >= high for (_, low), (_, high) in pairwise(ordered)):
+        shown = " < ".join(effort for effort, _ in ordered)
+        raise ValueError(f"token budgets must increase with the effort, {shown} (got {dict(ordered)})")
 
 
 class EffortEnv(Environment):
@@ -118,11 +145,19 @@ class EffortEnv(Environment):
 
 
 def load_manifest(directory: str | Path) -> dict[str, Any]:
-    """``experts.json`` of an experts directory (specs, SFT checkpoint, RL config)."""
+    """``experts.json`` of an experts directory (specs, SFT checkpoint, RL config); a missing or unreadable
+    one, or one without its list of experts, is a one-line ``K2LabError`` naming the file."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise K2LabError(f"{directory} has no {MANIFEST}: train experts with `k2lab mopd experts` first")
-    return json.loads(path.read_text())
+    manifest = read_json_object(path)
+    experts = manifest.get("experts")
+    fields = {"domain", "effort", "budget"}
+    if not isinstance(experts, list) or not all(isinstance(e, dict) and set(e) == fields for e in experts):
+        raise CheckpointError(
+            f"{path} is not an experts manifest: it needs a list of {{domain, effort, budget}}"
+        )
+    return manifest
 
 
 def manifest_specs(manifest: dict[str, Any]) -> list[ExpertSpec]:
@@ -168,6 +203,8 @@ def train_experts(
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
     specs = list(specs or expert_specs())
+    for spec in specs:  # before the first expert trains, not when the bad one's turn comes
+        check_env_name(spec.domain)
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST).is_file() and load_manifest(out)["experts"] != [vars(s) for s in specs]:
         raise K2LabError(f"{out} holds experts of other domains or budgets: choose another --out")

@@ -38,7 +38,7 @@ class FactoryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    n: int = Field(default=100, ge=0, description="Tasks to roll out.")
+    n: int = Field(default=100, ge=1, description="Tasks to roll out.")
     seed: int = Field(default=0, description="Seed of the tool evolution, tasks and failures.")
     tools_path: Path | None = Field(
         default=None, description="Harvested MCP tools (JSONL of `k2lab tools harvest`)."

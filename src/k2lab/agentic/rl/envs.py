@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from k2lab.agentic.domains import DOMAINS
 from k2lab.agentic.episodes.env import Environment, Episode, tool_call_parts
 from k2lab.agentic.factory.tasks import tool_env
 from k2lab.runtime.sandbox import SandboxLimits, run_python
@@ -42,6 +43,7 @@ __all__ = [
     "OpenQAEnv",
     "ToolError",
     "build_env",
+    "check_env_name",
     "extract_python",
     "run_tool_calls",
     "safe_eval",
@@ -539,12 +541,25 @@ ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 }
 
 
+TOOL_ENVIRONMENTS = ("tools", "tool_tasks", "mini-tools")  # ``KIND[:DOMAIN]``: the factory's tool tasks
+
+
+def check_env_name(name: str) -> None:
+    """Raise ``ValueError`` (listing the choices) unless ``build_env`` knows ``name``; builds nothing, so a
+    list of names can be checked before a long run."""
+    kind, _, domain = name.partition(":")
+    if name in ENVIRONMENTS or (kind in TOOL_ENVIRONMENTS and (not domain or domain in DOMAINS)):
+        return
+    if kind in TOOL_ENVIRONMENTS:
+        raise ValueError(
+            f"unknown tool domain {domain!r} in {name!r}; choose from {', '.join(sorted(DOMAINS))}"
+        )
+    choices = ", ".join([*ENVIRONMENTS, "tools[:DOMAIN]", "mini-tools[:DOMAIN]"])
+    raise ValueError(f"unknown environment {name!r}; choose from {choices}")
+
+
 def build_env(name: str) -> Environment:
     """An environment by name: arithmetic, instruction, coding, open_qa, or the factory's tool tasks
     ``tools[:DOMAIN]`` / ``mini-tools[:DOMAIN]`` (``k2lab.agentic.factory.tasks.tool_env``)."""
-    if name in ENVIRONMENTS:
-        return ENVIRONMENTS[name]()
-    if name.partition(":")[0] in ("tools", "tool_tasks", "mini-tools"):
-        return tool_env(name)
-    choices = ", ".join([*ENVIRONMENTS, "tools[:DOMAIN]", "mini-tools[:DOMAIN]"])
-    raise ValueError(f"unknown environment {name!r}; choose from {choices}")
+    check_env_name(name)
+    return ENVIRONMENTS[name]() if name in ENVIRONMENTS else tool_env(name)
