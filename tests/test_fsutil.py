@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from k2lab.errors import K2LabError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import check_output_file, make_directory, staged_directory, staged_file
 
 
@@ -73,3 +73,46 @@ def test_make_directory_says_what_stands_in_the_way(tmp_path: Path) -> None:
         make_directory(tmp_path / "file" / "run", "the run directory")
     assert make_directory(tmp_path / "a" / "b", "the run directory").is_dir()
     assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_a_model_directory_is_known_by_its_marker_contents(tmp_path):
+    """A ``config.json`` alone (a web app's) made ``init`` and ``export`` replace a whole project directory."""
+    from k2lab.fsutil import check_replaceable, is_model_directory
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "config.json").write_text('{"name": "web app"}')
+    assert not is_model_directory(tmp_path)
+    with pytest.raises(CheckpointError, match="holds other files"):
+        check_replaceable(tmp_path, "the export")
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    assert is_model_directory(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "k2lab.json").write_text('{"format": "something-else"}')
+    assert not is_model_directory(tmp_path)
+    (tmp_path / "k2lab.json").write_text('{"format": "k2lab-model"}')
+    assert is_model_directory(tmp_path)
+
+
+def test_a_file_is_replaced_only_when_it_is_an_earlier_one_outside_the_source(tmp_path):
+    """A GGUF export onto the source's model.safetensors, a notes file or a FIFO replaced each of them."""
+    import os
+
+    from k2lab.fsutil import check_replaceable_file
+
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(CheckpointError, match="lies inside the source"):
+        check_replaceable_file(source / "model.safetensors", "a GGUF file", source, b"GGUF")
+    (tmp_path / "notes.txt").write_text("notes")
+    with pytest.raises(CheckpointError, match="is not a GGUF file"):
+        check_replaceable_file(tmp_path / "notes.txt", "a GGUF file", source, b"GGUF")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        check_replaceable_file(tmp_path / "fifo", "a GGUF file", source, b"GGUF")
+    (tmp_path / "old.gguf").write_bytes(b"GGUF\x03\x00")
+    check_replaceable_file(tmp_path / "old.gguf", "a GGUF file", source, b"GGUF")  # an earlier one
+    check_replaceable_file(tmp_path / "new.gguf", "a GGUF file", source, b"GGUF")  # a new one
+    assert (source / "model.safetensors").read_bytes() == b"weights" and (
+        tmp_path / "notes.txt"
+    ).read_text() == "notes"

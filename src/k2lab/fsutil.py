@@ -65,13 +65,27 @@ def replace_directory(staging: Path, target: Path) -> None:
         os.replace(staging, target)
 
 
-#: Files that mark a directory as a model k2lab wrote (HF format, k2lab format): one that a new write may replace.
-MODEL_MARKERS = ("config.json", "k2lab.json")
+#: Files that mark a directory as a model (HF format: its ``model_type``; k2lab format: its ``format``): one
+#: that a new write may replace. A mere ``config.json`` (a web app's, say) is not one.
+MODEL_MARKERS = {"config.json": ("model_type", None), "k2lab.json": ("format", "k2lab-model")}
+
+
+def is_model_directory(directory: Path) -> bool:
+    """Whether ``directory`` holds a model: a ``MODEL_MARKERS`` file that is a JSON object with its key (of
+    the given value, where one is given)."""
+    for name, (key, value) in MODEL_MARKERS.items():
+        try:
+            data = json.loads((directory / name).read_text())
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get(key), str) and value in (None, data[key]):
+            return True
+    return False
 
 
 def check_replaceable(target: Path, what: str, source: Path | None = None) -> None:
     """Refuse (``CheckpointError``) to write ``what`` (a model directory) at ``target`` where that would lose
-    anything else: ``target`` must be new, empty, or an earlier model (it holds one of ``MODEL_MARKERS``), and
+    anything else: ``target`` must be new, empty, or an earlier model (``is_model_directory``), and
     must not be ``source`` or hold it. ``staged_directory`` replaces the whole directory, and an export to a
     directory of other files, to its own run or to a parent of it deleted them all."""
     if source is not None:
@@ -86,12 +100,34 @@ def check_replaceable(target: Path, what: str, source: Path | None = None) -> No
     if not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
     entries = sorted(entry.name for entry in target.iterdir())
-    if entries and not any((target / marker).is_file() for marker in MODEL_MARKERS):
+    if entries and not is_model_directory(target):
         shown = ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "")
         raise CheckpointError(
             f"{target} holds other files ({shown}) and no earlier model; writing {what} replaces the whole "
             "directory, so choose a new or empty one"
         )
+
+
+def check_replaceable_file(target: Path, what: str, source: Path, magic: bytes) -> None:
+    """Refuse (``CheckpointError``) to write ``what`` (one file, replaced atomically) at ``target`` where that
+    would lose anything: ``target`` must not be or lie inside ``source``, and an existing ``target`` must be a
+    regular file that starts with ``magic`` (an earlier file of this kind). A GGUF export onto the source's own
+    model.safetensors, onto a notes file or onto a FIFO replaced each of them."""
+    resolved, inside = target.resolve(), source.resolve()
+    if resolved == inside or inside in resolved.parents:
+        raise CheckpointError(
+            f"{target} lies inside the source {source}: writing {what} there would change it"
+        )
+    check_output_file(target, what)
+    if not os.path.lexists(target):
+        return
+    if not target.is_file():
+        raise CheckpointError(f"{target} exists and is not a regular file; give a new path for {what}")
+    with open(target, "rb") as handle:
+        if handle.read(len(magic)) != magic:
+            raise CheckpointError(
+                f"{target} exists and is not {what}; choose a new path (it is left as it is)"
+            )
 
 
 def check_output_file(target: Path, what: str, inputs: Iterable[Path | None] = ()) -> None:

@@ -129,6 +129,19 @@ def test_writers_refuse_to_replace_a_directory_of_other_files(tmp_path):
     assert_clean_error(k2lab("export", str(model), "--out", str(mixed), "--format", "gguf"), "is a directory")
     assert sorted(p.name for p in mixed.iterdir()) == ["precious.txt", "sub"]
     assert (model / "k2lab.json").is_file()
+    (mixed / "config.json").write_text('{"name": "web app"}')  # not a model's: the directory is kept
+    assert_clean_error(k2lab("init", "--preset", "k2-nano", "--out", str(mixed)), "holds other files")
+    weights = (model / "model.safetensors").read_bytes()
+    gguf = ["--format", "gguf"]
+    assert_clean_error(
+        k2lab("export", str(model), "--out", str(model / "model.safetensors"), *gguf), "inside the source"
+    )
+    assert_clean_error(
+        k2lab("export", str(model), "--out", str(mixed / "precious.txt"), *gguf), "is not a GGUF file"
+    )
+    assert (model / "model.safetensors").read_bytes() == weights and (
+        mixed / "precious.txt"
+    ).read_text() == "keep"
 
 
 def test_unreadable_recipes_and_run_directories_get_one_line(tmp_path):

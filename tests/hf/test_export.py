@@ -242,7 +242,7 @@ def test_a_model_the_format_cannot_hold_writes_nothing(tmp_path: Path, model_dir
     k3 = save_model(build_model(load_preset("k3-nano", vocab_size=400, mla_rope=True)), tmp_path / "k3")
     out = tmp_path / "out"  # an earlier export, which a successful one would replace
     out.mkdir()
-    (out / "config.json").write_text("{}")
+    (out / "config.json").write_text('{"model_type": "deepseek_v3"}')
     (out / "keep.txt").write_text("old")
     with pytest.raises(K2LabError, match="no equivalent for: mla_rope=True"):
         export(ExportConfig(out=out, tokenizer=model_dir / "tokenizer.json"), k3, log=quiet)

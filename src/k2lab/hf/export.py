@@ -44,10 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import check_replaceable, staged_directory
+from k2lab.fsutil import check_replaceable, check_replaceable_file, staged_directory
 from k2lab.hf.chat_template import chat_template_for
 from k2lab.hf.export_source import Choice, find_source
-from k2lab.hf.gguf_export import write_gguf
+from k2lab.hf.gguf_export import GGUF_MAGIC, write_gguf
 from k2lab.hf.io import GENERATION_CONFIG_FILE, to_hf
 from k2lab.hf.quantize import Quantize
 from k2lab.hf.tokenizer_files import tokenizer_files
@@ -172,6 +172,8 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
         raise CheckpointError(
             f"{out} is a directory; --format gguf writes one file: give its path (say {out}/model.gguf)"
         )
+    if config.format == "gguf":
+        check_replaceable_file(out, "a GGUF file", source, GGUF_MAGIC)
     if config.format == "hf":
         check_replaceable(out, "the export", source)
     found = find_source(source, config.checkpoint, config.tokenizer, log)

@@ -65,7 +65,9 @@ from k2lab.hf.mtp import main_state
 from k2lab.models import CausalLM
 from k2lab.vision.vlm import VisionLanguageModel
 
-__all__ = ["GGUF_ARCH", "PRE_TOKENIZER", "gguf_metadata", "gguf_tensors", "write_gguf"]
+__all__ = ["GGUF_ARCH", "GGUF_MAGIC", "PRE_TOKENIZER", "gguf_metadata", "gguf_tensors", "write_gguf"]
+
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 GGUF_ARCH = "deepseek2"
 PRE_TOKENIZER = "gpt-2"
