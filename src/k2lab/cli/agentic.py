@@ -26,7 +26,7 @@ from k2lab.agentic.distill.mopd import MOPDConfig, markdown_table, mopd_report, 
 from k2lab.agentic.factory.pipeline import FactoryConfig, generate, print_summary, summary_path_for
 from k2lab.agentic.recipe import mini as recipe_mini
 from k2lab.agentic.recipe.mini import RecipeConfig
-from k2lab.agentic.rl.trainer import RLConfig, run_rl
+from k2lab.agentic.rl.trainer import RLConfig, iteration_report, run_rl
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
@@ -76,7 +76,10 @@ def rl(
 ) -> None:
     """Joint RL (K2): verifiable environments + rubric critic, K1.5's objective, MuonClip, exact resume."""
     try:
-        history = run_rl(checkpoint, out, config, resume=resume, threads=threads)
+        history = run_rl(
+            checkpoint, out, config, resume=resume, threads=threads,
+            on_iteration=lambda m: console.print(iteration_report(m, config.iterations), markup=False),
+        )  # fmt: skip
     except ValueError as error:
         raise K2LabError(str(error)) from error
     last = history[-1] if history else {}

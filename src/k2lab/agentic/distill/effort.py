@@ -34,7 +34,7 @@ import torch
 
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.agentic.rl.envs import GuardedEnv, build_env, check_env_name
-from k2lab.agentic.rl.trainer import RLTrainer
+from k2lab.agentic.rl.trainer import RLTrainer, iteration_report
 from k2lab.data import load_tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import atomic_write_text, read_json_object
@@ -170,10 +170,12 @@ def train_expert(
     out_dir: str | Path,
     config: Any,
     env: Environment | None = None,
+    log: Callable[[str], object] | None = None,
 ) -> Path:
     """RL one expert (``run_rl`` with its ``EffortEnv``); returns its policy directory ``OUT/model``.
 
-    ``config`` is an ``RLConfig``; its ``envs`` and ``max_new_tokens`` are set from ``spec``.
+    ``config`` is an ``RLConfig``; its ``envs`` and ``max_new_tokens`` are set from ``spec``. ``log`` gets a
+    line per iteration (``iteration_report``).
     """
     out = Path(out_dir)
     config = config.model_copy(update={"envs": [spec.domain], "max_new_tokens": spec.max_new_tokens})
@@ -181,7 +183,7 @@ def train_expert(
     tokenizer = load_tokenizer(Path(checkpoint) / "tokenizer.json")
     model = load_model(checkpoint)
     trainer = RLTrainer(model, tokenizer, config, out, env=EffortEnv(spec, env, config.step_timeout_s))
-    trainer.run()
+    trainer.run(on_iteration=None if log is None else lambda m: log(iteration_report(m, config.iterations)))
     save_model(model, out / "model")
     tokenizer.save(out / "model" / "tokenizer.json")
     return out / "model"
@@ -219,7 +221,8 @@ def train_experts(
             log(f"{spec.key}: done, skipped")
             continue
         log(f"{spec.key}: RL, budget {spec.budget}, {config.iterations} iterations")
+        seeded = config.model_copy(update={"seed": config.seed + index})
         train_expert(
-            checkpoint, spec, out / spec.key, config.model_copy(update={"seed": config.seed + index})
+            checkpoint, spec, out / spec.key, seeded, log=lambda line, key=spec.key: log(f"{key}: {line}")
         )
     return manifest

@@ -85,6 +85,7 @@ __all__ = [
     "Group",
     "RLConfig",
     "RLTrainer",
+    "iteration_report",
     "plot_metrics",
     "run_rl",
     "temperature_at",
@@ -580,3 +581,18 @@ def run_rl(
     save_model(model, out / "model")
     tokenizer.save(out / "model" / "tokenizer.json")
     return history
+
+
+def iteration_report(metrics: dict[str, Any], total: int) -> str:
+    """One console line for an RL iteration's metrics line; it says so when finished episodes left nothing to
+    train on (every rollout failed before a completion: a context that cannot hold the prompt, say), which
+    otherwise passed unseen: the run ended "done" with the policy unchanged."""
+    line = (
+        f"iteration {metrics['iteration'] + 1}/{total}: mean reward {metrics['mean_reward']}, success "
+        f"{metrics['success']}, {metrics['episodes']} episodes, {metrics['trained_tokens']:,} tokens trained, "
+        f"{metrics['seconds']:.1f} s"
+    )
+    if metrics["episodes"] and not metrics["trained_tokens"]:
+        failures = ", ".join(f"{reason} {count}" for reason, count in metrics["failures"].items()) or "none"
+        line += f"; nothing trained: no episode produced a completion (failures: {failures})"
+    return line
