@@ -1,6 +1,7 @@
 import pytest
+from pydantic import ValidationError
 
-from k2lab.config import ConfigError, ModelConfig
+from k2lab.config import ConfigError, ModelConfig, YarnScaling, format_validation_error
 from k2lab.presets import available_presets, load_preset
 
 
@@ -64,3 +65,21 @@ def test_unknown_field_rejected():
     data["n_experts"] = 3
     with pytest.raises(ValueError, match="n_experts"):
         ModelConfig.model_validate(data)
+
+
+def test_a_missing_field_is_named_by_the_option_that_sets_it():
+    with pytest.raises(ValidationError) as caught:
+        YarnScaling.model_validate({"original_max_position_embeddings": 0})
+    assert format_validation_error(caught.value) == (
+        "factor: Field required; original_max_position_embeddings: Input should be greater than 0"
+    )
+    named = format_validation_error(caught.value, {"factor": "--factor/-f"})
+    assert named.startswith("--factor/-f is required (recipe key factor); original_max")
+
+
+@pytest.mark.parametrize("theta", [1, 0.5, float("nan"), float("inf")])
+def test_rope_theta_must_be_a_finite_number_above_one(theta: float):
+    """θ^(−2i/d) needs θ > 1 (θ = 1 divides by ln θ = 0 in YaRN's correction range)."""
+    data = load_preset("k2-nano").model_dump()
+    with pytest.raises(ValidationError, match="rope_theta"):
+        ModelConfig.model_validate({**data, "rope_theta": theta})

@@ -8,7 +8,8 @@ Everything else in the package reads only this object.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,6 +19,7 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "YarnScaling",
+    "format_errors",
     "format_validation_error",
 ]
 
@@ -77,7 +79,7 @@ class ModelConfig(BaseModel):
     scoring_func: Literal["sigmoid"] = "sigmoid"
 
     # Position / norm / embeddings
-    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=1, allow_inf_nan=False)  # θ ≤ 1: no rotation
     rope_scaling: YarnScaling | None = None
     max_position_embeddings: int = Field(default=4096, gt=0)
     rms_norm_eps: float = Field(default=1e-6, gt=0)
@@ -213,11 +215,21 @@ class ModelConfig(BaseModel):
         return ModelConfig.model_validate({**self.model_dump(), **changes})
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One readable line per problem: ``field: reason``."""
+def format_validation_error(error: ValidationError, options: Mapping[str, str] | None = None) -> str:
+    """One readable line per problem: ``field: reason`` (see ``format_errors``)."""
+    return format_errors(error.errors(), options)
+
+
+def format_errors(errors: Iterable[Mapping[str, Any]], options: Mapping[str, str] | None = None) -> str:
+    """Pydantic's error dicts (``loc``, ``msg``, ``type``) as ``field: reason``, joined by "; "; a required
+    field that a command-line option sets (``options``: dotted field → ``"--checkpoint/-c"``) is named by
+    that option."""
     lines = []
-    for item in error.errors():
+    for item in errors:
         location = ".".join(str(part) for part in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"{location}: {message}" if location else message)
+        if item.get("type") == "missing" and location in (options or {}):
+            lines.append(f"{options[location]} is required (recipe key {location})")
+        else:
+            lines.append(f"{location}: {message}" if location else message)
     return "; ".join(lines)

@@ -37,6 +37,9 @@ FORMAT = "k2lab-model"
 VERSION = 1
 MANIFEST = "k2lab.json"
 WEIGHTS = "model.safetensors"
+KINDS = (None, "vlm")  # the manifest's "kind": absent for a causal LM
+# What a floating-point parameter may be stored as (cast to the model's dtype on load).
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def tied_head_key(model: torch.nn.Module) -> str | None:
@@ -60,10 +63,9 @@ def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLi
     return target
 
 
-def load_model(
-    directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> CausalLM | VisionLanguageModel:
-    """Load a k2lab checkpoint or a DeepseekV3 / Kimi-K2 / Kimi Linear / Kimi K2.5 Hugging Face directory."""
+def check_model_directory(directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as a path, or a ``CheckpointError`` when it does not exist or is a file; call it before
+    looking for a file inside (a missing directory is not a missing tokenizer.json)."""
     path = Path(directory)
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -71,6 +73,14 @@ def load_model(
         raise CheckpointError(
             f"{path} is a file; a checkpoint is a directory (model.safetensors and its config)"
         )
+    return path
+
+
+def load_model(
+    directory: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> CausalLM | VisionLanguageModel:
+    """Load a k2lab checkpoint or a DeepseekV3 / Kimi-K2 / Kimi Linear / Kimi K2.5 Hugging Face directory."""
+    path = check_model_directory(directory)
     if (path / MANIFEST).is_file():
         return _load_own(path, dtype)
     if (path / "config.json").is_file():
@@ -85,6 +95,7 @@ def _load_own(path: Path, dtype: torch.dtype) -> CausalLM | VisionLanguageModel:
     manifest = read_json_object(path / MANIFEST)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path / MANIFEST}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    check_manifest_version(manifest, path / MANIFEST)
     vlm = manifest.get("kind") == "vlm"
     try:
         config = (VLMConfig if vlm else ModelConfig).model_validate(manifest.get("config"))
@@ -106,9 +117,23 @@ def _load_own(path: Path, dtype: torch.dtype) -> CausalLM | VisionLanguageModel:
     return cast_model(model, dtype)
 
 
+def check_manifest_version(manifest: dict, source: Path) -> None:
+    """``CheckpointError`` unless ``manifest`` has a ``version`` this code reads (an integer, 1 … ``VERSION``)
+    and a known ``kind`` (absent, or ``"vlm"``)."""
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
+        raise CheckpointError(
+            f"{source}: version {version!r} is not supported (this k2lab reads versions 1 … {VERSION})"
+        )
+    if manifest.get("kind") not in KINDS:
+        raise CheckpointError(f"{source}: kind {manifest.get('kind')!r} is unknown (expected none or 'vlm')")
+
+
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Raise ``CheckpointError`` listing missing, unexpected and mis-shaped tensors."""
-    expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    """Raise ``CheckpointError`` listing missing, unexpected, mis-shaped and wrongly typed tensors (a
+    floating-point parameter stored as integers, booleans or FP8)."""
+    reference = model.state_dict()
+    expected = {key: tuple(value.shape) for key, value in reference.items()}
     expected.pop(tied_head_key(model), None)
     problems = []
     missing = sorted(set(expected) - set(state))
@@ -118,7 +143,17 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
         for key in sorted(set(state) & set(expected))
         if tuple(state[key].shape) != expected[key]
     ]
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+    mistyped = [
+        f"{key} {state[key].dtype} (expected a floating-point dtype: float32, bfloat16 or float16)"
+        for key in sorted(set(state) & set(expected))
+        if reference[key].is_floating_point() and state[key].dtype not in _FLOAT_DTYPES
+    ]
+    for label, items in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+        ("wrongly typed", mistyped),
+    ):
         if items:
             shown = ", ".join(items[:10]) + (f", ... and {len(items) - 10} more" if len(items) > 10 else "")
             problems.append(f"{len(items)} {label}: {shown}")

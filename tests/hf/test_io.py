@@ -357,13 +357,14 @@ def test_from_hf_skips_mtp_layer_and_rotary_keys(tmp_path: Path):
     config = load_preset("k2-nano")
     model = _scramble(build_model(config)).eval()
     to_hf(model, tmp_path / "ckpt")
+    _edit_config(tmp_path / "ckpt", num_nextn_predict_layers=1)
     path = tmp_path / "ckpt" / SINGLE_FILE
     state = load_file(path)
     state[f"model.layers.{config.num_hidden_layers}.eh_proj.weight"] = torch.zeros(64, 128)
     state[f"model.layers.{config.num_hidden_layers}.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
     state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
     save_file(state, str(path), metadata={"format": "pt"})
-    loaded = from_hf(tmp_path / "ckpt")
+    loaded = from_hf(tmp_path / "ckpt", mtp=False)
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     # Non-persistent buffers (rotary frequencies) are recomputed, not left uninitialised by to_empty.
     assert torch.equal(loaded.rotary.inv_freq, model.rotary.inv_freq)
@@ -747,3 +748,143 @@ def test_full_size_k2_checkpoint_is_checked_before_any_allocation(tmp_path: Path
     save_file({"model.norm.weight": torch.ones(7168)}, str(tmp_path / SINGLE_FILE))
     with pytest.raises(CheckpointError, match=r"69974 missing tensors: .* and 69964 more"):
         from_hf(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints that disagree with their config.json, or with themselves
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    data = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**data, **changes}))
+
+
+def _edit_single(path: Path, edit) -> None:
+    state = load_file(path / SINGLE_FILE)
+    edit(state)
+    save_file(state, str(path / SINGLE_FILE), metadata={"format": "pt"})
+
+
+@pytest.fixture
+def single(tmp_path: Path) -> Path:
+    return to_hf(_scramble(build_model(load_preset("k2-nano"))), tmp_path / "one")
+
+
+def test_a_layer_beyond_num_hidden_layers_without_mtp_layers_is_unexpected(single: Path):
+    """One layer too few in config.json must not drop the last layer as if it were an MTP layer."""
+    _edit_config(single, num_hidden_layers=1)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.layers\.1\."):
+        from_hf(single)
+
+
+def test_a_tied_config_refuses_a_stored_head_that_is_not_the_embedding(single: Path):
+    _edit_config(single, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from the embedding"):
+        from_hf(single)
+    _edit_single(
+        single, lambda state: state.update({"lm_head.weight": state["model.embed_tokens.weight"].clone()})
+    )
+    loaded = from_hf(single)
+    assert loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.lm_head.weight, load_file(single / SINGLE_FILE)["lm_head.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8, torch.float8_e5m2])
+def test_a_weight_of_a_non_float_dtype_is_refused(single: Path, dtype: torch.dtype):
+    key = "model.layers.0.self_attn.o_proj.weight"
+    _edit_single(single, lambda state: state.update({key: state[key].to(dtype)}))
+    with pytest.raises(CheckpointError, match=rf"1 wrongly typed tensor: {key} (I32|BOOL|U8|F8_E5M2)"):
+        from_hf(single)
+
+
+def test_an_fp8_weight_in_another_fp8_format_is_refused_even_with_scales(single: Path):
+    key = "model.layers.0.self_attn.o_proj.weight"
+
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[key] = state[key].to(torch.float8_e5m2)
+        state[key + "_scale_inv"] = torch.ones(1, 1)
+
+    _edit_single(single, edit)
+    with pytest.raises(CheckpointError, match=f"wrongly typed tensor: {key} F8_E5M2"):
+        from_hf(single)
+
+
+def test_integer_block_scales_are_refused(single: Path):
+    key = "model.layers.0.self_attn.o_proj.weight"
+
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[key] = state[key].to(torch.float8_e4m3fn)
+        state[key + "_scale_inv"] = torch.ones(1, 1, dtype=torch.int32)
+
+    _edit_single(single, edit)
+    with pytest.raises(CheckpointError, match=f"wrongly typed tensor: {key}_scale_inv I32"):
+        from_hf(single)
+
+
+def test_block_scales_of_a_1d_tensor_are_refused(single: Path):
+    key = "model.norm.weight"
+    _edit_single(single, lambda state: state.update({key + "_scale_inv": torch.ones(1)}))
+    with pytest.raises(
+        CheckpointError, match=f"{key}_scale_inv \\(1,\\) \\(the 1-D tensor {key} has no block"
+    ):
+        from_hf(single)
+
+
+@pytest.mark.parametrize("block", [[True, True], [128, 1.5], [0, 128], "128"])
+def test_fp8_block_sizes_other_than_two_positive_integers_are_refused(single: Path, block: object):
+    _edit_config(single, quantization_config={"quant_method": "fp8", "weight_block_size": block})
+    with pytest.raises(CheckpointError, match="weight_block_size .* should be two positive integers"):
+        from_hf(single)
+
+
+@pytest.mark.parametrize("shard", [5, None, "", "/etc/passwd", "../outside.safetensors", "a/../../x"])
+def test_index_shard_names_must_be_files_in_the_directory(saved: Path, shard: object):
+    index = json.loads((saved / INDEX_FILE).read_text())
+    index["weight_map"]["model.norm.weight"] = shard
+    (saved / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"weight_map\['model.norm.weight'\]"):
+        from_hf(saved)
+
+
+def test_index_listing_a_tensor_no_shard_holds_is_refused(saved: Path):
+    index = json.loads((saved / INDEX_FILE).read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.layers.0.ghost.weight"] = shard
+    (saved / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError, match=rf"1 absent tensor: model.layers.0.ghost.weight \(not in {shard}\)"
+    ):
+        from_hf(saved)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_scaling": "yarn"}, "rope_scaling 'yarn' should be a JSON object"),
+        ({"rope_scaling": None, "rope_parameters": "yarn"}, "rope_parameters 'yarn' should be a JSON object"),
+        ({"bos_token_id": []}, "bos_token_id is an empty list"),
+        ({"eos_token_id": []}, "eos_token_id is an empty list"),
+        ({"rope_theta": 1}, "rope_theta: Input should be greater than 1"),
+        (
+            {"rope_interleave": False},
+            "rope_interleave False is not supported .*interleaved rotary layout only",
+        ),
+        ({"rope_interleave": None}, "rope_interleave None is not supported"),
+        ({"rope_interleave": "yes"}, "rope_interleave 'yes' is not supported"),
+        (
+            {"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}},
+            "rope_theta 10000.0 contradicts rope_parameters.rope_theta 50000.0",
+        ),
+    ],
+)
+def test_config_values_that_cannot_be_read_are_one_line_errors(single: Path, change: dict, message: str):
+    _edit_config(single, **change)
+    with pytest.raises(CheckpointError, match=message) as error:
+        from_hf(single)
+    assert "\n" not in str(error.value) and "config.json" in str(error.value)
+
+
+def test_rope_theta_agreeing_in_both_places_loads(single: Path):
+    _edit_config(single, rope_parameters={"rope_type": "default", "rope_theta": 10000})
+    assert from_hf(single).config.rope_theta == 10000.0

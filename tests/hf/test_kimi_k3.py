@@ -369,3 +369,14 @@ def test_export_writes_kimi_k3(tmp_path: Path, tokenizer, model_dir: Path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k3"
     loaded = from_hf(out)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.state_dict().items())
+
+
+def test_a_tied_kimi_k3_refuses_a_stored_head_that_is_not_the_embedding(tmp_path: Path):
+    """The parent config's tie flag makes a stored ``language_model.lm_head.weight`` a copy: it must be one."""
+    root = to_hf(_model(tie_word_embeddings=True), tmp_path / "ckpt")
+    _rewrite(
+        root,
+        lambda t: t.update({"language_model.lm_head.weight": torch.ones_like(t[P + "embed_tokens.weight"])}),
+    )
+    with pytest.raises(CheckpointError, match="language_model.lm_head.weight differs from the embedding"):
+        from_hf(root)

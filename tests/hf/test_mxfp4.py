@@ -341,3 +341,12 @@ def test_mxfp4_kimi_k3_with_the_short_names_loads(tmp_path: Path, old: str, new:
     loaded = from_hf(out).eval()
     for key, value in _fake_quantized(model).state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("group", [{"weights": [4]}, "x", {"weights": None}])
+def test_malformed_config_groups_are_a_one_line_error(exported: Path, tmp_path: Path, group: object):
+    def edit(config: dict) -> None:
+        config["quantization_config"]["config_groups"] = {"group_0": group}
+
+    with pytest.raises(CheckpointError, match="not MXFP4: group_0.weights.num_bits = None \\(expected 4\\)"):
+        from_hf(_copy(exported, tmp_path, edit_config=edit))

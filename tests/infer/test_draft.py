@@ -48,3 +48,75 @@ def test_a_draft_for_another_model_is_refused(tmp_path):
         load_draft(tmp_path / "d", other)
     with pytest.raises(CheckpointError, match="k2lab-draft.json"):
         load_draft(tmp_path / "missing", model)
+
+
+def _saved_draft(tmp_path, model, vocab=None):
+    from k2lab.infer.draft import DRAFT_MANIFEST
+
+    directory = save_draft(MultiTokenPrediction(model.config, 1), model.config, tmp_path / "d", vocab=vocab)
+    return directory, directory / DRAFT_MANIFEST
+
+
+def _edit_manifest(manifest, **changes):
+    import json
+
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"config": [1]}, "config \\[1\\] should be a JSON object"),
+        ({"config": "x"}, "config 'x' should be a JSON object"),
+        ({"version": 2}, "version 2 is not supported"),
+        ({"version": "one"}, "version 'one' is not supported"),
+        ({"kind": "medusa"}, "kind 'medusa' is unknown"),
+        ({"draft_vocab": 7}, "draft_vocab 7 does not match the no ids stored"),
+    ],
+)
+def test_a_draft_manifest_it_cannot_read_is_refused(tmp_path, change, message):
+    model = target()
+    directory, manifest = _saved_draft(tmp_path, model)
+    _edit_manifest(manifest, **change)
+    with pytest.raises(CheckpointError, match=message):
+        load_draft(directory, model)
+
+
+def test_draft_vocab_ids_must_match_the_manifest_and_be_1d_integers(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from k2lab.infer.draft import DRAFT_WEIGHTS, VOCAB_KEY
+    from k2lab.infer.draft_vocab import DraftVocab
+
+    model = target()
+    directory, manifest = _saved_draft(tmp_path, model, DraftVocab(torch.arange(0, 64, 2), 128))
+    assert load_draft(directory, model).vocab is not None
+    _edit_manifest(manifest, draft_vocab=31)
+    with pytest.raises(CheckpointError, match="draft_vocab 31 does not match the 32 ids stored"):
+        load_draft(directory, model)
+    _edit_manifest(manifest, draft_vocab=32)
+    state = load_file(directory / DRAFT_WEIGHTS)
+    state[VOCAB_KEY] = state[VOCAB_KEY].float()
+    save_file(state, str(directory / DRAFT_WEIGHTS))
+    with pytest.raises(
+        CheckpointError, match=f"{VOCAB_KEY} torch.float32 \\(32,\\) should be 1-D integer ids"
+    ):
+        load_draft(directory, model)
+
+
+def test_draft_weights_that_do_not_fit_are_a_one_line_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from k2lab.infer.draft import DRAFT_WEIGHTS
+
+    model = target()
+    directory, _ = _saved_draft(tmp_path, model)
+    state = load_file(directory / DRAFT_WEIGHTS)
+    state["enorm.weight"] = torch.ones(3)
+    state.pop("hnorm.weight")
+    save_file(state, str(directory / DRAFT_WEIGHTS))
+    with pytest.raises(
+        CheckpointError, match="does not match its config: enorm.weight \\(3,\\) .*missing hnorm"
+    ) as error:
+        load_draft(directory, model)
+    assert "\n" not in str(error.value)

@@ -64,6 +64,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 _LIST_LIMIT = 10
 _FP8_DTYPES = {"F8_E4M3"}
+# safetensors dtypes a floating-point parameter (or an FP8 block scale) is read from, besides FP8 with scales.
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 # Written in fp32 whatever ``to_hf``'s dtype: the router bias and KDA's decay parameters.
 _FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias", SCALE_SUFFIX)
 # Floating-point dtypes kept whatever ``to_hf``'s dtype: quantised (FP8) weights.
@@ -158,6 +160,11 @@ def from_hf(
         ignored = decoder_ignored(
             vlm_config.text, headers, vlm_format.text_config(raw), vlm_format.decoder_name
         )
+        tied, decoder_name, embed_key = (
+            vlm_config.text.tie_word_embeddings,
+            vlm_format.decoder_name,
+            "language_model.embed.weight",
+        )
     else:
         fmt = read_format(raw["model_type"])
         config = _parse_config(fmt.config_from_hf, raw, root)
@@ -168,7 +175,11 @@ def from_hf(
         cast_model(model, dtype)
         groups = fmt.weight_groups(config, model_state(model))
         ignored = decoder_ignored(config, headers, fmt.text_config(raw), fmt.decoder_name)
+        tied, decoder_name, embed_key = config.tie_word_embeddings, fmt.decoder_name, "embed.weight"
     plan = _LoadPlan.build(groups, headers, ignored, block, root, mxfp4=declared_mxfp4(raw, root))
+    _check_index_keys(root, headers)  # after the plan, which names missing tensors in its own terms
+    if tied:
+        _check_tied_head(plan, headers, decoder_name, embed_key)
     materialize(model, device)
     load_tensors(model, plan, files)
     return model
@@ -217,6 +228,7 @@ class _LoadPlan:
         missing = sorted(set(expected) - set(headers) - set(packed.weights)) + packed.missing
         unexpected: list[str] = []
         misshaped: list[str] = list(packed.misshaped)
+        mistyped: list[str] = []
         scales: dict[str, str] = {}
         for key, disk in headers.items():
             if key in accounted:
@@ -224,12 +236,19 @@ class _LoadPlan:
             if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in expected:
                 weight_key = key.removesuffix(SCALE_SUFFIX)
                 scales[weight_key] = key
-                want = _scale_shape(expected[weight_key].shape, block)
-                if disk.shape != want:
+                if disk.dtype not in _FLOAT_DTYPES:
+                    mistyped.append(f"{key} {disk.dtype} (block scales must be F32, BF16 or F16)")
+                if len(expected[weight_key].shape) < 2:
+                    misshaped.append(f"{key} {disk.shape} (the 1-D tensor {weight_key} has no block scales)")
+                elif disk.shape != (want := _scale_shape(expected[weight_key].shape, block)):
                     misshaped.append(f"{key} {disk.shape} (expected {want} for block size {list(block)})")
             elif key in expected:
                 if not expected[key].accepts(disk.shape):
                     misshaped.append(f"{key} {disk.shape} (expected {expected[key].shape})")
+                if disk.dtype not in _FLOAT_DTYPES | _FP8_DTYPES:
+                    mistyped.append(
+                        f"{key} {disk.dtype} (expected F32, BF16, F16, or F8_E4M3 with block scales)"
+                    )
             elif not ignored(key):
                 unexpected.append(key)
         for key in sorted(set(expected) & set(headers)):
@@ -242,6 +261,7 @@ class _LoadPlan:
                 ("missing", missing),
                 ("unexpected", sorted(unexpected)),
                 ("mis-shaped", misshaped),
+                ("wrongly typed", mistyped),
             )
             if items
         ]
@@ -272,7 +292,7 @@ def decoder_ignored(
     ``decoder_name`` maps a disk key to the decoder's own name (``model.layers.…``, ``lm_head.weight``)
     when it is nested in a larger model."""
     mtp_layers = (raw_config.get(key) or 0 for key in ("num_nextn_predict_layers", "num_mtp_layers"))
-    declared = max(1, *(int(n) for n in mtp_layers))
+    declared = max((int(n) for n in mtp_layers), default=0)  # none declared: layer L's tensors are unexpected
     held = config.num_nextn_predict_layers
 
     def ignored(key: str) -> bool:
@@ -297,6 +317,33 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if lm.config.tie_word_embeddings:
         state.pop(prefix + "lm_head.weight", None)
     return state
+
+
+def _check_tied_head(
+    plan: _LoadPlan, headers: Mapping[str, _DiskTensor], decoder_name: Callable[[str], str], embed_key: str
+) -> None:
+    """With a head tied to the embedding (our state key ``embed_key``) a stored ``lm_head.weight`` is not read,
+    so it must equal the embedding on disk: otherwise the checkpoint describes two models (transformers would
+    load the stored head). ``CheckpointError`` naming the file when it differs."""
+    heads = [key for key in headers if decoder_name(key) == "lm_head.weight"]
+    embeds = [key for key, target in plan.targets.items() if any(s.key == embed_key for s in target.slots)]
+    if not heads or not embeds or embeds[0] not in headers:
+        return
+    embedding = _read_tensor(headers[embeds[0]].file, embeds[0])
+    for key in heads:
+        head = _read_tensor(headers[key].file, key)
+        same = head.shape == embedding.shape and head.is_floating_point() and embedding.is_floating_point()
+        if not (same and torch.equal(head.float(), embedding.float())):
+            raise CheckpointError(
+                f"{headers[key].file}: {key} differs from the embedding {embeds[0]}, but {CONFIG_FILE} "
+                "says tie_word_embeddings (the head is the embedding)"
+            )
+
+
+def _read_tensor(file: Path, key: str) -> torch.Tensor:
+    """Tensor ``key`` of safetensors ``file``."""
+    with _open(file) as handle:
+        return handle.get_tensor(key)
 
 
 def _describe(label: str, items: Sequence[str]) -> str:
@@ -374,7 +421,7 @@ def _fp8_block_size(raw: Mapping[str, Any], root: Path) -> tuple[int, int]:
     if (
         not isinstance(block, list | tuple)
         or len(block) != 2
-        or not all(isinstance(b, int) and b > 0 for b in block)
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
         raise CheckpointError(f"{where}: weight_block_size {block!r} should be two positive integers")
     return int(block[0]), int(block[1])
@@ -384,11 +431,7 @@ def _weight_files(root: Path) -> list[Path]:
     """The safetensors files of ``root``: the index's shards, else ``model.safetensors``, else any."""
     index_path = root / INDEX_FILE
     if index_path.is_file():
-        index = read_json_object(index_path)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path} has no weight_map")
-        names = list(dict.fromkeys(weight_map.values()))
+        names = list(dict.fromkeys(_weight_map(index_path).values()))
         absent = [name for name in names if not (root / name).is_file()]
         if absent:
             raise CheckpointError(f"{index_path} lists shard files that do not exist: " + ", ".join(absent))
@@ -399,6 +442,38 @@ def _weight_files(root: Path) -> list[Path]:
     if not found:
         raise CheckpointError(f"{root} has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
     return found
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor -> shard file) of ``index_path``; ``CheckpointError`` when it is not a
+    non-empty object of relative file names inside the checkpoint directory."""
+    weight_map = read_json_object(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no weight_map")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{index_path}: weight_map[{key!r}] is {name!r}, not a shard file name")
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(
+                f"{index_path}: weight_map[{key!r}] = {name!r} is outside the checkpoint directory"
+            )
+    return weight_map
+
+
+def _check_index_keys(root: Path, headers: Mapping[str, _DiskTensor]) -> None:
+    """Every tensor ``model.safetensors.index.json`` lists is in the shard it names (``CheckpointError``)."""
+    index_path = root / INDEX_FILE
+    if not index_path.is_file():
+        return
+    absent = [
+        f"{key} (not in {name})"
+        for key, name in _weight_map(index_path).items()
+        if key not in headers or headers[key].file != root / name
+    ]
+    if absent:
+        raise CheckpointError(
+            f"{index_path} lists tensors its shards do not hold: " + _describe("absent", absent)
+        )
 
 
 def _open(file: Path):

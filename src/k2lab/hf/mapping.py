@@ -153,9 +153,20 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
             fields[key] = default
     if "q_lora_rank" in data:
         fields["q_lora_rank"] = data["q_lora_rank"]  # null: direct q_proj
-    rope = dict(data.get("rope_parameters") or {})
-    scaling = data.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if data.get("rope_interleave", True) is not True:
+        raise ValueError(
+            f"rope_interleave {data['rope_interleave']!r} is not supported "
+            "(k2lab implements DeepSeek's interleaved rotary layout only)"
+        )
+    rope = dict(_json_object(data, "rope_parameters"))
+    scaling = _json_object(data, "rope_scaling") or (
+        rope if rope.get("rope_type", "default") != "default" else None
+    )
     theta = data.get("rope_theta")
+    if theta is not None and rope.get("rope_theta") is not None and theta != rope["rope_theta"]:
+        raise ValueError(
+            f"rope_theta {theta!r} contradicts rope_parameters.rope_theta {rope['rope_theta']!r}"
+        )
     fields["rope_theta"] = theta if theta is not None else rope.get("rope_theta", 10000.0)
     if scaling:
         kind = scaling.get("type", scaling.get("rope_type"))
@@ -169,11 +180,23 @@ def config_from_hf(data: Mapping[str, Any], name: str = "hf") -> ModelConfig:
             fields["rope_scaling"] = {key: scaling[key] for key in _YARN_KEYS if scaling.get(key) is not None}
     for token_field in ("bos_token_id", "eos_token_id"):
         if isinstance(fields.get(token_field), list):
+            if not fields[token_field]:
+                raise ValueError(f"{token_field} is an empty list (expected a token id or a list of them)")
             fields[token_field] = fields[token_field][0]
     # absent: none (transformers' default is 1, but the released configs all say it; from_hf loads the
     # layers a checkpoint actually holds)
     fields["num_nextn_predict_layers"] = data.get("num_nextn_predict_layers") or 0
     return ModelConfig.model_validate({"name": name, **fields})
+
+
+def _json_object(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``data[key]`` when it is a JSON object, {} when absent or null; ``ValueError`` for anything else."""
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} {value!r} should be a JSON object (or null)")
+    return value
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:

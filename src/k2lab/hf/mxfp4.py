@@ -174,11 +174,18 @@ def declared_mxfp4(raw: Mapping[str, Any], root: str | os.PathLike[str]) -> bool
     if not isinstance(groups, Mapping) or not groups:
         raise CheckpointError(f"{where}: no config_groups")
     wrong = [
-        f"{name}.weights.{key} = {(group.get('weights') or {}).get(key)!r} (expected {want!r})"
+        f"{name}.weights.{key} = {_weight_setting(group, key)!r} (expected {want!r})"
         for name, group in groups.items()
         for key, want in (("num_bits", 4), ("type", "float"), ("group_size", GROUP_SIZE))
-        if not isinstance(group, Mapping) or (group.get("weights") or {}).get(key) != want
+        if _weight_setting(group, key) != want
     ]
     if wrong:
         raise CheckpointError(f"{where}: not MXFP4: " + "; ".join(wrong))
     return True
+
+
+def _weight_setting(group: Any, key: str) -> Any:
+    """``group["weights"][key]`` of one ``config_groups`` entry; None where the entry or its weights are not
+    JSON objects (or lack the key)."""
+    weights = group.get("weights") if isinstance(group, Mapping) else None
+    return weights.get(key) if isinstance(weights, Mapping) else None

@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from k2lab.config import ModelConfig
+from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import read_json_object, save_tensors, staged_directory
 from k2lab.hardware import Precision
@@ -59,6 +60,8 @@ DRAFT_DIR = "draft"  # <model dir>/draft/: the EAGLE draft trained for that mode
 DRAFT_FORMAT = "k2lab-draft"
 DRAFT_MANIFEST = "k2lab-draft.json"
 DRAFT_WEIGHTS = "draft.safetensors"
+DRAFT_VERSION = 1
+DRAFT_KINDS = ("eagle",)
 VOCAB_KEY = "draft_vocab.ids"  # a reduced draft vocabulary's token ids [N] (``k2lab.infer.draft_vocab``)
 # what a draft must share with its target (the block's shapes, the shared embedding and head)
 _MATCHING = ("vocab_size", "hidden_size", "kv_lora_rank", "qk_rope_head_dim", "num_attention_heads")
@@ -307,7 +310,7 @@ def save_draft(
     with staged_directory(target) as staging:
         manifest = {
             "format": DRAFT_FORMAT,
-            "version": 1,
+            "version": DRAFT_VERSION,
             "kind": "eagle",
             "config": config.model_dump(mode="json"),
             "draft_vocab": None if vocab is None else len(vocab),
@@ -329,7 +332,8 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
         raise CheckpointError(
             f"{path / DRAFT_MANIFEST}: format is {manifest.get('format')!r}, expected {DRAFT_FORMAT!r}"
         )
-    saved = manifest.get("config") or {}
+    _check_draft_manifest(manifest, path / DRAFT_MANIFEST)
+    saved = manifest["config"]
     wrong = [
         f"{key} {saved.get(key)} != {getattr(target.config, key)}"
         for key in _MATCHING
@@ -342,17 +346,69 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path / DRAFT_WEIGHTS} cannot be read ({error})") from error
     param = next(target.parameters())
-    ids = state.pop(VOCAB_KEY, None)
+    vocab = _saved_vocab(state.pop(VOCAB_KEY, None), manifest.get("draft_vocab"), target, path)
     try:
-        vocab = None if ids is None else DraftVocab(ids, target.config.vocab_size)
-    except K2LabError as error:
-        raise CheckpointError(f"{path / DRAFT_WEIGHTS}: {error}") from error
-    module = MultiTokenPrediction(ModelConfig.model_validate(saved), 1).to(param.device)
-    try:
-        module.load_state_dict(state)
-    except RuntimeError as error:
-        raise CheckpointError(f"{path / DRAFT_WEIGHTS} does not match its config ({error})") from error
+        config = ModelConfig.model_validate(saved)
+    except ValidationError as error:
+        raise CheckpointError(
+            f"{path / DRAFT_MANIFEST}: invalid config: {format_validation_error(error)}"
+        ) from error
+    module = MultiTokenPrediction(config, 1).to(param.device)
+    _check_draft_weights(module, state, path / DRAFT_WEIGHTS)
+    module.load_state_dict(state)
     return EagleDraft(target, module.to(param.dtype).eval(), vocab)
+
+
+def _check_draft_manifest(manifest: dict[str, Any], source: Path) -> None:
+    """``CheckpointError`` unless ``manifest`` has a version this code reads, a known kind and a config
+    object."""
+    version, kind = manifest.get("version"), manifest.get("kind")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= DRAFT_VERSION:
+        raise CheckpointError(
+            f"{source}: version {version!r} is not supported (this k2lab reads versions 1 … {DRAFT_VERSION})"
+        )
+    if kind not in DRAFT_KINDS:
+        raise CheckpointError(f"{source}: kind {kind!r} is unknown (expected one of {list(DRAFT_KINDS)})")
+    if not isinstance(manifest.get("config"), dict):
+        raise CheckpointError(f"{source}: config {manifest.get('config')!r} should be a JSON object")
+
+
+def _check_draft_weights(module: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """One-line ``CheckpointError`` naming the first few tensors of ``state`` that are missing, unexpected,
+    mis-shaped or not floating point for ``module``."""
+    expected = module.state_dict()
+    problems = [f"missing {key}" for key in expected if key not in state]
+    problems += [f"unexpected {key}" for key in state if key not in expected]
+    for key in expected.keys() & state.keys():
+        if state[key].shape != expected[key].shape:
+            problems.append(f"{key} {tuple(state[key].shape)} (expected {tuple(expected[key].shape)})")
+        elif not state[key].is_floating_point():
+            problems.append(f"{key} {state[key].dtype} (expected floating point)")
+    if problems:
+        more = f", ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise CheckpointError(f"{source} does not match its config: {', '.join(sorted(problems)[:5])}{more}")
+
+
+def _saved_vocab(ids: torch.Tensor | None, declared: Any, target: CausalLM, path: Path) -> DraftVocab | None:
+    """The reduced vocabulary stored with a draft (``ids`` [N], integers), which the manifest's
+    ``draft_vocab`` (N, or null for none) must describe; ``CheckpointError`` otherwise."""
+    weights = path / DRAFT_WEIGHTS
+    if ids is not None and (
+        ids.ndim != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool
+    ):
+        raise CheckpointError(
+            f"{weights}: {VOCAB_KEY} {ids.dtype} {tuple(ids.shape)} should be 1-D integer ids"
+        )
+    held = None if ids is None else ids.numel()
+    if isinstance(declared, bool) or declared != held:
+        raise CheckpointError(
+            f"{path / DRAFT_MANIFEST}: draft_vocab {declared!r} does not match the {held or 'no'} ids stored"
+            f" in {weights}"
+        )
+    try:
+        return None if ids is None else DraftVocab(ids, target.config.vocab_size)
+    except K2LabError as error:
+        raise CheckpointError(f"{weights}: {error}") from error
 
 
 def find_draft(model_dir: str | os.PathLike[str], target: CausalLM) -> EagleDraft | None:

@@ -1,0 +1,52 @@
+"""k2lab's own model directory: what ``load_model`` refuses (manifest versions and kinds it does not know,
+tensors of a dtype that is not floating point)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k2lab import build_model, load_preset
+from k2lab.errors import CheckpointError
+from k2lab.model_dir import MANIFEST, WEIGHTS, load_model, save_model
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    return save_model(build_model(load_preset("k2-nano")), tmp_path / "model")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 99}, "version 99 is not supported"),
+        ({"version": "one"}, "version 'one' is not supported"),
+        ({"version": True}, "version True is not supported"),
+        ({"version": 0}, "version 0 is not supported"),
+        ({"kind": "banana"}, "kind 'banana' is unknown"),
+    ],
+)
+def test_unknown_manifest_versions_and_kinds_are_refused(saved: Path, change: dict, message: str):
+    manifest = json.loads((saved / MANIFEST).read_text())
+    (saved / MANIFEST).write_text(json.dumps({**manifest, **change}))
+    with pytest.raises(CheckpointError, match=f"{MANIFEST}: {message}"):
+        load_model(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8, torch.float8_e4m3fn])
+def test_a_parameter_stored_as_a_non_float_dtype_is_refused(saved: Path, dtype: torch.dtype):
+    state = load_file(saved / WEIGHTS)
+    state["norm.weight"] = state["norm.weight"].to(dtype)
+    save_file(state, str(saved / WEIGHTS))
+    with pytest.raises(CheckpointError, match=f"1 wrongly typed: norm.weight {dtype}"):
+        load_model(saved)
+
+
+def test_half_precision_weights_load(saved: Path):
+    state = {key: value.bfloat16() for key, value in load_file(saved / WEIGHTS).items()}
+    save_file(state, str(saved / WEIGHTS))
+    assert load_model(saved).norm.weight.dtype == torch.float32
