@@ -126,3 +126,10 @@ def test_k3_preset_takes_the_released_values():
     # and the released dict reads back as the preset (name aside)
     read = kimi_k3.config_from_hf(written)
     assert read.replace(name="k3") == load_preset("k3")
+
+
+def test_model_overrides_refuse_booleans_for_numbers():
+    """A recipe's `model_overrides = {num_hidden_layers = true}` built a one-layer model."""
+    with pytest.raises(ConfigError, match=r"num_hidden_layers: takes an integer, not true"):
+        load_preset("k2-nano", num_hidden_layers=True)
+    assert load_preset("k2-nano", tie_word_embeddings=True).tie_word_embeddings

@@ -151,6 +151,16 @@ def test_settings_and_bad_input(capsys):
     assert "--lrs takes float values" in " ".join(capsys.readouterr().err.split())
 
 
+def test_study_settings_refuse_booleans_for_numbers(tmp_path):
+    """`steps = true` in a study's recipe trained 1 step a run (`true` read as 1)."""
+    recipe = tmp_path / "study.toml"
+    recipe.write_text("[base]\nsteps = true\n")
+    with pytest.raises(
+        K2LabError, match=r"^invalid ablation setting: base.steps: takes an integer, not true$"
+    ):
+        load_settings(AblationConfig, recipe)
+
+
 def test_recipe_is_the_settings_or_a_training_recipe_for_base(tmp_path):
     settings = tmp_path / "study.toml"
     settings.write_text(

@@ -25,10 +25,12 @@ from k2lab.agentic.sft import (
     assistant_loss,
     encode_conversations,
     load_conversations,
+    load_sft_checkpoint,
     split_conversations,
     validation_rows,
 )
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer, train_tokenizer
+from k2lab.errors import K2LabError
 from k2lab.model_dir import load_model, save_model
 from k2lab.runtime.chat import IM_END, normalize_messages, render_assistant_body
 from k2lab.runtime.chat_format import chat_format_of
@@ -95,7 +97,9 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     special = dict(
         pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
     )
-    model = build_model(load_preset("k2-nano", vocab_size=tokenizer.vocab_size, **special), seed=0)
+    # a context of 2,048: the SFT rows here (SEQ_LEN, the default 1,024) must fit it (k2-nano's own is 256)
+    config = load_preset("k2-nano", vocab_size=tokenizer.vocab_size, max_position_embeddings=2048, **special)
+    model = build_model(config, seed=0)
     save_model(model, root / "ckpt")
     tokenizer.save(root / "ckpt" / "tokenizer.json")
     data = root / "trajectories.jsonl"
@@ -266,9 +270,9 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_losses(setup, reference)
 def test_sequences_longer_than_the_checkpoints_context_are_refused(setup):
     overrides = {"sft.init_checkpoint": str(setup["ckpt"]), "sft.data": str(setup["data"])}
     with pytest.raises(
-        SFTDataError, match=r"seq_len 300 exceeds the context of .*max_position_embeddings 256"
+        SFTDataError, match=r"seq_len 4096 exceeds the context of .*max_position_embeddings 2048"
     ):
-        SFTData.from_config(load_sft_config(setup["recipe"], seq_len=300, **overrides))
+        SFTData.from_config(load_sft_config(setup["recipe"], seq_len=4096, **overrides))
 
 
 def test_malformed_lines_are_named(setup, tmp_path):
@@ -292,3 +296,12 @@ def test_malformed_lines_are_named(setup, tmp_path):
         bad.write_text(line + "\n")
         with pytest.raises(SFTDataError, match=re.escape(message)):
             load_conversations(bad)
+
+
+def test_a_checkpoint_that_is_not_a_directory_is_named_as_such(tmp_path):
+    """`k2lab sft -c nope` said "checkpoint nope has no tokenizer.json"."""
+    with pytest.raises(K2LabError, match=r"^checkpoint directory .*nope does not exist$"):
+        load_sft_checkpoint(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(K2LabError, match=r"file is a file; a checkpoint is a directory"):
+        load_sft_checkpoint(tmp_path / "file")

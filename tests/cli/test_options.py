@@ -7,7 +7,7 @@ import typer
 from pydantic import BaseModel, ConfigDict, Field
 from typer.testing import CliRunner
 
-from k2lab.cli import app
+from k2lab.cli import app, main
 from k2lab.cli.options import Opt, Profile, field_at, field_default, parse_set, runs_config
 from k2lab.errors import K2LabError
 from k2lab.recipes import read_recipe, set_dotted
@@ -220,3 +220,39 @@ def test_tuple_fields_and_a_separator_of_their_own():
     assert runner.invoke(demo, ["run"]).exit_code == 0 and seen[-1] == Styled()
     text = " ".join(runner.invoke(demo, ["run", "--help"]).output.replace("│", " ").split())
     assert "(default: qa,plain; recipe key: styles)" in text
+
+
+class Needs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    section: Section = Field(default_factory=Section)
+    source: str = Field(description="Where from.")
+    target: str = Field(description="Where to.")
+
+
+def test_a_missing_required_field_is_named_by_its_option():
+    """`k2lab sft` alone said "sft.init_checkpoint: Field required", a key the user never typed."""
+    demo = typer.Typer()
+
+    @demo.command()
+    @runs_config(Needs, options={"source": Opt("source", "--from", "-f")})
+    def run(config: Needs) -> None:
+        pass
+
+    @demo.command()
+    def other() -> None:
+        pass
+
+    result = CliRunner().invoke(demo, ["run"])
+    assert isinstance(result.exception, K2LabError)
+    assert str(result.exception) == (
+        "invalid Needs: --from/-f is required (recipe key source); target: Field required"
+    )
+
+
+def test_sft_without_arguments_names_its_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sft"])
+    assert exit_info.value.code == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert "--checkpoint/-c is required (recipe key sft.init_checkpoint)" in error
+    assert "--data is required (recipe key sft.data)" in error

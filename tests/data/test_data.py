@@ -368,7 +368,7 @@ def test_resume_with_another_batch_size_continues_the_stream():
     resumed = PackedBatches(texts, CharTokenizer(), batch_size=5, seq_len=5, seed=3)
     resumed.load_state_dict(partial.state_dict())
     assert torch.equal(next(resumed).input_ids, rows[2:7])
-    with pytest.raises(K2LabError, match="seq_len is 5, expected 6"):
+    with pytest.raises(K2LabError, match="the checkpoint's data stream has seq_len 5, this run's has 6;"):
         PackedBatches(texts, CharTokenizer(), batch_size=2, seq_len=6, seed=3).load_state_dict(
             partial.state_dict()
         )
@@ -376,6 +376,13 @@ def test_resume_with_another_batch_size_continues_the_stream():
         PackedBatches(texts, CharTokenizer(), batch_size=2, seq_len=5, seed=4).load_state_dict(
             partial.state_dict()
         )
+
+
+def test_a_resume_mismatch_says_which_value_is_the_checkpoints():
+    """It read "num_docs is 3, expected 2": backwards, the first value being the checkpoint's."""
+    saved = PackedBatches(docs("ab", "cd", "ef"), CharTokenizer(), batch_size=1, seq_len=2).state_dict()
+    with pytest.raises(K2LabError, match="the checkpoint's data stream has num_docs 3, this run's has 2;"):
+        PackedBatches(docs("ab", "cd"), CharTokenizer(), batch_size=1, seq_len=2).load_state_dict(saved)
 
 
 def test_validation_batches_are_fixed_and_unshuffled():

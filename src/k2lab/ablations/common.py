@@ -27,15 +27,13 @@ from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 
 from k2lab.ablations.report import Report
-from k2lab.config import format_validation_error
-from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 from k2lab.presets import get_preset
-from k2lab.recipes import read_recipe, set_dotted
+from k2lab.recipes import read_recipe, set_dotted, validate_config
 from k2lab.train.config import TrainConfig
 from k2lab.train.metrics import read_metrics
 from k2lab.train.trainer import run_training
@@ -127,11 +125,7 @@ def load_settings(
     """A study's settings from ``overlay`` (a profile such as ``--quick``), then ``recipe``
     (``study_recipe``), then ``overrides`` (dotted keys, None ignored); errors name the field."""
     data = merge_tables(copy.deepcopy(dict(overlay or {})), study_recipe(recipe))
-    try:
-        return settings.model_validate(set_dotted(data, overrides))
-    except ValidationError as error:
-        what = getattr(settings, "WHAT", settings.__name__)
-        raise K2LabError(f"invalid {what}: {format_validation_error(error)}") from error
+    return validate_config(settings, set_dotted(data, overrides), getattr(settings, "WHAT", None))
 
 
 def ordered_subset(names: list[str], allowed: tuple[str, ...], what: str) -> list[str]:

@@ -50,10 +50,10 @@ import torch
 import torch.nn.functional as F
 
 from k2lab.data.corpus import load_corpus
-from k2lab.data.packing import Batch, PackedBatches
+from k2lab.data.packing import Batch, PackedBatches, check_resumed_state
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
-from k2lab.model_dir import load_model
+from k2lab.model_dir import check_model_directory, load_model
 from k2lab.models import CausalLM, build_model
 from k2lab.ops.linear_cross_entropy import IGNORE_INDEX
 from k2lab.runtime.chat import normalize_messages
@@ -285,20 +285,9 @@ class ConversationRows:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; a state of other conversations or settings is a ``K2LabError``."""
-        _check_state(
-            self.state_dict(),
-            state,
-            ("version", "seed", "shuffle", "seq_len", "num_conversations", "conversations"),
-        )
+        keys = ("version", "seed", "shuffle", "seq_len", "num_conversations", "conversations")
+        check_resumed_state("SFT data stream", self.state_dict(), state, keys)
         self.epoch, self.index, self.rows = int(state["epoch"]), int(state["index"]), int(state["rows"])
-
-
-def _check_state(mine: dict[str, Any], state: dict[str, Any], keys: Sequence[str]) -> None:
-    for key in keys:
-        if state.get(key) != mine[key]:
-            raise K2LabError(
-                f"SFT data state does not match this stream: {key} is {state.get(key)!r}, expected {mine[key]!r}"
-            )
 
 
 def validation_rows(
@@ -352,7 +341,7 @@ class SFTBatches:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_state(self.state_dict(), state, ("ptx_ratio",))
+        check_resumed_state("SFT batch mix", self.state_dict(), state, ("ptx_ratio",))
         self.micro = int(state["micro"])
         self.rows.load_state_dict(state["rows"])
         if self.ptx is not None:
@@ -446,6 +435,7 @@ class SFTData(StagedData):
 
 def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
     """The tokenizer and text model of the k2lab model directory SFT starts from, checked to fit."""
+    check_model_directory(directory)
     if not (directory / "tokenizer.json").is_file():
         raise K2LabError(
             f"checkpoint {directory} has no tokenizer.json; SFT needs a k2lab model directory with its "

@@ -43,7 +43,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from k2lab.errors import K2LabError
-from k2lab.recipes import MISSING, load_config, read_recipe, unset_defaults, value_at
+from k2lab.recipes import MISSING, RecipeError, load_config, read_recipe, unset_defaults, value_at
 
 __all__ = ["Opt", "Profile", "field_at", "parse_set", "runs_config"]
 
@@ -294,6 +294,7 @@ def runs_config(
         raise TypeError("profiles need a load(recipe, overlay=..., **overrides) that applies them")
     loader = load or _default_loader(config, defaults or {})
     lists = {name: _list_item(field_at(config, option.path).annotation) for name, option in options.items()}
+    flag_names = {option.path: "/".join(_flags(name, option)) for name, option in options.items()}
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         own = list(inspect.signature(command, eval_str=True).parameters.values())
@@ -308,12 +309,19 @@ def runs_config(
             named = {options[name].path: _named_value(name, kwargs.pop(name)) for name in options}
             overrides.update({path: value for path, value in named.items() if value is not None})
             if profiles is None:
-                return command(loader(kwargs.pop("recipe"), **overrides), **kwargs)
+                return command(_load(kwargs.pop("recipe"), **overrides), **kwargs)
             chosen = [name for name in profiles if kwargs.pop(name)]
             if len(chosen) > 1:
                 raise K2LabError(f"choose one of {', '.join('--' + name for name in chosen)}")
             overlay = deepcopy(dict(profiles[chosen[0]].values)) if chosen else {}
-            return command(loader(kwargs.pop("recipe"), overlay=overlay, **overrides), **kwargs)
+            return command(_load(kwargs.pop("recipe"), overlay=overlay, **overrides), **kwargs)
+
+        def _load(recipe: Path | None, **overrides: Any) -> BaseModel:
+            """``loader``'s config; a required field it lacks is named by its option (``--checkpoint/-c``)."""
+            try:
+                return loader(recipe, **overrides)
+            except RecipeError as error:
+                raise error.naming(flag_names) from error
 
         def _named_value(name: str, value: Any) -> Any:
             item = lists[name]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,19 @@ def documents_digest(docs: Sequence[Document]) -> str:
     for document in docs:
         digest.update(f"{document.path}\0{len(document.text)}\0".encode())
     return digest.hexdigest()[:16]
+
+
+def check_resumed_state(
+    what: str, current: Mapping[str, Any], saved: Mapping[str, Any], keys: Sequence[str]
+) -> None:
+    """Refuse a checkpoint's stream position ``saved`` that belongs to other data or settings than this run's
+    ``current`` one: a ``K2LabError`` naming the first differing key and whose each value is."""
+    for key in keys:
+        if saved.get(key) != current[key]:
+            raise K2LabError(
+                f"the checkpoint's {what} has {key} {saved.get(key)!r}, this run's has {current[key]!r}; "
+                "resume with the data and settings the run started with"
+            )
 
 
 class PackedBatches:
@@ -130,14 +143,8 @@ class PackedBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; a state from another stream is a ``K2LabError`` naming the mismatch."""
-        for key, value in self.state_dict().items():
-            if (
-                key in ("version", "seed", "shuffle", "seq_len", "num_docs", "documents")
-                and state.get(key) != value
-            ):
-                raise K2LabError(
-                    f"data state does not match this stream: {key} is {state.get(key)!r}, expected {value!r}"
-                )
+        keys = ("version", "seed", "shuffle", "seq_len", "num_docs", "documents")
+        check_resumed_state("data stream", self.state_dict(), state, keys)
         self.epoch, self.index, self.offset = int(state["epoch"]), int(state["index"]), int(state["offset"])
         self.batches = int(state["batches"])
 

@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from k2lab.config import ConfigError, ModelConfig, format_validation_error
+from k2lab.config import ConfigError, ModelConfig, format_errors, format_validation_error
+from k2lab.recipes import booleans_for_numbers
 
 __all__ = [
     "Preset",
@@ -107,6 +108,9 @@ def load_preset(name: str, **overrides: object) -> ModelConfig:
             f"preset {name!r} is a vision-language preset (language model {preset.language_model!r} + a "
             f"{preset.tower} tower); this needs a text preset such as {preset.language_model!r}"
         )
+    booleans = booleans_for_numbers(ModelConfig, overrides)  # a recipe's model_overrides: true is not 1
+    if booleans:
+        raise ConfigError(f"preset {name!r} is invalid: {format_errors(booleans)}")
     try:
         return ModelConfig.model_validate({**preset.data, **overrides})
     except ValidationError as error:
