@@ -79,7 +79,8 @@ class PretrainingData(StagedData):
         """Corpus, tokenizer (trained or loaded), a fresh model and stage 0's batches; the config gets the
         tokenizer's special ids among its model overrides."""
         # before the corpus and the tokenizer: a full-size preset cannot be built on this machine
-        check_fits_in_memory(load_preset(config.preset, **config.model_overrides), "training", copies=3)
+        language = language_model_config(config.preset, **config.model_overrides)  # a VLM's decoder
+        check_fits_in_memory(language, "training", copies=3)
         corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
         if not corpus.val:  # before the tokenizer is trained: validation would find no text
             raise K2LabError(

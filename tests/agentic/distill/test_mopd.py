@@ -201,7 +201,8 @@ def test_train_experts_subset_and_resume_skips(sft_dir, tmp_path):
     logs: list[str] = []
     train_experts(sft_dir, tmp_path, config, specs, log=logs.append)
     train_experts(sft_dir, tmp_path, config, specs, log=logs.append)
-    assert "RL" in logs[0] and logs[1].endswith("skipped")
+    assert "RL" in logs[0] and logs[1].startswith(f"{specs[0].key}: iteration 1/1: mean reward ")
+    assert logs[2].endswith("skipped")
     with pytest.raises(K2LabError, match="other domains or budgets"):
         train_experts(sft_dir, tmp_path, config, [ExpertSpec("instruction", "low", 3)])
 
