@@ -228,3 +228,10 @@ def test_a_one_file_corpus_says_why_it_cannot_validate(tmp_path):
     result = k2lab("train", *small, "--data", str(corpus), "--out", str(tmp_path / "run"))
     assert_clean_error(result, "has no validation text", "holds 1 file;")
     assert "tokenizer" not in result.stdout.lower()
+
+
+def test_serve_and_rl_say_a_missing_checkpoint_does_not_exist(tmp_path):
+    """They said "has no tokenizer.json" of a directory that is not there."""
+    missing = str(tmp_path / "nowhere")
+    assert_clean_error(k2lab("serve", "-c", missing), "checkpoint directory", "does not exist")
+    assert_clean_error(k2lab("rl", "-c", missing, "--out", str(tmp_path / "run")), "does not exist")

@@ -302,13 +302,13 @@ def serve(
     import uvicorn
 
     from k2lab.data import load_tokenizer
-    from k2lab.model_dir import load_model
+    from k2lab.model_dir import check_model_directory, load_model
     from k2lab.serve import Engine
     from k2lab.serve.background_compile import background_compiles
     from k2lab.serve.server import build_app
     from k2lab.serve.threads import hand_threads_to_engine
 
-    if not (checkpoint / "tokenizer.json").is_file():
+    if not (check_model_directory(checkpoint) / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: the server renders chats to text and back")
     threads = hand_threads_to_engine()  # one OpenMP team, the engine's
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")

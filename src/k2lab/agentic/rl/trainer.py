@@ -71,7 +71,7 @@ from k2lab.agentic.rl.envs import EnvMixture, build_env
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
-from k2lab.model_dir import load_model, save_model
+from k2lab.model_dir import check_model_directory, load_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
@@ -558,7 +558,7 @@ def run_rl(
     """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
     ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
     False refuses to run over them instead). ``env`` replaces the mixture of ``config.envs``."""
-    checkpoint, out = Path(checkpoint), Path(out_dir)
+    checkpoint, out = check_model_directory(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
     claim_run_directory(
