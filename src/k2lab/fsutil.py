@@ -83,25 +83,36 @@ def is_model_directory(directory: Path) -> bool:
     return False
 
 
+def holds(directory: Path, path: Path) -> bool:
+    """Whether ``directory`` is ``path`` or one of its ancestors (resolved): writing it whole would take
+    ``path`` with it."""
+    outer, inner = directory.resolve(), path.resolve()
+    return outer == inner or outer in inner.parents
+
+
+def other_entries(directory: Path) -> str | None:
+    """The first entries of a non-empty ``directory`` for a refusal ("a, b, c, d, …"), None when it is
+    empty."""
+    entries = sorted(entry.name for entry in directory.iterdir())
+    return ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "") if entries else None
+
+
 def check_replaceable(target: Path, what: str, source: Path | None = None) -> None:
     """Refuse (``CheckpointError``) to write ``what`` (a model directory) at ``target`` where that would lose
     anything else: ``target`` must be new, empty, or an earlier model (``is_model_directory``), and
     must not be ``source`` or hold it. ``staged_directory`` replaces the whole directory, and an export to a
     directory of other files, to its own run or to a parent of it deleted them all."""
-    if source is not None:
-        resolved, inside = target.resolve(), source.resolve()
-        if resolved == inside or resolved in inside.parents:
-            raise CheckpointError(
-                f"{target} holds the source {source}: writing {what} there would replace it; choose another "
-                "directory"
-            )
+    if source is not None and holds(target, source):
+        raise CheckpointError(
+            f"{target} holds the source {source}: writing {what} there would replace it; choose another "
+            "directory"
+        )
     if not target.exists():
         return
     if not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
-    entries = sorted(entry.name for entry in target.iterdir())
-    if entries and not is_model_directory(target):
-        shown = ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "")
+    shown = other_entries(target)
+    if shown is not None and not is_model_directory(target):
         raise CheckpointError(
             f"{target} holds other files ({shown}) and no earlier model; writing {what} replaces the whole "
             "directory, so choose a new or empty one"
@@ -113,8 +124,7 @@ def check_replaceable_file(target: Path, what: str, source: Path, magic: bytes) 
     would lose anything: ``target`` must not be or lie inside ``source``, and an existing ``target`` must be a
     regular file that starts with ``magic`` (an earlier file of this kind). A GGUF export onto the source's own
     model.safetensors, onto a notes file or onto a FIFO replaced each of them."""
-    resolved, inside = target.resolve(), source.resolve()
-    if resolved == inside or inside in resolved.parents:
+    if holds(source, target):
         raise CheckpointError(
             f"{target} lies inside the source {source}: writing {what} there would change it"
         )
@@ -184,6 +194,16 @@ def read_json_object(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} should hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def check_format_version(manifest: dict[str, Any], source: Path, newest: int) -> None:
+    """``CheckpointError`` unless ``manifest``'s ``version`` is one this code reads: an integer from 1 to
+    ``newest`` (the version it writes)."""
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= newest:
+        raise CheckpointError(
+            f"{source}: version {version!r} is not supported (this k2lab reads versions 1 … {newest})"
+        )
 
 
 def save_figure_atomically(figure: Any, target: Path, dpi: int = 100) -> Path:

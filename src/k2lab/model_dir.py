@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, save_tensors, staged_directory
+from k2lab.fsutil import check_format_version, read_json_object, save_tensors, staged_directory
 from k2lab.hf import from_hf
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
@@ -120,11 +120,7 @@ def _load_own(path: Path, dtype: torch.dtype) -> CausalLM | VisionLanguageModel:
 def check_manifest_version(manifest: dict, source: Path) -> None:
     """``CheckpointError`` unless ``manifest`` has a ``version`` this code reads (an integer, 1 … ``VERSION``)
     and a known ``kind`` (absent, or ``"vlm"``)."""
-    version = manifest.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
-        raise CheckpointError(
-            f"{source}: version {version!r} is not supported (this k2lab reads versions 1 … {VERSION})"
-        )
+    check_format_version(manifest, source, VERSION)
     if manifest.get("kind") not in KINDS:
         raise CheckpointError(f"{source}: kind {manifest.get('kind')!r} is unknown (expected none or 'vlm')")
 

@@ -798,27 +798,24 @@ def test_a_weight_of_a_non_float_dtype_is_refused(single: Path, dtype: torch.dty
         from_hf(single)
 
 
-def test_an_fp8_weight_in_another_fp8_format_is_refused_even_with_scales(single: Path):
+@pytest.mark.parametrize(
+    ("weight_dtype", "scale_dtype", "refused"),
+    [
+        (torch.float8_e5m2, torch.float32, "{key} F8_E5M2"),  # another FP8 format, even with its scales
+        (torch.float8_e4m3fn, torch.int32, "{key}_scale_inv I32"),  # integer block scales
+    ],
+)
+def test_fp8_weights_and_scales_of_other_dtypes_are_refused(
+    single: Path, weight_dtype: torch.dtype, scale_dtype: torch.dtype, refused: str
+):
     key = "model.layers.0.self_attn.o_proj.weight"
 
     def edit(state: dict[str, torch.Tensor]) -> None:
-        state[key] = state[key].to(torch.float8_e5m2)
-        state[key + "_scale_inv"] = torch.ones(1, 1)
+        state[key] = state[key].to(weight_dtype)
+        state[key + "_scale_inv"] = torch.ones(1, 1, dtype=scale_dtype)
 
     _edit_single(single, edit)
-    with pytest.raises(CheckpointError, match=f"wrongly typed tensor: {key} F8_E5M2"):
-        from_hf(single)
-
-
-def test_integer_block_scales_are_refused(single: Path):
-    key = "model.layers.0.self_attn.o_proj.weight"
-
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        state[key] = state[key].to(torch.float8_e4m3fn)
-        state[key + "_scale_inv"] = torch.ones(1, 1, dtype=torch.int32)
-
-    _edit_single(single, edit)
-    with pytest.raises(CheckpointError, match=f"wrongly typed tensor: {key}_scale_inv I32"):
+    with pytest.raises(CheckpointError, match=f"wrongly typed tensor: {refused.format(key=key)}"):
         from_hf(single)
 
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import read_json_object, save_tensors, staged_directory
+from k2lab.fsutil import check_format_version, read_json_object, save_tensors, staged_directory
 from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_step, reads_bf16
@@ -362,11 +362,8 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
 def _check_draft_manifest(manifest: dict[str, Any], source: Path) -> None:
     """``CheckpointError`` unless ``manifest`` has a version this code reads, a known kind and a config
     object."""
-    version, kind = manifest.get("version"), manifest.get("kind")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= DRAFT_VERSION:
-        raise CheckpointError(
-            f"{source}: version {version!r} is not supported (this k2lab reads versions 1 … {DRAFT_VERSION})"
-        )
+    check_format_version(manifest, source, DRAFT_VERSION)
+    kind = manifest.get("kind")
     if kind not in DRAFT_KINDS:
         raise CheckpointError(f"{source}: kind {kind!r} is unknown (expected one of {list(DRAFT_KINDS)})")
     if not isinstance(manifest.get("config"), dict):

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text, make_directory
+from k2lab.fsutil import atomic_write_text, holds, make_directory, other_entries
 
 __all__ = ["RUN_MARKER", "claim_run_directory"]
 
@@ -50,8 +50,7 @@ def claim_run_directory(
 
 
 def _refuse_holding(run_dir: Path, source: Path) -> None:
-    resolved, inside = run_dir.resolve(), source.resolve()
-    if resolved == inside or resolved in inside.parents:
+    if holds(run_dir, source):
         raise K2LabError(
             f"the run directory {run_dir} holds {source}, which this run reads: the run writes model/, "
             "checkpoints/ and its logs there; choose another --out"
@@ -61,9 +60,8 @@ def _refuse_holding(run_dir: Path, source: Path) -> None:
 def _refuse_foreign(run_dir: Path) -> None:
     if not run_dir.is_dir():
         return  # make_directory says so
-    entries = sorted(entry.name for entry in run_dir.iterdir())
-    if entries and not any((run_dir / name).exists() for name in (RUN_MARKER, *LEGACY_MARKERS)):
-        shown = ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "")
+    shown = other_entries(run_dir)
+    if shown is not None and not any((run_dir / name).exists() for name in (RUN_MARKER, *LEGACY_MARKERS)):
         raise K2LabError(
             f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; a run writes model/, "
             "metrics.jsonl and more there, so choose a new or empty --out"
