@@ -53,3 +53,17 @@ def test_an_empty_name_or_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(K2LabError, match="is not a directory"):
         claim_run_directory(tmp_path / "afile", "train")
+
+
+def test_the_marker_is_written_only_after_every_check_and_the_hook(tmp_path):
+    """Under torchrun rank 0 wrote run.json (through a temporary sibling) while rank 1 was still checking the
+    directory, and rank 1 refused it as holding another's file; the ranks' barrier now runs in between."""
+    seen = []
+    run = tmp_path / "run"
+    claim_run_directory(run, "train", checked=lambda: seen.append(sorted(p.name for p in run.iterdir())))
+    assert seen == [[]] and (run / RUN_MARKER).is_file()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("x")
+    with pytest.raises(K2LabError, match="not a k2lab run"):
+        claim_run_directory(tmp_path / "foreign", "train", checked=lambda: seen.append("reached"))
+    assert seen == [[]]  # a refused directory never reaches the hook

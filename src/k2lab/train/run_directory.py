@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from k2lab.errors import K2LabError
@@ -31,10 +31,14 @@ def claim_run_directory(
     command: str,
     reads: Iterable[str | os.PathLike[str] | None] = (),
     write: bool = True,
+    checked: Callable[[], None] = lambda: None,
 ) -> Path:
     """Check ``out`` (module docstring), make it and write ``RUN_MARKER`` there (``write``: False on the ranks of
     a distributed run other than the first). ``reads``: the directories the run loads from (None entries are
-    skipped). Raises ``K2LabError`` naming the problem, before anything is written."""
+    skipped). Raises ``K2LabError`` naming the problem, before anything is written. ``checked`` runs once the
+    checks have passed, before the marker is written: a distributed run's barrier, so that no rank is still
+    looking at the directory while the first writes the marker (through a temporary sibling, which a rank
+    checking then took for a file of someone else's: the run failed)."""
     if not str(out).strip():
         raise K2LabError("the run directory (--out) is empty; name a directory for the run")
     run_dir = Path(out)
@@ -43,6 +47,7 @@ def claim_run_directory(
     if run_dir.exists():
         _refuse_foreign(run_dir)
     make_directory(run_dir, "the run directory")
+    checked()
     if write and not (run_dir / RUN_MARKER).is_file():
         marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")

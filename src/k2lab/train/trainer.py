@@ -273,7 +273,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         # before the corpus and the model: a run directory that cannot be made, or not without loss, fails first
         reads = [config.sft.init_checkpoint if config.sft is not None else None]
         run_dir = claim_run_directory(
-            config.out, "sft" if config.sft else "train", reads, distributed.is_main()
+            config.out, "sft" if config.sft else "train", reads, distributed.is_main(), distributed.barrier
         )
         if list_checkpoints(run_dir) and not resume:
             raise K2LabError(
