@@ -155,6 +155,17 @@ def test_missing_or_empty_directory_is_a_clear_error(tmp_path):
         load_corpus(tmp_path, val_fraction=1.0)
 
 
+def test_files_that_are_not_utf8_are_named_in_the_corpus_line(tmp_path):
+    (tmp_path / "good.txt").write_text("caf\u00e9 ok")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 latin-1".encode("latin-1"))
+    corpus = load_corpus(tmp_path, val_fraction=0.0)
+    assert corpus.not_utf8 == ("latin1.txt",)
+    assert "1 files are not UTF-8" in str(corpus) and "latin1.txt" in str(corpus)
+    assert sorted(d.text for d in corpus.train) == ["caf\u00e9 ok", "caf\ufffd latin-1"]
+    (tmp_path / "latin1.txt").unlink()
+    assert "UTF-8" not in str(load_corpus(tmp_path, val_fraction=0.0))
+
+
 def test_max_bytes_keeps_a_deterministic_sample(corpus):
     capped = load_corpus(Path(corpus.root), val_fraction=0.1, max_bytes=corpus.num_bytes // 3)
     assert 0 < capped.num_bytes <= corpus.num_bytes // 3 and capped.num_files < corpus.num_files

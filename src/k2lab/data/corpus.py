@@ -49,7 +49,9 @@ class Corpus:
     """Documents split into ``train`` and ``val`` (disjoint by source file, each sorted by path).
 
     ``fingerprint`` is a SHA-256 hex digest over every kept file's relative path, split and contents: it
-    changes exactly when the documents or the split change, and names cached tokenizers.
+    changes exactly when the documents or the split change, and names cached tokenizers. ``not_utf8``
+    lists the files whose bytes are not valid UTF-8 (read with U+FFFD for each undecodable byte), so the
+    run's summary line says so instead of training on mangled text unannounced.
     """
 
     name: str
@@ -59,12 +61,19 @@ class Corpus:
     fingerprint: str
     num_files: int
     num_bytes: int
+    not_utf8: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"{self.name}: {self.num_files} files, {self.num_bytes / 1e6:.1f} MB, "
             f"{len(self.train)} train / {len(self.val)} val documents"
         )
+        if self.not_utf8:
+            text += (
+                f"; {len(self.not_utf8)} files are not UTF-8 and their undecodable bytes read as U+FFFD "
+                f"(first: {self.not_utf8[0]})"
+            )
+        return text
 
 
 def load_corpus(
@@ -145,16 +154,29 @@ def build_corpus(name: str, root: Path, files: list[str], val_fraction: float) -
     train: list[Document] = []
     val: list[Document] = []
     num_bytes = 0
+    not_utf8 = []
     for relative in files:
         data = read_bytes(root / relative)
         num_bytes += len(data)
+        text = decode_text(data)
+        if text is None:
+            not_utf8.append(relative)
+            text = data.decode("utf-8", errors="replace")
         in_val = relative in val_files
         digest.update(f"{relative}\0{'val' if in_val else 'train'}\0{len(data)}\0".encode())
         digest.update(hashlib.sha256(data).digest())
-        (val if in_val else train).extend(parse_documents(relative, data, root))
+        (val if in_val else train).extend(parse_documents(relative, text, root))
     if not train and not val:
         raise K2LabError(f"corpus directory {root} holds no text (every record is empty)")
-    return Corpus(name, str(root), train, val, digest.hexdigest(), len(files), num_bytes)
+    return Corpus(name, str(root), train, val, digest.hexdigest(), len(files), num_bytes, tuple(not_utf8))
+
+
+def decode_text(data: bytes) -> str | None:
+    """``data`` decoded as UTF-8, or None where it is not valid UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def read_bytes(file: Path) -> bytes:
@@ -165,9 +187,8 @@ def read_bytes(file: Path) -> bytes:
         raise K2LabError(f"corpus file {file} cannot be read ({error.strerror or error})") from error
 
 
-def parse_documents(relative: str, data: bytes, root: Path) -> list[Document]:
+def parse_documents(relative: str, text: str, root: Path) -> list[Document]:
     """The documents in one file: the whole text, or one per JSON-lines record (blank lines skipped)."""
-    text = data.decode("utf-8", errors="replace")
     if not relative.endswith(".jsonl"):
         return [Document(relative, text)]
     documents = []
