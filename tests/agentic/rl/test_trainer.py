@@ -137,6 +137,13 @@ def test_temperature_schedule():
     assert temperature_at(3, 1.2, 0.0, 0.9) == pytest.approx(1.2 * 0.729)
 
 
+def test_a_ptx_corpus_without_a_ptx_weight_is_refused():
+    with pytest.raises(ValueError, match="ptx_weight is 0, so no PTX loss would be trained"):
+        RLConfig(ptx_data="corpus")
+    assert RLConfig(ptx_data="corpus", ptx_weight=0.1).ptx_data == "corpus"
+    assert RLConfig(ptx_weight=0.1).ptx_data is None  # the embedded corpus
+
+
 def test_budget_penalty_numbers():
     assert budget_penalty(10, 8, 0.1) == pytest.approx(0.1 * 2 / 8)
     assert budget_penalty(20, 8, 0.1) == pytest.approx(0.1)  # capped at λ

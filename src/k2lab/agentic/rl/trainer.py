@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from k2lab.agentic.episodes.env import Environment
 from k2lab.agentic.episodes.rollout import (
@@ -124,7 +124,9 @@ class RLConfig(BaseModel):
     )
     budget_penalty: float = Field(default=0.1, ge=0, description="λ of the token-budget penalty.")
     updates_per_iteration: int = Field(default=2, ge=1, description="Optimizer steps per iteration.")
-    ptx_data: str | None = Field(default=None, description="PTX corpus directory.")
+    ptx_data: str | None = Field(
+        default=None, description="PTX corpus directory (unset: the embedded corpus, when ptx_weight > 0)."
+    )
     ptx_weight: float = Field(default=0.0, ge=0, description="α of the PTX loss (0: off).")
     ptx_batch_size: int = Field(default=2, ge=1)
     ptx_seq_len: int = Field(default=64, ge=2)
@@ -150,6 +152,15 @@ class RLConfig(BaseModel):
         description="Local rollouts: a row that ends its turn leaves the batched decode (GenerationConfig).",
     )
     seed: int = Field(default=0, description="Run seed (tasks and sampling).")
+
+    @model_validator(mode="after")
+    def _ptx_data_needs_a_weight(self) -> RLConfig:
+        if self.ptx_data is not None and self.ptx_weight == 0:
+            raise ValueError(
+                f"ptx_data={self.ptx_data!r} is set but ptx_weight is 0, so no PTX loss would be trained: "
+                "give ptx_weight > 0 (--ptx-weight) or leave ptx_data unset"
+            )
+        return self
 
 
 # ------------------------------------------------------------------------------------------ the math
@@ -251,7 +262,7 @@ class RLTrainer(IterativeTrainer):
     # ---- setup and persistence
     def _ptx_stream(self) -> Any:
         config = self.config
-        if config.ptx_data is None or config.ptx_weight == 0:
+        if config.ptx_weight == 0:
             return None
         corpus = load_corpus(config.ptx_data)
         docs = corpus.train or corpus.val
