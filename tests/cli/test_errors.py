@@ -142,6 +142,9 @@ def test_writers_refuse_to_replace_a_directory_of_other_files(tmp_path):
     assert (model / "model.safetensors").read_bytes() == weights and (
         mixed / "precious.txt"
     ).read_text() == "keep"
+    new_dir = tmp_path / "new"  # "new/" names a directory: no file called new appears
+    assert_clean_error(k2lab("export", str(model), "--out", f"{new_dir}/", *gguf), "names a directory")
+    assert not new_dir.exists()
 
 
 def test_unreadable_recipes_and_run_directories_get_one_line(tmp_path):

@@ -217,7 +217,9 @@ def _parameter(
 ) -> inspect.Parameter:
     kind, _ = _option_type(field_at(config, option.path).annotation)
     text = option_help(config, name, option, defaults, profiles)
-    info = typer.Option(*_flags(name, option), help=text, show_default=False, envvar=option.envvar)
+    info = typer.Option(
+        *_flags(name, option), help=text, show_default=False, envvar=option.envvar, path_type=str
+    )
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, info]
     )

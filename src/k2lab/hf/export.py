@@ -34,13 +34,14 @@ before anything is written.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
@@ -123,6 +124,20 @@ class ExportConfig(BaseModel):
     def _size(cls, value: str) -> str:
         parse_size(value)
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_out_names_a_file(cls, data: Any) -> Any:
+        """``out`` as given: ``new/`` names a directory, which a GGUF export (one file) must not be written as
+        (``Path`` drops the slash, and a file called ``new`` appeared)."""
+        if isinstance(data, dict) and data.get("format") == "gguf":
+            out = str(data.get("out", ""))
+            if out.endswith(("/", os.sep)):
+                raise ValueError(
+                    f"out={out!r} names a directory; format gguf writes one file: give its path "
+                    f"(say {out}model.gguf)"
+                )
+        return data
 
 
 def generation_config(
