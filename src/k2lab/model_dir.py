@@ -43,10 +43,12 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def tied_head_key(model: torch.nn.Module) -> str | None:
-    """The state-dict key of a head tied to the embedding (not stored), or None."""
+    """The state-dict key of a head tied to the embedding (not stored), or None (also for a module that is
+    not a whole model, such as a draft's MTP block)."""
     if isinstance(model, VisionLanguageModel):
         return "language_model.lm_head.weight" if model.config.text.tie_word_embeddings else None
-    return "lm_head.weight" if model.config.tie_word_embeddings else None
+    config = getattr(model, "config", None)
+    return "lm_head.weight" if config is not None and config.tie_word_embeddings else None
 
 
 def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLike[str]) -> Path:
@@ -127,7 +129,8 @@ def check_manifest_version(manifest: dict, source: Path) -> None:
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Raise ``CheckpointError`` listing missing, unexpected, mis-shaped and wrongly typed tensors (a
-    floating-point parameter stored as integers, booleans or FP8)."""
+    floating-point parameter stored as integers, booleans or FP8) of ``state`` for ``model`` (a whole model
+    or a module such as a draft's)."""
     reference = model.state_dict()
     expected = {key: tuple(value.shape) for key, value in reference.items()}
     expected.pop(tied_head_key(model), None)

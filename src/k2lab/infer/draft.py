@@ -52,6 +52,7 @@ from k2lab.infer.compiled import CompileMode, decode_step, reads_bf16
 from k2lab.infer.decode_weights import bf16_twin
 from k2lab.infer.draft_vocab import DraftVocab
 from k2lab.infer.rollback import CacheWindow, ensure_room
+from k2lab.model_dir import check_state_dict
 from k2lab.models.decoder import CausalLM
 from k2lab.models.mtp import MultiTokenPrediction
 from k2lab.nn.decode_linear import decode_linear
@@ -354,7 +355,7 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
             f"{path / DRAFT_MANIFEST}: invalid config: {format_validation_error(error)}"
         ) from error
     module = MultiTokenPrediction(config, 1).to(param.device)
-    _check_draft_weights(module, state, path / DRAFT_WEIGHTS)
+    check_state_dict(module, state, str(path / DRAFT_WEIGHTS))
     module.load_state_dict(state)
     return EagleDraft(target, module.to(param.dtype).eval(), vocab)
 
@@ -368,22 +369,6 @@ def _check_draft_manifest(manifest: dict[str, Any], source: Path) -> None:
         raise CheckpointError(f"{source}: kind {kind!r} is unknown (expected one of {list(DRAFT_KINDS)})")
     if not isinstance(manifest.get("config"), dict):
         raise CheckpointError(f"{source}: config {manifest.get('config')!r} should be a JSON object")
-
-
-def _check_draft_weights(module: nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
-    """One-line ``CheckpointError`` naming the first few tensors of ``state`` that are missing, unexpected,
-    mis-shaped or not floating point for ``module``."""
-    expected = module.state_dict()
-    problems = [f"missing {key}" for key in expected if key not in state]
-    problems += [f"unexpected {key}" for key in state if key not in expected]
-    for key in expected.keys() & state.keys():
-        if state[key].shape != expected[key].shape:
-            problems.append(f"{key} {tuple(state[key].shape)} (expected {tuple(expected[key].shape)})")
-        elif not state[key].is_floating_point():
-            problems.append(f"{key} {state[key].dtype} (expected floating point)")
-    if problems:
-        more = f", ... and {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise CheckpointError(f"{source} does not match its config: {', '.join(sorted(problems)[:5])}{more}")
 
 
 def _saved_vocab(ids: torch.Tensor | None, declared: Any, target: CausalLM, path: Path) -> DraftVocab | None:
