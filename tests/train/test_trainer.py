@@ -1,6 +1,7 @@
 """The training loop end to end on a tiny corpus: metrics, checkpoints, and exact resume after SIGKILL."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -119,6 +120,56 @@ def test_refuses_to_overwrite_a_run(tmp_path, corpus):
     run_training(config)
     with pytest.raises(K2LabError, match="--resume"):
         run_training(config)
+
+
+def poison_step(monkeypatch, step: int, field: str) -> None:
+    """Make the loss or gradient norm of 1-based ``step`` NaN, as a diverging run's would be."""
+    from k2lab.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def poisoned(self):
+        result, loads = original(self)
+        if self.step + 1 == step:
+            setattr(result, field, math.nan)
+        return result, loads
+
+    monkeypatch.setattr(Trainer, "train_step", poisoned)
+
+
+@pytest.mark.parametrize("field", ["loss", "grad_norm"])
+def test_a_diverged_step_stops_the_run_and_a_resume_goes_on_from_the_last_good_checkpoint(
+    tmp_path, corpus, monkeypatch, field
+):
+    from k2lab.train.divergence import TrainingDiverged
+    from k2lab.train.run_checkpoints import list_checkpoints
+
+    out = tmp_path / "run"
+    config = load_train_config(recipe(tmp_path, corpus, out, steps=6))
+    poison_step(monkeypatch, 5, field)
+    with pytest.raises(TrainingDiverged, match="diverged at step 5: .*newest checkpoint is step 3") as error:
+        run_training(config)
+    assert error.value.step == 5
+    assert [step for step, _ in list_checkpoints(out)] == [3]  # nothing after step 4 was saved
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and math.isnan(rows[-1][field])
+    assert not (out / "model").exists() and not (out / "summary.json").exists()
+    monkeypatch.undo()
+    assert run_training(config, resume=True)["steps"] == 6
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_a_study_records_a_diverged_run_as_its_result(tmp_path, corpus, monkeypatch):
+    from k2lab.ablations.common import train_or_reuse
+
+    config = load_train_config(recipe(tmp_path, corpus, tmp_path / "run", steps=4))
+    poison_step(monkeypatch, 2, "loss")
+    summary, reused = train_or_reuse(config, keep_weights=False)
+    assert not reused and math.isnan(summary["val_loss"]) and summary["steps"] == 1
+    assert "diverged at step 2" in summary["diverged"]
+    again, reused = train_or_reuse(config, keep_weights=False)  # a finished result: not trained again
+    assert reused and again["diverged"] == summary["diverged"]
 
 
 @pytest.mark.timeout(300)

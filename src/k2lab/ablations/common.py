@@ -35,6 +35,7 @@ from k2lab.fsutil import atomic_write_text
 from k2lab.presets import get_preset
 from k2lab.recipes import read_recipe, set_dotted, validate_config
 from k2lab.train.config import TrainConfig
+from k2lab.train.divergence import TrainingDiverged
 from k2lab.train.metrics import read_metrics
 from k2lab.train.trainer import run_training
 
@@ -188,7 +189,9 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
 
     Returns the run's summary (with ``seconds``, the wall time of the training call, and ``cpu_seconds``,
     the CPU time this process spent in it over all its threads) and whether it was reused. A directory
-    with an unfinished or different run is wiped first: it belongs to the study.
+    with an unfinished or different run is wiped first: it belongs to the study. A run that diverges
+    (``TrainingDiverged``) is a result, not a failure: its summary has a NaN ``val_loss``, the steps it
+    applied and the reason under ``diverged``.
     """
     run_dir = Path(config.out)
     marker = run_dir / RUN_MARKER
@@ -203,7 +206,10 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
     if run_dir.exists():
         shutil.rmtree(run_dir)
     start, cpu_start = time.perf_counter(), time.process_time()
-    summary = dict(run_training(config))
+    try:
+        summary = dict(run_training(config))
+    except TrainingDiverged as error:  # an outcome of the study: the run's curve ends where it diverged
+        summary = {"val_loss": math.nan, "steps": error.step - 1, "diverged": str(error)}
     summary["seconds"] = time.perf_counter() - start
     summary["cpu_seconds"] = time.process_time() - cpu_start
     if not keep_weights:

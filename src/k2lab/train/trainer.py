@@ -47,6 +47,7 @@ from k2lab.train.compile import compile_decision, compiled
 from k2lab.train.config import TrainConfig
 from k2lab.train.dashboard import plot_dashboard
 from k2lab.train.data import TrainingData, language_model
+from k2lab.train.divergence import check_finite_step
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
@@ -73,6 +74,11 @@ class StepResult:
     tokens: int
     mtp_loss: float | None = None  # mean over depths, without λ (only with MTP modules)
     mtp_top1: float | None = None
+
+    @property
+    def finite(self) -> bool:
+        """Whether the loss and the gradient norm are finite (``k2lab.train.divergence``)."""
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
 class Trainer:
@@ -355,6 +361,8 @@ def train_loop(trainer: Trainer, data: TrainingData, metrics: MetricsLogger) -> 
                 console.print(f"step {trainer.step}: {change}")
             start = time.perf_counter()
             result, loads = trainer.train_step()
+            if not result.finite:
+                stop_diverged(trainer, result, loads, metrics, checkpoints, time.perf_counter() - start)
             stats = trainer.update(loads)
             seconds = time.perf_counter() - start
             trainer.step += 1
@@ -376,6 +384,23 @@ def train_loop(trainer: Trainer, data: TrainingData, metrics: MetricsLogger) -> 
                 if distributed.is_main():
                     checkpoints.save(run_dir, trainer.step, state, config.keep_last)
     return val_loss
+
+
+def stop_diverged(
+    trainer: Trainer,
+    result: StepResult,
+    loads: list[torch.Tensor],
+    metrics: MetricsLogger,
+    checkpoints: CheckpointWriter,
+    seconds: float,
+) -> None:
+    """Raise ``TrainingDiverged`` for the step of ``result`` before its update, once the checkpoint in
+    flight is durable (so the error names the newest one) and the step's loss, gradient norm and expert loads
+    are logged."""
+    checkpoints.wait()
+    step = trainer.step + 1
+    metrics.log(step, trainer.metrics(result, {}, loads, seconds))
+    check_finite_step(step, result.loss, result.grad_norm, trainer.config.optimizer.lr, trainer.run_dir)
 
 
 def finish_run(trainer: Trainer, data: TrainingData, val_loss: float) -> dict[str, Any]:
