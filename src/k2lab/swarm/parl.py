@@ -57,6 +57,7 @@ from k2lab.posttrain.objective import k15_loss
 from k2lab.posttrain.scoring import sequence_log_ratio, turn_logprobs
 from k2lab.swarm.orchestrator import SwarmEnv, swarm_metrics
 from k2lab.swarm.tasks import parse_facts, split_seeds
+from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 
 __all__ = [
@@ -416,6 +417,10 @@ class ParlTrainer(IterativeTrainer):
                 groups
             )
             loss.backward()
+            parameters = self.orchestrator.parameters()
+            check_finite_update(
+                self.iteration, loss, parameters, self.config.lr, self.out, "iteration", self.checkpoints
+            )
             self.optimizer.step()
             self.optimizer.zero_grad()
         return float(loss.detach())

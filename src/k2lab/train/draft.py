@@ -41,6 +41,7 @@ from k2lab.model_dir import load_model
 from k2lab.models.decoder import CausalLM
 from k2lab.models.init import init_weights
 from k2lab.models.mtp import MultiTokenPrediction
+from k2lab.train.divergence import check_finite_step
 from k2lab.train.draft_config import DraftTrainConfig
 
 Log = Callable[[str], None]
@@ -224,7 +225,8 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
         first = first or {f"first_{key}": value for key, value in metrics.items()}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0))
+        check_finite_step(step, float(loss.detach()), norm, config.lr, None)
         optimizer.step()
         schedule.step()
         if step % 50 == 0 or step == config.steps:

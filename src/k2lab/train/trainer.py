@@ -394,13 +394,12 @@ def stop_diverged(
     checkpoints: CheckpointWriter,
     seconds: float,
 ) -> None:
-    """Raise ``TrainingDiverged`` for the step of ``result`` before its update, once the checkpoint in
-    flight is durable (so the error names the newest one) and the step's loss, gradient norm and expert loads
-    are logged."""
-    checkpoints.wait()
-    step = trainer.step + 1
+    """Raise ``TrainingDiverged`` for the step of ``result`` before its update, once the step's loss,
+    gradient norm and expert loads are logged and the checkpoint in flight is durable (the error names the
+    newest one)."""
+    step, lr = trainer.step + 1, trainer.config.optimizer.lr
     metrics.log(step, trainer.metrics(result, {}, loads, seconds))
-    check_finite_step(step, result.loss, result.grad_norm, trainer.config.optimizer.lr, trainer.run_dir)
+    check_finite_step(step, result.loss, result.grad_norm, lr, trainer.run_dir, pending=checkpoints)
 
 
 def finish_run(trainer: Trainer, data: TrainingData, val_loss: float) -> dict[str, Any]:

@@ -6,6 +6,7 @@ that resumes to the uninterrupted run's metrics, and EndpointPolicy against `k2l
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -422,6 +423,30 @@ def test_update_raises_the_better_response_of_a_group(small_tokenizer, tmp_path)
         after = [float(x.sum()) for x in trainer.token_logprobs(turns)]
     assert losses["loss"] == pytest.approx(0.25)  # (1/2)·((1 − .5)² + (0 − .5)²) with zero log-ratios
     assert (after[0] - before[0]) - (after[1] - before[1]) > 0
+
+
+def test_a_nan_update_is_refused_before_the_optimizer_step(small_tokenizer, tmp_path, monkeypatch):
+    """An RL update whose loss is NaN (as a diverging policy's would be) raises and leaves the weights."""
+    from k2lab.agentic.episodes.env import Episode
+    from k2lab.agentic.episodes.rollout import Turn
+    from k2lab.agentic.rl.trainer import Group
+    from k2lab.train.divergence import TrainingDiverged
+
+    trainer = RLTrainer(nano_model(), small_tokenizer, RLConfig(envs=["arithmetic"]), tmp_path)
+    prompt = small_tokenizer.encode(
+        "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
+    episode = Episode(env="arithmetic", seed=0, task_id="t", messages=[])
+    episode.finish(True, "solved")
+    members = [Rollout(episode, [Turn(prompt, small_tokenizer.encode(text), 0)]) for text in ("a", "b")]
+    original = RLTrainer._rl_loss
+    monkeypatch.setattr(RLTrainer, "_rl_loss", lambda self, *a: (original(self, *a)[0] * math.nan, 0))
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(
+        TrainingDiverged, match="diverged at iteration 0: loss nan.*no checkpoint was written"
+    ):
+        trainer._update([Group("g", 0, members)], [[1.0, 0.0]], iteration=0)
+    assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
 
 
 # ---- the enforced policy's log-probs

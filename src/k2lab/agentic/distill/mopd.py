@@ -74,6 +74,7 @@ from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import budget_penalty
 from k2lab.posttrain.scoring import turn_logprobs
+from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 from k2lab.train.run_directory import claim_run_directory
 
@@ -306,6 +307,10 @@ class MOPDTrainer(IterativeTrainer):
                 loss = mopd_loss(student_logp, target)
                 result["reverse_kl"] = round(float((student_logp.detach() - target).mean()), 6)
             loss.backward()
+            lr = self.config.optimizer.lr
+            check_finite_update(
+                self.step, loss, self.student.parameters(), lr, self.out, pending=self.checkpoints
+            )
             self.optimizer.step()
             self.optimizer.zero_grad()
             result.update(loss=round(float(loss.detach()), 6), trained_tokens=int(student_logp.shape[0]))

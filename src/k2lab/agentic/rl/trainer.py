@@ -77,6 +77,7 @@ from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs
+from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 from k2lab.train.run_checkpoints import list_checkpoints
 from k2lab.train.run_directory import claim_run_directory
@@ -415,6 +416,10 @@ class RLTrainer(IterativeTrainer):
                 total = total + self.config.ptx_weight * ptx_loss
                 result["ptx_loss"] = float(ptx_loss.detach())
             total.backward()
+            lr = self.config.optimizer.lr
+            check_finite_update(
+                self.iteration, total, self.model.parameters(), lr, self.out, "iteration", self.checkpoints
+            )
             self.optimizer.step()
             self.optimizer.zero_grad()
         return result
