@@ -12,6 +12,7 @@ import torch
 
 from k2lab.data.corpus import load_corpus
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_END, train_tokenizer
+from k2lab.errors import K2LabError
 from k2lab.infer.cache import LatentCache
 from k2lab.model_dir import load_model
 from k2lab.presets.vision_language import load_vlm_preset
@@ -19,7 +20,15 @@ from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.sections import VisionDataConfig
 from k2lab.train.trainer import run_training
-from k2lab.vision.mixture import IGNORE, VisualStream, pack_visual_rows, vision_rows_at
+from k2lab.vision.mixture import (
+    IGNORE,
+    EncodedSample,
+    VisualStream,
+    check_samples_fit,
+    pack_visual_rows,
+    vision_rows_at,
+    visual_rows_total,
+)
 from k2lab.vision.tasks import make_task
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 from tests.conftest import randomize
@@ -36,6 +45,25 @@ def test_every_arm_spends_the_same_visual_budget(start, ratio):
     assert max(per_step) - min(per_step[config.start_step(steps) :]) <= 1  # spread evenly once started
 
 
+@pytest.mark.parametrize(
+    ("steps", "accum", "rows", "start", "ratio"),
+    [(100, 1, 8, 0.5, 0.2), (7, 3, 2, 0.3, 0.1), (4, 1, 2, 0, 0.1)],
+)
+def test_the_runs_visual_rows_are_the_schedules_sum(steps, accum, rows, start, ratio):
+    config = VisionDataConfig(start=start, ratio=ratio)
+    micro = [vision_rows_at(m, rows, ratio, config.start_step(steps) * accum) for m in range(steps * accum)]
+    assert visual_rows_total(steps, rows, accum, config) == sum(micro)
+
+
+def test_a_sample_longer_than_a_row_is_skipped_and_counted_never_cut():
+    def sample(length):
+        return EncodedSample([7] * length, [True] * length, torch.zeros(4, 3), torch.tensor([[1, 2, 2]]), 1)
+
+    batch, media, skipped = pack_visual_rows(iter([sample(5), sample(12), sample(4), sample(3)]), 1, 10, 0)
+    assert skipped == 1 and media["image_grid_thw"].shape[0] == 2  # the 5- and 4-token samples
+    assert batch.input_ids[0].tolist() == [7] * 9 + [0]
+
+
 @pytest.fixture
 def tokenizer(tiny_corpus):
     return train_tokenizer(load_corpus(str(tiny_corpus)), vocab_size=300)
@@ -44,7 +72,8 @@ def tokenizer(tiny_corpus):
 def test_visual_rows_hold_whole_samples_with_their_images(tokenizer):
     vision = load_vlm_preset("k25-nano", tokenizer.special_tokens, vocab_size=300).vision
     stream = VisualStream(tokenizer, vision, ("counting", "ocr", "grounding_box"), seed=0)
-    batch, media = pack_visual_rows(stream, rows=3, seq_len=160, pad_id=tokenizer.pad_id)
+    batch, media, skipped = pack_visual_rows(stream, rows=3, seq_len=160, pad_id=tokenizer.pad_id)
+    assert skipped == 0
     special = tokenizer.special_tokens
     pad, begin, end = special[IMAGE_PAD], special[MEDIA_BEGIN], special[MEDIA_END]
     ids, labels = batch.input_ids, batch.labels
@@ -65,6 +94,16 @@ def test_visual_rows_hold_whole_samples_with_their_images(tokenizer):
     target_tokens = ids[:, 1:][labels[:, :-1] != IGNORE]
     assert not bool(((target_tokens == pad) | (target_tokens == begin) | (target_tokens == end)).any())
     assert media["pixel_values"].shape[0] == int(media["image_grid_thw"].prod(-1).sum())
+
+
+def test_a_seq_len_too_short_for_the_visual_samples_is_refused_before_training(tokenizer):
+    vision = load_vlm_preset("k25-nano", tokenizer.special_tokens, vocab_size=300).vision
+    stream = VisualStream(tokenizer, vision, ("counting", "grounding_box"), seed=0)
+    longest = max(len(stream.draw(i).ids) for i in range(8))
+    check_samples_fit(stream, longest - 1, count=8)  # the longest just fits T + 1
+    with pytest.raises(K2LabError, match=f"give --seq-len {longest - 1} or more"):
+        check_samples_fit(stream, longest - 2, count=8)
+    assert stream.index == 0  # the probe draws, it does not consume
 
 
 def recipe(tmp_path, corpus, out, steps, preset="k25-nano", **vision):
@@ -100,6 +139,7 @@ def test_joint_run_resumes_exactly_and_generates_from_an_image(tmp_path, tiny_co
     reference = tmp_path / "reference"
     summary = run_training(load_train_config(recipe(tmp_path, tiny_corpus, reference, steps=8)))
     assert set(summary["visual_scores"]) >= {"counting", "ocr", "mean"}
+    assert summary["visual_rows"] == 6 and summary["visual_samples_skipped"] == 0  # ⌊(8 − 2)·2·0.5⌋
     assert all(0.0 <= v <= 1.0 for v in summary["visual_scores"].values())
     model = load_model(reference / "model")
     assert isinstance(model, VisionLanguageModel)

@@ -6,14 +6,17 @@ on takes a fraction r of the batch rows: step s gets
 
     n(s) = ⌊(s − s₀ + 1)·B·r⌋ − ⌊(s − s₀)·B·r⌋   vision rows   (0 before s₀),
 
-so over the run exactly ⌊(S − s₀)·B·r⌋ rows are visual and every step holds B·T tokens. K2.5's ablation
+so over the run exactly ⌊(S − s₀)·B·r⌋ rows are visual (``visual_rows_total``) and every step holds B·T
+tokens. K2.5's ablation
 (early 10:90 from step 0, mid 20:80 from 50 %, late 50:50 from 80 %) spends the same 10 % of the total
 budget on vision in all three arms.
 
 **Rows.** A visual sample is ``<|media_begin|>image<|media_content|>`` + ``<|media_pad|>``×n +
 ``<|media_end|>`` + prompt + " " + answer + ``<|eos|>`` with n the image's vision tokens. Whole samples are
 packed into rows of T + 1 tokens (a sample never straddles two rows, the remainder is padding); each
-sample is its own document (``segment_ids``). The loss covers the prompt, the answer and EOS, never the
+sample is its own document (``segment_ids``). A run whose first ``PROBE_SAMPLES`` samples do not all fit in
+T + 1 tokens is refused before it starts (``check_samples_fit``); a rarer longer sample later is skipped and
+counted (``MixedBatches.skipped``), never cut. The loss covers the prompt, the answer and EOS, never the
 media markup. The images of a batch go to the tower in reading order (row-major), as the placeholders
 appear, so ``VisionLanguageModel`` splices each feature into its own slot.
 
@@ -31,6 +34,7 @@ import torch
 
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import IMAGE_PAD, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, Tokenizer
+from k2lab.errors import K2LabError
 from k2lab.ops.linear_cross_entropy import IGNORE_INDEX
 from k2lab.train.sections import VisionDataConfig
 from k2lab.vision.config import VisionConfig
@@ -42,15 +46,18 @@ __all__ = [
     "EncodedSample",
     "MixedBatches",
     "VisualStream",
+    "check_samples_fit",
     "encode_sample",
     "image_prompt_ids",
     "image_prompts",
     "pack_visual_rows",
     "vision_rows_at",
+    "visual_rows_total",
 ]
 
 IGNORE = IGNORE_INDEX  # label of a position the loss skips
 HELD_OUT_SEED = 1_000_003  # evaluation samples come from seeds the training stream never draws
+PROBE_SAMPLES = 64  # samples a run's start measures against seq_len
 
 
 def vision_rows_at(step: int, batch_size: int, ratio: float, start_step: int) -> int:
@@ -59,6 +66,12 @@ def vision_rows_at(step: int, batch_size: int, ratio: float, start_step: int) ->
         return 0
     s = step - start_step
     return int(np.floor((s + 1) * batch_size * ratio + 1e-9) - np.floor(s * batch_size * ratio + 1e-9))
+
+
+def visual_rows_total(steps: int, batch_size: int, grad_accum: int, config: VisionDataConfig) -> int:
+    """Σ n(m) over the run's S·A micro-batches of ``batch_size`` rows = ⌊(S − s₀)·A·B·r⌋ (telescoping)."""
+    micro = (steps - config.start_step(steps)) * grad_accum
+    return int(np.floor(micro * batch_size * config.ratio + 1e-9))
 
 
 def image_prompt_ids(tokenizer: Tokenizer, num_image_tokens: int) -> list[int]:
@@ -123,24 +136,27 @@ def encode_sample(
 
 def pack_visual_rows(
     samples: Iterator[EncodedSample], rows: int, seq_len: int, pad_id: int
-) -> tuple[Batch, dict[str, torch.Tensor]]:
+) -> tuple[Batch, dict[str, torch.Tensor], int]:
     """``rows`` rows of whole samples (each T + 1 tokens before the shift) and their images, in order.
 
-    Returns the batch (input_ids, labels with −100 off-target, segment_ids) and ``pixel_values`` /
-    ``image_grid_thw`` of every image it holds.
+    Returns the batch (input_ids, labels with −100 off-target, segment_ids), ``pixel_values`` /
+    ``image_grid_thw`` of every image it holds, and how many samples longer than T + 1 tokens it skipped
+    (drawn, never cut).
     """
     ids = torch.full((rows, seq_len + 1), pad_id, dtype=torch.long)
     targets = torch.zeros(rows, seq_len + 1, dtype=torch.bool)
     segments = torch.zeros(rows, seq_len + 1, dtype=torch.long)
     pixels, grids = [], []
     pending: EncodedSample | None = None
+    skipped = 0
     for row in range(rows):
         used, segment = 0, 0
         while True:
             item = pending if pending is not None else next(samples)
             pending = None
             if len(item.ids) > seq_len + 1:
-                raise ValueError(f"a visual sample of {len(item.ids)} tokens does not fit seq_len {seq_len}")
+                skipped += 1
+                continue
             if used + len(item.ids) > seq_len + 1:
                 pending = item
                 break
@@ -154,7 +170,7 @@ def pack_visual_rows(
         segments[row, used:] = segment  # the padding is a document of its own
     labels = torch.where(targets[:, 1:], ids[:, 1:], IGNORE)
     batch = Batch(ids[:, :-1].contiguous(), labels, segments[:, :-1].contiguous())
-    return batch, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+    return batch, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}, skipped
 
 
 class VisualStream:
@@ -193,6 +209,20 @@ class VisualStream:
         self.index = int(state["index"])
 
 
+def check_samples_fit(stream: VisualStream, seq_len: int, count: int = PROBE_SAMPLES) -> None:
+    """``K2LabError`` unless the stream's first ``count`` samples each fit a row of ``seq_len`` + 1 tokens
+    (a visual sample is never cut, so a row too short for them trains on text only)."""
+    lengths = [(len(sample.ids), sample.sample.kind) for sample in map(stream.draw, range(count))]
+    longest, kind = max(lengths)
+    if longest > seq_len + 1:
+        over = sum(length > seq_len + 1 for length, _ in lengths)
+        raise K2LabError(
+            f"seq_len {seq_len} is too short for the visual samples: {over} of the first {count} need more "
+            f"than {seq_len + 1} tokens (the longest, a {kind} sample, {longest}); a sample is never cut, so "
+            f"give --seq-len {longest - 1} or more"
+        )
+
+
 class MixedBatches:
     """Text batches with the first n(s) rows of step s replaced by packed visual rows (``vision_rows_at``).
 
@@ -213,6 +243,8 @@ class MixedBatches:
         self.start_step = config.start_step(steps)
         self.grad_accum, self.seq_len = grad_accum, seq_len
         self.micro = 0  # micro-batches produced
+        self.rows = 0  # visual rows produced
+        self.skipped = 0  # samples longer than a row, skipped
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -226,8 +258,10 @@ class MixedBatches:
         if n == 0:
             return batch
         start = self.stream.index
-        visual, media = pack_visual_rows(self._counting(), n, self.seq_len, self.stream.tokenizer.pad_id)
+        pad = self.stream.tokenizer.pad_id
+        visual, media, skipped = pack_visual_rows(self._counting(), n, self.seq_len, pad)
         self.stream.index = start + self._consumed
+        self.rows, self.skipped = self.rows + n, self.skipped + skipped
         segments = batch.segment_ids if batch.segment_ids is not None else torch.zeros_like(batch.input_ids)
         return Batch(
             torch.cat([visual.input_ids, batch.input_ids[n:]]),
@@ -245,8 +279,14 @@ class MixedBatches:
             self._consumed += 1
 
     def state_dict(self) -> dict:
-        return {"micro": self.micro, "stream": self.stream.state_dict()}
+        return {
+            "micro": self.micro,
+            "rows": self.rows,
+            "skipped": self.skipped,
+            "stream": self.stream.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.micro = int(state["micro"])
+        self.rows, self.skipped = int(state.get("rows", 0)), int(state.get("skipped", 0))  # 0: older states
         self.stream.load_state_dict(state["stream"])

@@ -22,7 +22,7 @@ from k2lab.train.config import TrainConfig
 from k2lab.train.data import Log
 from k2lab.train.pretraining import PretrainingData
 from k2lab.vision.evaluate import evaluate_visual_tasks
-from k2lab.vision.mixture import MixedBatches, VisualStream
+from k2lab.vision.mixture import MixedBatches, VisualStream, check_samples_fit, visual_rows_total
 from k2lab.vision.vlm import build_vlm
 
 __all__ = ["VisionPretrainingData"]
@@ -52,11 +52,37 @@ class VisionPretrainingData(PretrainingData):
         config, previous = self.config, self.mixture
         stream = VisualStream(self.tokenizer, self.model.config.vision, self.vision.tasks, seed=config.seed)
         seq_len = self.stages[index].seq_len
+        if self.vision.ratio > 0:
+            check_samples_fit(stream, seq_len)
         self.mixture = MixedBatches(
             self.batches, stream, self.vision, config.steps, config.grad_accum, seq_len
         )
         if previous is not None:  # a new curriculum stage continues the visual stream and the schedule
             self.mixture.load_state_dict(previous.state_dict())
+
+    def describe(self) -> str:
+        """The text side's line, then the run's visual rows (a warning when the schedule gives none)."""
+        config, vision = self.config, self.vision
+        total = visual_rows_total(config.steps, config.batch_size, config.grad_accum, vision)
+        rows = config.steps * config.grad_accum * config.batch_size
+        line = (
+            f"vision: {total:,} of the run's {rows:,} rows are visual (ratio {vision.ratio:g} from step "
+            f"{vision.start_step(config.steps)}; tasks {', '.join(vision.tasks)})"
+        )
+        if total == 0:
+            line += (
+                "; WARNING: no row of this run holds an image, so the vision tower is not trained: raise "
+                "--steps or --batch-size, or vision.ratio"
+            )
+        return f"{super().describe()}\n{line}"
+
+    def summary(self) -> dict[str, Any]:
+        skipped = self.mixture.skipped if self.mixture else 0
+        return {
+            **super().summary(),
+            "visual_rows": self.mixture.rows if self.mixture else 0,
+            "visual_samples_skipped": skipped,
+        }
 
     def train_batches(self) -> Iterator[Batch]:
         return distributed.local_batches(self.mixture)
