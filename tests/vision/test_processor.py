@@ -163,3 +163,64 @@ def test_feeds_the_tower() -> None:
         vid = MoonViT3D(config)(videos.pixel_values_videos, videos.video_grid_thw)
     assert out.counts == [num_image_tokens(60, 90), num_image_tokens(30, 30)]
     assert vid.counts == [4, 4]  # two volumes (4 + 1 frames), 4×4 patches -> 2×2 tokens each
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I"])
+def test_sixteen_bit_gray_is_scaled_to_eight_bits(mode) -> None:
+    """v / 257 rounded (40000 -> 156), not PIL's clipping convert (-> 255, white)."""
+    values = np.full((40, 40), 40000, np.uint16)
+    image = Image.fromarray(values) if mode == "I;16" else Image.fromarray(values.astype(np.int32))
+    if mode == "I;16B":
+        image = image.convert("I;16B")
+    assert image.mode == mode
+    expected = preprocess_images(np.full((40, 40, 3), 156, np.uint8)).pixel_values
+    assert torch.equal(preprocess_images(image).pixel_values, expected)
+
+
+def _smooth(h: int, w: int) -> np.ndarray:
+    """A smooth [h, w, 3] uint8 gradient (shrinking it by averaging first changes little)."""
+    i, j = np.linspace(0, 1, h)[:, None, None], np.linspace(0, 1, w)[None, :, None]
+    return (255 * (0.6 * i + 0.4 * j) * np.array([1.0, 0.7, 0.4])).round().astype(np.uint8)
+
+
+def test_far_larger_pil_images_are_shrunk_in_pil_first(monkeypatch) -> None:
+    """An image ≥ 4× its target per side reaches the arrays at ≥ 2× (not full size), with the grid of its
+    original size and nearly the pixels of the full-size path; one within 4× takes the full-size path
+    bit for bit; a transparent one still lands on white."""
+    import k2lab.vision.processor as processor
+
+    config = ProcessorConfig(max_patches=64)  # target 112×112 for a square image
+    seen = []
+    to_chw = processor.to_chw_tensor
+    monkeypatch.setattr(
+        processor, "to_chw_tensor", lambda image: seen.append(image.shape[:2]) or to_chw(image)
+    )
+    rgb = _smooth(1000, 1000)
+    ours = preprocess_images(Image.fromarray(rgb), config)
+    assert seen == [(250, 250)]  # reduced by ⌊1000 / 224⌋ = 4
+    full = preprocess_images(rgb, config)  # the array path: no shrinking
+    assert torch.equal(ours.image_grid_thw, full.image_grid_thw)
+    assert (ours.pixel_values - full.pixel_values).abs().max().item() <= 2 / 255 + 1e-6  # ≤ 1 level
+    within = _smooth(400, 430)  # < 4× the target per side: unchanged path
+    assert torch.equal(
+        preprocess_images(Image.fromarray(within), config).pixel_values,
+        preprocess_images(within, config).pixel_values,
+    )
+    clear = preprocess_images(Image.new("RGBA", (1000, 1000), (0, 0, 0, 0)), config).pixel_values
+    assert torch.all(clear == 1)
+
+
+def test_a_large_jpeg_is_decoded_at_reduced_scale(tmp_path) -> None:
+    """A JPEG not yet loaded is drafted (1/4 scale here); the grid is its original size's, and the same
+    image given twice is processed once."""
+    config = ProcessorConfig(max_patches=64)
+    path = tmp_path / "large.jpg"
+    Image.fromarray(_smooth(1000, 1000)).save(path, quality=95)
+    with Image.open(path) as image:
+        ours = preprocess_images([image, image], config)
+        assert image.size == (250, 250)  # drafted in place
+    full = preprocess_images(_smooth(1000, 1000), config)
+    assert ours.image_grid_thw.tolist() == full.image_grid_thw.tolist() * 2
+    half = ours.pixel_values.shape[0] // 2
+    assert torch.equal(ours.pixel_values[:half], ours.pixel_values[half:])
+    assert (ours.pixel_values[:half] - full.pixel_values).abs().max().item() <= 0.05  # JPEG's own loss

@@ -17,6 +17,13 @@ Videos (frames already sampled; [T, H, W, 3] arrays / tensors or lists of PIL fr
 at most 4 consecutive frames (``video_volumes``), each resized, padded and normalized like an image (budget
 B = 4096 patches per frame by default) and patchified frame-major: [t·h·w, 3, p, p], ``video_grid_thw`` (t, h, w).
 These are exactly the layouts ``MoonViT3D.forward(pixel_values, grid_thw)`` expects.
+
+PIL images become uint8 RGB first: transparency is composited onto white, 16-bit gray (modes ``I;16*``,
+``I``) is scaled by 1/257 (rounded). A PIL image at least 4× its step-1 size (H', W') per side is shrunk in
+PIL before any array is made, so its full-size pixels never become arrays: a JPEG not yet loaded is decoded
+at 1/2, 1/4 or 1/8 scale (``Image.draft``, which changes that image object in place), then the image is
+box-averaged by f = min(⌊H/2H'⌋, ⌊W/2W'⌋) (``Image.reduce``); step 1 then resizes from ≥ 2·(H', W') to the
+(H', W') of the original size. Smaller images take exactly the path above.
 """
 
 from __future__ import annotations
@@ -141,10 +148,47 @@ def _composite_on_white(rgba: torch.Tensor) -> torch.Tensor:
     return rgb.round().clamp(0, 255).to(rgba.dtype) if rgba.dtype == torch.uint8 else rgb.to(rgba.dtype)
 
 
-def _pil_to_array(image: Any) -> np.ndarray:
-    """PIL image -> [H, W, 3] uint8; transparency is composited onto white."""
+def _shrink(image: Any, size: tuple[int, int]) -> Any:
+    """A PIL image at least 4× ``size`` = (H', W') per side, shrunk in PIL to ≥ 2·(H', W'); others as given.
+
+    f = min(⌊H/2H'⌋, ⌊W/2W'⌋): a JPEG not yet loaded is drafted at scale 8, 4 or 2 (≤ f), then the image is
+    box-averaged by the remaining f (RGBA premultiplied by PIL; modes ``reduce`` lacks are converted first).
+    """
+    h, w = size
+    if min(image.height // (2 * h), image.width // (2 * w)) < 2:
+        return image
+    image.draft(None, (2 * w, 2 * h))  # a no-op unless a JPEG not yet loaded
+    factor = min(image.height // (2 * h), image.width // (2 * w))
+    if factor < 2:
+        return image
+    if image.mode.startswith("I;16"):
+        image = image.convert("I")
+    elif image.mode not in ("L", "LA", "RGB", "RGBA", "I") or image.info.get("transparency") is not None:
+        alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+        image = image.convert("RGBA" if alpha else "RGB")
+    return image.reduce(factor)
+
+
+def _sixteen_to_eight_bit(image: Any) -> Any:
+    """16-bit gray (modes ``I;16*``, ``I``) -> L: v / 257 rounded, clipped to [0, 255] (PIL's convert
+    would clip v at 255 instead: white)."""
+    from PIL import Image
+
+    values = np.asarray(image, dtype=np.float32) / 257.0
+    return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
+
+
+def _pil_to_array(image: Any, size: tuple[int, int] | None = None) -> np.ndarray:
+    """PIL image -> [H, W, 3] uint8; 16-bit gray scaled by 1/257, transparency composited onto white.
+
+    With the resize target ``size`` = (H', W'), an image far larger is shrunk in PIL first (``_shrink``).
+    """
     from PIL import Image  # lazy: PIL only for PIL-image inputs; arrays and tensors need none
 
+    if size is not None:
+        image = _shrink(image, size)
+    if image.mode.startswith("I;16") or image.mode == "I":
+        image = _sixteen_to_eight_bit(image)
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image.convert("RGBA"))
@@ -155,7 +199,8 @@ def to_chw_tensor(image: Any) -> torch.Tensor:
     """PIL image, [H, W, C] / [C, H, W] array or tensor (C ∈ {1, 3, 4}) or [H, W] -> [3, H, W] tensor.
 
     Channel-first wins when both the first and last dims could be channels (as in transformers). Gray is
-    repeated to RGB, RGBA composited onto white. The dtype is kept (uint8 stays uint8).
+    repeated to RGB, RGBA composited onto white, 16-bit PIL gray scaled to 8 bits. The dtype is kept (uint8
+    stays uint8).
     """
     if not isinstance(image, (np.ndarray, torch.Tensor)):
         image = _pil_to_array(image)
@@ -213,10 +258,12 @@ def patchify(frames: torch.Tensor, patch_size: int) -> torch.Tensor:
 
 
 def _process_volume(
-    frames: torch.Tensor, config: ProcessorConfig, budget: int
+    frames: torch.Tensor, config: ProcessorConfig, budget: int, source: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, list[int]]:
-    """[t, 3, H, W] -> (patches [t·h·w, 3, p, p], grid row [t, h, w])."""
-    size, padded = navit_size(frames.shape[-2], frames.shape[-1], config, max_patches=budget)
+    """[t, 3, H, W] -> (patches [t·h·w, 3, p, p], grid row [t, h, w]); sizes those of ``source`` (H, W) when
+    the frames were already shrunk from it."""
+    height, width = source or frames.shape[-2:]
+    size, padded = navit_size(height, width, config, max_patches=budget)
     x = normalize(resize_and_pad(frames, size, padded), config)
     p = config.patch_size
     return patchify(x, p), [frames.shape[0], padded[0] // p, padded[1] // p]
@@ -232,10 +279,23 @@ def preprocess_images(images: Any | Sequence[Any], config: ProcessorConfig | Non
         images = [images]
     if not images:
         raise ValueError("preprocess_images needs at least one image")
-    parts, grids = zip(
-        *(_process_volume(to_chw_tensor(im)[None], c, c.max_patches) for im in images), strict=True
-    )
+    done: dict[int, tuple[torch.Tensor, list[int]]] = {}  # an image given twice is processed once
+    for im in images:
+        if id(im) not in done:
+            done[id(im)] = _image_volume(im, c)
+    parts, grids = zip(*(done[id(im)] for im in images), strict=True)
     return ImageBatch(torch.cat(parts), torch.tensor(grids, dtype=torch.long))
+
+
+def _image_volume(image: Any, config: ProcessorConfig) -> tuple[torch.Tensor, list[int]]:
+    """One image -> (patches, grid row); a PIL image shrunk in PIL (``_shrink``) is still sized by its
+    original H×W."""
+    if isinstance(image, (np.ndarray, torch.Tensor)):
+        return _process_volume(to_chw_tensor(image)[None], config, config.max_patches)
+    source = (image.height, image.width)
+    pixels = _pil_to_array(image, navit_size(*source, config)[0])
+    shrunk = source if pixels.shape[:2] != source else None
+    return _process_volume(to_chw_tensor(pixels)[None], config, config.max_patches, shrunk)
 
 
 def _video_frames(video: Any) -> torch.Tensor:
