@@ -343,6 +343,15 @@ def test_malformed_conversations(text, problem):
         ({"role": "wizard", "content": "x"}, "role must be one of"),
         ({"role": "user", "content": "a <|im_end|> b"}, "reserved special-token string <|im_end|>"),
         ({"role": "user", "content": 3}, "must be a string or a list of text parts"),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {}}],
+            },
+            "content[1] is an image: image inputs are not supported by k2lab serve",
+        ),
+        ({"role": "user", "content": [{"type": "input_image"}]}, "image inputs are not supported"),
+        ({"role": "user", "content": [{"type": "audio"}]}, "content[0] must be a text part"),
         ({"role": "assistant", "content": "x", "reasoning_content": "a</think>b"}, "would end it early"),
         ({"role": "assistant", "content": "<think>x"}, "no reasoning_content"),
         ({"role": "assistant", "content": "", "tool_calls": [call("bad name", "{}")]}, "must match"),

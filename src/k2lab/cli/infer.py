@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -36,7 +37,11 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def _image_prompts(model, tokenizer, images: list[Path], texts: list[str]):
-    """Token ids (image placeholders + text) and pixel inputs for ``generate --image``."""
+    """Token ids (image placeholders + text) and pixel inputs for ``generate --image``.
+
+    The images stay open (not yet decoded) until the processor has them: it converts them (transparency
+    onto white, 16-bit gray to 8 bits) and shrinks a large one in PIL before decoding it in full.
+    """
     from PIL import Image, UnidentifiedImageError
 
     from k2lab.vision.mixture import image_prompts
@@ -52,19 +57,56 @@ def _image_prompts(model, tokenizer, images: list[Path], texts: list[str]):
         raise K2LabError(
             f"give one --image for all prompts or one per prompt, not {len(images)} for {len(texts)}"
         )
-    loaded = []
-    for path in images:
+    unreadable = (OSError, UnidentifiedImageError, Image.DecompressionBombError)
+    with contextlib.ExitStack() as stack:
+        opened = []
+        for path in images:
+            try:
+                opened.append(stack.enter_context(Image.open(path)))
+            except unreadable as error:
+                raise K2LabError(f"cannot read image {path}: {error}") from error
+        if len(opened) == 1:
+            opened *= len(texts)
         try:
-            with Image.open(path) as handle:
-                loaded.append(handle.convert("RGB"))
-        except (OSError, UnidentifiedImageError) as error:
-            raise K2LabError(f"cannot read image {path}: {error}") from error
-    if len(loaded) == 1:
-        loaded *= len(texts)
-    try:
-        return image_prompts(tokenizer, model.config.vision, loaded, texts)
-    except ValueError as error:
-        raise K2LabError(str(error)) from error
+            return image_prompts(tokenizer, model.config.vision, opened, texts)
+        except unreadable as error:  # decoded only now: a truncated or corrupt file
+            names = ", ".join(map(str, images))
+            raise K2LabError(f"cannot read image {names}: {error}") from error
+        except ValueError as error:
+            raise K2LabError(str(error)) from error
+
+
+def _media_placeholders(model, prompts: list[list[int]]) -> None:
+    """Refuse text prompts holding a vision-language model's image / video placeholder ids (no --image)."""
+    from k2lab.vision.vlm import VisionLanguageModel
+
+    if not isinstance(model, VisionLanguageModel):
+        return
+    for what, token in (("image", model.config.image_token_id), ("video", model.config.video_token_id)):
+        count = sum(ids.count(token) for ids in prompts)
+        if count:
+            raise K2LabError(
+                f"the prompt holds {count} {what} placeholder token(s) (id {token}) but no --image was "
+                "given: pass --image, or leave the placeholder out of the prompt"
+            )
+
+
+def _check_context(ids: list[int], image_tokens: int, max_new_tokens: int, context: int) -> None:
+    """Refuse a prompt (``image_tokens`` of its tokens from images) and generation past the context."""
+    if len(ids) + max_new_tokens <= context:  # past it the model was never trained (and ran on)
+        return
+    prompt = f"a prompt of {len(ids)} tokens"
+    if image_tokens:
+        prompt += f" ({image_tokens} of them from its image)"
+    full = f"{prompt} leaves no room in the model's context of {context} tokens (max_position_embeddings)"
+    if len(ids) >= context and image_tokens:
+        raise K2LabError(f"{full}: the image is too large for this model's context; give a smaller one")
+    if len(ids) >= context:
+        raise K2LabError(f"{full}; shorten it")
+    raise K2LabError(
+        f"{prompt} and --max-new-tokens {max_new_tokens} pass the model's context of {context} tokens "
+        f"(max_position_embeddings); ask for at most {context - len(ids)} new tokens"
+    )
 
 
 @app.command()
@@ -125,6 +167,10 @@ def generate(
     from k2lab.infer.speculative import speculative_generate
     from k2lab.model_dir import load_model
 
+    if image and (speculative or draft is not None):
+        raise K2LabError(
+            "speculative decoding serves text models: --speculative and --draft do not go with --image"
+        )
     tokenizer = None
     if not token_ids and (checkpoint / "tokenizer.json").is_file():
         from k2lab.data import load_tokenizer
@@ -136,6 +182,7 @@ def generate(
         prompts, media = _image_prompts(model, tokenizer, image, prompt)
     else:
         prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text) for text in prompt]
+        _media_placeholders(model, prompts)
     decoder = getattr(model, "language_model", model)
     vocab = decoder.config.vocab_size
     context = decoder.config.max_position_embeddings
@@ -144,12 +191,8 @@ def generate(
             raise K2LabError("a prompt encodes to no tokens")
         if max(ids) >= vocab:
             raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
-        if len(ids) + config.max_new_tokens > context:  # past it the model was never trained (and ran on)
-            raise K2LabError(
-                f"a prompt of {len(ids)} tokens and --max-new-tokens {config.max_new_tokens} pass the model's "
-                f"context of {context} tokens (max_position_embeddings); ask for at most "
-                f"{max(context - len(ids), 0)} new tokens"
-            )
+        image_tokens = ids.count(model.config.image_token_id) if media else 0
+        _check_context(ids, image_tokens, config.max_new_tokens, context)
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one
         config = config.model_copy(update={"eos_token_id": decoder.config.eos_token_id})
     sampled = config.temperature > 0
@@ -298,7 +341,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible API: /v1/models, /v1/chat/completions (streaming, tool
-    calls constrained to the declared JSON Schemas), /health."""
+    calls constrained to the declared JSON Schemas), /health. Text only: a vision-language checkpoint is
+    served through its language model, and image parts are refused."""
     import uvicorn
 
     from k2lab.data import load_tokenizer
@@ -313,7 +357,9 @@ def serve(
     threads = hand_threads_to_engine()  # one OpenMP team, the engine's
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
-    model = getattr(model, "language_model", model)  # images are not served yet: text through the decoder
+    if hasattr(model, "language_model"):  # images are not served yet: text through the decoder
+        console.print("vision-language checkpoint: its vision tower is not served (text only)")
+        model = model.language_model
     background = background_compiles(config.compile, next(model.parameters()).device.type)
     compile = "on" if background else config.compile  # what decoding becomes, for the choices below
     drafter = _choose_draft(checkpoint, model, None, config.speculative, compile)

@@ -83,6 +83,7 @@ CALL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END
 CALL_ID_PATTERN = re.compile(r"functions\.([a-zA-Z0-9_-]{1,64}):(\d+)")
 HEADER_PATTERN = re.compile(r"(<\|im_system\|>|<\|im_user\|>|<\|im_assistant\|>)([^<\n]*)<\|im_middle\|>")
 ROLES = ("system", "developer", "user", "assistant", "tool")
+IMAGE_PARTS = ("image_url", "input_image", "image")  # OpenAI chat / responses, Anthropic: refused by name
 
 
 class ChatFormatError(K2LabError):
@@ -151,6 +152,11 @@ def _text(content: object, where: str, allow_none: bool = False) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+                raise ChatFormatError(
+                    f"{where}[{j}] is an image: image inputs are not supported by k2lab serve "
+                    "(text parts only)"
+                )
             if not (
                 isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
             ):
