@@ -191,9 +191,9 @@ def test_far_larger_pil_images_are_shrunk_in_pil_first(monkeypatch) -> None:
 
     config = ProcessorConfig(max_patches=64)  # target 112×112 for a square image
     seen = []
-    to_chw = processor.to_chw_tensor
+    to_chw = processor._hwc_to_chw
     monkeypatch.setattr(
-        processor, "to_chw_tensor", lambda image: seen.append(image.shape[:2]) or to_chw(image)
+        processor, "_hwc_to_chw", lambda pixels: seen.append(pixels.shape[:2]) or to_chw(pixels)
     )
     rgb = _smooth(1000, 1000)
     ours = preprocess_images(Image.fromarray(rgb), config)
@@ -224,3 +224,14 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale(tmp_path) -> None:
     half = ours.pixel_values.shape[0] // 2
     assert torch.equal(ours.pixel_values[:half], ours.pixel_values[half:])
     assert (ours.pixel_values[:half] - full.pixel_values).abs().max().item() <= 0.05  # JPEG's own loss
+
+
+@pytest.mark.parametrize("height", [1, 3, 4])
+def test_a_pil_image_a_few_pixels_tall_is_not_read_channel_first(height: int) -> None:
+    """[H, W, 3] with H ∈ {1, 3, 4} is ambiguous as an array, never as a PIL image."""
+    pixels = synthetic(height, 10)
+    ours = preprocess_images(Image.fromarray(pixels))
+    chw = preprocess_images(torch.from_numpy(pixels).permute(2, 0, 1).contiguous())
+    assert torch.equal(ours.image_grid_thw, chw.image_grid_thw) and torch.equal(
+        ours.pixel_values, chw.pixel_values
+    )

@@ -198,12 +198,13 @@ def _pil_to_array(image: Any, size: tuple[int, int] | None = None) -> np.ndarray
 def to_chw_tensor(image: Any) -> torch.Tensor:
     """PIL image, [H, W, C] / [C, H, W] array or tensor (C ∈ {1, 3, 4}) or [H, W] -> [3, H, W] tensor.
 
-    Channel-first wins when both the first and last dims could be channels (as in transformers). Gray is
+    Channel-first wins when both the first and last dims of an array or tensor could be channels (as in
+    transformers); a PIL image's layout is known (an image 1, 3 or 4 pixels tall stays one). Gray is
     repeated to RGB, RGBA composited onto white, 16-bit PIL gray scaled to 8 bits. The dtype is kept (uint8
     stays uint8).
     """
     if not isinstance(image, (np.ndarray, torch.Tensor)):
-        image = _pil_to_array(image)
+        return _hwc_to_chw(_pil_to_array(image))
     x = torch.from_numpy(np.ascontiguousarray(image)) if isinstance(image, np.ndarray) else image
     if x.ndim == 2:
         x = x[None]
@@ -218,6 +219,11 @@ def to_chw_tensor(image: Any) -> torch.Tensor:
     elif x.shape[0] == 4:
         x = _composite_on_white(x)
     return x.contiguous()
+
+
+def _hwc_to_chw(pixels: np.ndarray) -> torch.Tensor:
+    """[H, W, 3] uint8 (``_pil_to_array``) -> [3, H, W], whatever H and W are."""
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------- steps
@@ -295,7 +301,7 @@ def _image_volume(image: Any, config: ProcessorConfig) -> tuple[torch.Tensor, li
     source = (image.height, image.width)
     pixels = _pil_to_array(image, navit_size(*source, config)[0])
     shrunk = source if pixels.shape[:2] != source else None
-    return _process_volume(to_chw_tensor(pixels)[None], config, config.max_patches, shrunk)
+    return _process_volume(_hwc_to_chw(pixels)[None], config, config.max_patches, shrunk)
 
 
 def _video_frames(video: Any) -> torch.Tensor:
