@@ -169,9 +169,11 @@ def test_resuming_a_complete_or_another_run_changes_nothing(tmp_path):
     assert_clean_error(k2lab(*args, "--resume"), "already complete at step 2")
     assert (run / "summary.json").read_bytes() == summary
     further = [*args[:4], "3", *args[5:], "--resume"]  # --steps 3
-    assert_clean_error(k2lab(*further, "--optimizer", "adamw"), "does not fit this run's optimizer")
+    assert_clean_error(
+        k2lab(*further, "--optimizer", "adamw"), "optimizer.name: 'muonclip' then, 'adamw' now"
+    )
     mismatched = [arg if arg != "k2-nano" else "k3-nano" for arg in further]
-    assert_clean_error(k2lab(*mismatched), "does not fit this run's model", "size mismatch")
+    assert_clean_error(k2lab(*mismatched), "preset: 'k2-nano' then, 'k3-nano' now")
 
 
 def test_ctrl_c_says_where_the_run_stands(tmp_path):

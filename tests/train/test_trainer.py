@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.train.config import load_train_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.trainer import run_training
@@ -120,6 +122,59 @@ def test_refuses_to_overwrite_a_run(tmp_path, corpus):
     run_training(config)
     with pytest.raises(K2LabError, match="--resume"):
         run_training(config)
+
+
+def test_a_run_killed_while_writing_its_results_is_finished_by_resume(tmp_path, corpus):
+    """Killed after its last checkpoint but before model/ and summary.json: --resume wrote nothing and said
+    "already complete", for good. Now it writes the results from the final checkpoint and trains nothing."""
+    out = tmp_path / "run"
+    config = load_train_config(recipe(tmp_path, corpus, out, steps=3))
+    run_training(config)
+    lines = (out / "metrics.jsonl").read_bytes()
+    shutil.rmtree(out / "model")
+    (out / "summary.json").unlink()
+    summary = run_training(config, resume=True)
+    assert summary["steps"] == 3 and math.isfinite(summary["val_loss"])
+    assert (out / "model" / "k2lab.json").is_file() and json.loads((out / "summary.json").read_text())[
+        "steps"
+    ] == 3
+    assert (out / "metrics.jsonl").read_bytes() == lines  # no step trained again
+    with pytest.raises(K2LabError, match="already complete at step 3"):
+        run_training(config, resume=True)
+
+
+def test_a_finished_run_without_checkpoints_is_not_trained_over(tmp_path, corpus, capsys):
+    """--resume with no checkpoint started over in silence and replaced the run's model."""
+    out = tmp_path / "run"
+    config = load_train_config(recipe(tmp_path, corpus, out, steps=3))
+    run_training(config)
+    shutil.rmtree(out / "checkpoints")
+    model = (out / "model" / "model.safetensors").read_bytes()
+    for resume in (True, False):
+        with pytest.raises(K2LabError, match="holds a finished run .* no checkpoint to continue from"):
+            run_training(config, resume=resume)
+    assert (out / "model" / "model.safetensors").read_bytes() == model
+    fresh = load_train_config(recipe(tmp_path, corpus, tmp_path / "fresh", steps=1))
+    run_training(fresh, resume=True)
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_a_resume_with_another_learning_rate_is_refused(tmp_path, corpus):
+    """The restored optimizer kept the old learning rate while the checkpoint recorded the new one."""
+    out = tmp_path / "run"
+    run_training(load_train_config(recipe(tmp_path, corpus, out, steps=3)))
+    longer = {"steps": 6, "save_every": 2, "eval_every": 3}  # may change
+    with pytest.raises(CheckpointError, match="optimizer.lr: 0.01 then, 0.05 now"):
+        run_training(
+            load_train_config(recipe(tmp_path, corpus, out, steps=3), **longer, **{"optimizer.lr": 0.05}),
+            resume=True,
+        )
+    assert (
+        run_training(load_train_config(recipe(tmp_path, corpus, out, steps=3), **longer), resume=True)[
+            "steps"
+        ]
+        == 6
+    )
 
 
 def poison_step(monkeypatch, step: int, field: str) -> None:

@@ -35,6 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from k2lab.data.packing import Batch
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
+from k2lab.fsutil import atomic_write_text
 from k2lab.hardware import Choice, choose
 from k2lab.infer import GenerationConfig, generate
 from k2lab.model_dir import save_model
@@ -51,6 +52,7 @@ from k2lab.train.divergence import check_finite_step
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
+from k2lab.train.resume import SUMMARY_FILE, check_no_orphan_results, check_resumed_settings, results_written
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from k2lab.train.run_directory import claim_run_directory
 from k2lab.train.schedule import lr_multiplier
@@ -309,18 +311,32 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
     console.print(data.describe())
     model = distributed.shard_model(data.model)
     trainer = Trainer(config, model, data.train_batches(), data.val_batches(), run_dir)
+    loaded = None
     if resume:
         loaded = load_latest_checkpoint(
             run_dir, on_skip=lambda line: console.print(line, style="yellow", markup=False)
         )
-        if loaded is not None:
-            restore_training_state(trainer, data, loaded[1])
-            console.print(f"resumed {run_dir} at step {trainer.step}")
-        if trainer.step >= config.steps:  # finishing again would validate nothing and overwrite its summary
+    if loaded is None:
+        check_no_orphan_results(run_dir)
+        if resume:
+            console.print(f"no checkpoint in {run_dir} yet: starting at step 0", markup=False)
+    else:
+        check_resumed_settings(loaded[1].get("train_config"), config.model_dump(mode="json"), run_dir)
+        restore_training_state(trainer, data, loaded[1])
+        console.print(f"resumed {run_dir} at step {trainer.step}")
+    if trainer.step > config.steps:
+        raise K2LabError(
+            f"{run_dir}'s newest checkpoint is at step {trainer.step}, past steps = {config.steps}: resume it "
+            f"with --steps {trainer.step} or more"
+        )
+    if trainer.step == config.steps:
+        if results_written(run_dir):  # finishing again would validate nothing and overwrite its summary
             raise K2LabError(
                 f"{run_dir} is already complete at step {trainer.step} (steps = {config.steps}); raise --steps "
                 "to train it further"
             )
+        console.print(f"step {trainer.step} is the last: writing the results the run did not finish writing")
+        return finish_run(trainer, data, trainer.validation_loss())  # of the final checkpoint's weights
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     for path, choice in trainer.precision.items():
         console.print(f"precision of {path.replace('_', '-')}: {choice.describe()}", markup=False)
@@ -422,7 +438,7 @@ def finish_run(trainer: Trainer, data: TrainingData, val_loss: float) -> dict[st
     )
     (run_dir / "sample.txt").write_text(sample + "\n")
     dashboard = plot_dashboard(run_dir, tau=config.optimizer.qk_clip_tau)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")  # written last
     console.print(f"[bold]sample:[/]\n{sample}")
     report = f"validation loss {val_loss:.3f} nats/token (perplexity {perplexity(val_loss):.1f})"
     console.print(report + data.loss_report(val_loss))
