@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from k2lab import build_model, load_preset
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import staging_directory
 from k2lab.optim import MuonClip, OptimizerConfig
-from k2lab.train import state_file
+from k2lab.train import run_checkpoints, state_file
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
 from k2lab.train.run_checkpoints import (
     CheckpointWarning,
@@ -309,10 +311,36 @@ def test_writer_keeps_the_last_and_raises_a_failed_write(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(StateBuffer, "write_to", full_disk)
     writer.save(tmp_path, 4, make_state(4), keep_last=2)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(
+        CheckpointError, match="step 4 .*No space left on device; .*earlier checkpoints are intact"
+    ):
         writer.wait()
     writer.wait()  # reported once
     assert steps_on_disk(tmp_path) == [2, 3]  # no half checkpoint, nothing pruned
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A save on a full disk printed a 90-line OSError traceback from the background write; it is one
+    CheckpointError naming the step, the directory and the reason, for every save path, and the earlier
+    checkpoints stay as they were."""
+    save_training_checkpoint(tmp_path, 1, make_state(1))
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_checkpoints, "write_synced", full)  # the manifest, written on every path
+    expected = f"cannot save the checkpoint of step 2 in {tmp_path / 'checkpoints'}: No space left on device"
+    with pytest.raises(CheckpointError, match=re.escape(expected)) as raised:
+        save_training_checkpoint(tmp_path, 2, make_state(2))
+    assert "\n" not in str(raised.value)
+    for reuse_limit in (state_file.REUSE_LIMIT, 100):  # written in the background / synchronously (large)
+        monkeypatch.setattr(state_file, "REUSE_LIMIT", reuse_limit)
+        writer = CheckpointWriter()
+        with pytest.raises(CheckpointError, match=re.escape(expected)):
+            writer.save(tmp_path, 2, make_state(2))
+            writer.wait()
+    assert steps_on_disk(tmp_path) == [1]
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
 
 

@@ -36,8 +36,9 @@ import shutil
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,8 @@ def save_training_checkpoint(
     An existing checkpoint of the same step is replaced. Afterwards only the ``keep_last`` newest complete
     checkpoints up to ``step`` are kept (``None`` keeps all); older ones, incomplete ones (missing manifest or
     wrong file size) and leftover staging directories of killed saves are deleted. Checkpoints newer than ``step`` are left
-    alone. Raises ``TypeError`` (naming the key) for values ``torch.load(weights_only=True)`` cannot read.
+    alone. Raises ``TypeError`` (naming the key) for values ``torch.load(weights_only=True)`` cannot read, and
+    a one-line ``CheckpointError`` (step, directory, the OS reason) where the save fails, e.g. on a full disk.
     """
     _check_request(step, state, keep_last)
     return _commit(Path(run_dir), step, lambda path: write_state(path, state), keep_last)
@@ -123,7 +125,8 @@ class CheckpointWriter:
         if tensor_bytes(state) > state_file.REUSE_LIMIT:
             return save_training_checkpoint(run_dir, step, state, keep_last)
         _check_request(step, state, keep_last)
-        self._buffer.serialise(state)
+        with _reported(Path(run_dir), step):
+            self._buffer.serialise(state)
         self._pending = self._pool.submit(_commit, Path(run_dir), step, self._buffer.write_to, keep_last)
         return checkpoint_directory(run_dir, step)
 
@@ -159,7 +162,7 @@ def _check_request(step: int, state: dict[str, Any], keep_last: int | None) -> N
 def _commit(run_dir: Path, step: int, write: Callable[[Path], dict[str, Any]], keep_last: int | None) -> Path:
     """``write`` the state file into a staging directory with its manifest, rename it into place, prune."""
     target = checkpoint_directory(run_dir, step)
-    with staged_directory(target) as staging:
+    with _reported(run_dir, step), staged_directory(target) as staging:
         files = {STATE: write(staging / STATE)}
         manifest = {
             "format": FORMAT,
@@ -175,6 +178,19 @@ def _commit(run_dir: Path, step: int, write: Callable[[Path], dict[str, Any]], k
     _fsync_directory(target.parent)
     _prune(run_dir, step, keep_last)
     return target
+
+
+@contextmanager
+def _reported(run_dir: Path, step: int) -> Iterator[None]:
+    """An ``OSError`` while saving the checkpoint of ``step`` (a full disk, say) as a one-line
+    ``CheckpointError``: the staging directory is gone by then and the earlier checkpoints are untouched."""
+    try:
+        yield
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot save the checkpoint of step {step} in {run_dir / CHECKPOINTS}: {error.strerror or error}; "
+            "nothing of it was kept, the earlier checkpoints are intact"
+        ) from error
 
 
 def _fsync_directory(path: Path) -> None:
