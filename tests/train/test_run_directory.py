@@ -1,6 +1,8 @@
 """``claim_run_directory``: a run's --out is new, empty or an earlier run, and never holds what the run reads."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,33 @@ def test_the_marker_is_written_only_after_every_check_and_the_hook(tmp_path):
     with pytest.raises(K2LabError, match="not a k2lab run"):
         claim_run_directory(tmp_path / "foreign", "train", checked=lambda: seen.append("reached"))
     assert seen == [[]]  # a refused directory never reaches the hook
+
+
+def test_an_existing_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    """--resume into a run on a read-only file system failed with an OSError traceback from rewriting
+    metrics.jsonl, after the corpus and the model were built; claiming it refuses at once, in one line."""
+    run = claim_run_directory(tmp_path / "run", "train")
+    (run / "metrics.jsonl").write_text("{}\n")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != run and real_access(path, mode))
+    seen = []
+    with pytest.raises(
+        K2LabError, match=f"^cannot write to the run directory {run}: .*; choose another --out$"
+    ):
+        claim_run_directory(run, "train", checked=lambda: seen.append("reached"))
+    assert seen == []
+    if os.geteuid() != 0:  # root writes anywhere: only the patched check above applies there
+        monkeypatch.undo()
+        run.chmod(0o555)
+        try:
+            with pytest.raises(K2LabError, match="no permission to write there"):
+                claim_run_directory(run, "train")
+        finally:
+            run.chmod(0o755)
+
+
+def test_a_name_the_file_system_rejects_is_one_line(tmp_path):
+    """A path component over 255 bytes raised OSError (File name too long) from run_dir.exists(), rc 1."""
+    out = tmp_path / ("x" * 300)
+    with pytest.raises(K2LabError, match=f"^cannot use the run directory {out}: File name too long$"):
+        claim_run_directory(out, "train")

@@ -6,7 +6,9 @@ directory must be new, empty or an earlier run (it holds ``RUN_MARKER``, or, for
 ``checkpoints/`` or ``summary.json``), and it must not be or hold a directory the run reads (``-c`` model,
 experts, critic): an RL run into its own source run replaced the model it was loading. A claimed directory gets
 ``RUN_MARKER`` (which command made it, when) at once, so a run that fails before its first checkpoint can be
-run again into the same place.
+run again into the same place. An existing directory the run cannot write (a read-only file system, no write
+permission) is refused before any work, and so is a path the file system rejects (a name over 255 bytes): one
+line each.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, holds, make_directory, other_entries
 
-__all__ = ["RUN_MARKER", "claim_run_directory"]
+__all__ = ["RUN_MARKER", "claim_run_directory", "is_run_directory"]
 
 RUN_MARKER = "run.json"
 LEGACY_MARKERS = ("checkpoints", "summary.json")  # what every run held before RUN_MARKER existed
@@ -42,16 +45,34 @@ def claim_run_directory(
     if not str(out).strip():
         raise K2LabError("the run directory (--out) is empty; name a directory for the run")
     run_dir = Path(out)
-    for source in (Path(s) for s in reads if s is not None and str(s)):
-        _refuse_holding(run_dir, source)
-    if run_dir.exists():
-        _refuse_foreign(run_dir)
+    with _reported(run_dir):
+        for source in (Path(s) for s in reads if s is not None and str(s)):
+            _refuse_holding(run_dir, source)
+        if run_dir.exists():
+            _refuse_foreign(run_dir)
+            _refuse_unwritable(run_dir)
     make_directory(run_dir, "the run directory")
     checked()
-    if write and not (run_dir / RUN_MARKER).is_file():
-        marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
+    if write:
+        with _reported(run_dir):
+            if not (run_dir / RUN_MARKER).is_file():
+                marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
     return run_dir
+
+
+def is_run_directory(directory: Path) -> bool:
+    """Whether ``directory`` holds an earlier run: ``RUN_MARKER``, or ``LEGACY_MARKERS`` for runs from before it."""
+    return any((directory / name).exists() for name in (RUN_MARKER, *LEGACY_MARKERS))
+
+
+@contextmanager
+def _reported(run_dir: Path) -> Iterator[None]:
+    """An ``OSError`` while looking at or marking ``run_dir`` (a name too long, say) as a one-line ``K2LabError``."""
+    try:
+        yield
+    except OSError as error:
+        raise K2LabError(f"cannot use the run directory {run_dir}: {error.strerror or error}") from error
 
 
 def _refuse_holding(run_dir: Path, source: Path) -> None:
@@ -66,8 +87,18 @@ def _refuse_foreign(run_dir: Path) -> None:
     if not run_dir.is_dir():
         return  # make_directory says so
     shown = other_entries(run_dir)
-    if shown is not None and not any((run_dir / name).exists() for name in (RUN_MARKER, *LEGACY_MARKERS)):
+    if shown is not None and not is_run_directory(run_dir):
         raise K2LabError(
             f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; a run writes model/, "
             "metrics.jsonl and more there, so choose a new or empty --out"
         )
+
+
+def _refuse_unwritable(run_dir: Path) -> None:
+    """Refuse an existing directory the run cannot write; a resumed run failed only after building the corpus
+    and the model, with an OSError traceback from rewriting its metrics."""
+    if not run_dir.is_dir() or os.access(run_dir, os.W_OK | os.X_OK):
+        return
+    read_only = bool(os.statvfs(run_dir).f_flag & os.ST_RDONLY)
+    reason = "it is on a read-only file system" if read_only else "no permission to write there"
+    raise K2LabError(f"cannot write to the run directory {run_dir}: {reason}; choose another --out")
