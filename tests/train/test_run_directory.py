@@ -99,3 +99,29 @@ def test_a_name_the_file_system_rejects_is_one_line(tmp_path):
     out = tmp_path / ("x" * 300)
     with pytest.raises(K2LabError, match=f"^cannot use the run directory {out}: File name too long$"):
         claim_run_directory(out, "train")
+
+
+def test_claiming_an_earlier_run_removes_only_leftover_temporaries_of_its_files(tmp_path):
+    """A kill during an atomic write left a hidden temporary (``.metrics.jsonl.k3j2x_ab``) in the run for
+    good; claiming the run again removes it, and leaves every other file, however alike."""
+    run = claim_run_directory(tmp_path / "run", "train")
+    for name in ("metrics.jsonl", "dashboard.png"):
+        (run / name).write_text("x")
+    leftovers = [".metrics.jsonl.k3j2x_ab", ".dashboard.png.tel81qx4.png", ".run.json.a1b2c3d4"]
+    kept = [
+        ".notes.txt.abcdefgh",  # no notes.txt beside it
+        ".metrics.jsonl.k3j2x_a",  # 7 characters, not tempfile's 8
+        ".metrics.jsonl.K3J2X_AB",  # tempfile's names are lower case
+        ".metrics.jsonl.k3j2x_ab.bak",
+        ".dashboard.png.tel81qx4.jpg",
+        "metrics.jsonl.k3j2x_ab",  # not hidden
+    ]
+    for name in leftovers + kept:
+        (run / name).write_text("")
+    (run / ".model.abcdefgh").mkdir()  # a directory: never removed here
+    assert claim_run_directory(run, "train", write=False) == run  # the ranks that do not write leave them
+    assert all((run / name).exists() for name in leftovers)
+    claim_run_directory(run, "train")
+    assert sorted(p.name for p in run.iterdir()) == sorted(
+        [RUN_MARKER, "metrics.jsonl", "dashboard.png", ".model.abcdefgh", *kept]
+    )

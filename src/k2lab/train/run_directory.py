@@ -8,13 +8,15 @@ experts, critic): an RL run into its own source run replaced the model it was lo
 ``RUN_MARKER`` (which command made it, when) at once, so a run that fails before its first checkpoint can be
 run again into the same place. An existing directory the run cannot write (a read-only file system, no write
 permission) is refused before any work, and so is a path the file system rejects (a name over 255 bytes): one
-line each.
+line each. Claiming an earlier run removes the hidden temporaries a kill left behind in it mid-way through an
+atomic write (``k2lab.fsutil.staged_file``: ``.metrics.jsonl.k3j2x_ab``), and nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -27,6 +29,8 @@ __all__ = ["RUN_MARKER", "claim_run_directory", "is_run_directory"]
 
 RUN_MARKER = "run.json"
 LEGACY_MARKERS = ("checkpoints", "summary.json")  # what every run held before RUN_MARKER existed
+# a staged_file temporary: ".{target name}.{tempfile's 8 random characters}{suffix: '' or the target's .png}"
+_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}(?P<suffix>(\.png)?)$")
 
 
 def claim_run_directory(
@@ -55,6 +59,7 @@ def claim_run_directory(
     checked()
     if write:
         with _reported(run_dir):
+            _remove_temporaries(run_dir)
             if not (run_dir / RUN_MARKER).is_file():
                 marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
@@ -102,3 +107,16 @@ def _refuse_unwritable(run_dir: Path) -> None:
     read_only = bool(os.statvfs(run_dir).f_flag & os.ST_RDONLY)
     reason = "it is on a read-only file system" if read_only else "no permission to write there"
     raise K2LabError(f"cannot write to the run directory {run_dir}: {reason}; choose another --out")
+
+
+def _remove_temporaries(run_dir: Path) -> None:
+    """Delete the temporaries of atomic writes killed mid-way (``_TEMPORARY``): only regular files whose name
+    is that of a sibling file the run wrote (``.metrics.jsonl.k3j2x_ab`` next to ``metrics.jsonl``, with
+    ``.png`` after it for a plot), so no file of anyone else's is touched."""
+    for entry in run_dir.iterdir():
+        match = _TEMPORARY.match(entry.name)
+        if match is None or not entry.is_file() or entry.is_symlink():
+            continue
+        target = run_dir / match["target"]
+        if target.is_file() and match["suffix"] in ("", target.suffix):
+            entry.unlink(missing_ok=True)
