@@ -31,12 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 
 from k2lab.ablations.report import Report
-from k2lab.fsutil import atomic_write_text
+from k2lab.errors import K2LabError
+from k2lab.fsutil import atomic_write_text, other_entries
 from k2lab.presets import get_preset
 from k2lab.recipes import read_recipe, set_dotted, validate_config
 from k2lab.train.config import TrainConfig
 from k2lab.train.divergence import TrainingDiverged
 from k2lab.train.metrics import read_metrics
+from k2lab.train.run_directory import is_run_directory
 from k2lab.train.trainer import run_training
 
 RUN_MARKER = "ablation_run.json"
@@ -189,7 +191,8 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
 
     Returns the run's summary (with ``seconds``, the wall time of the training call, and ``cpu_seconds``,
     the CPU time this process spent in it over all its threads) and whether it was reused. A directory
-    with an unfinished or different run is wiped first: it belongs to the study. A run that diverges
+    with an unfinished or different run is wiped first: it belongs to the study; one that holds anything
+    else is refused (``check_run_directory``). A run that diverges
     (``TrainingDiverged``) is a result, not a failure: its summary has a NaN ``val_loss``, the steps it
     applied and the reason under ``diverged``.
     """
@@ -204,6 +207,7 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
         if previous.get("recipe") == recipe and read_metrics(run_dir):
             return previous["summary"], True
     if run_dir.exists():
+        check_run_directory(run_dir)
         shutil.rmtree(run_dir)
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
@@ -216,6 +220,22 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
         drop_weights(run_dir)
     atomic_write_text(marker, json.dumps({"recipe": recipe, "summary": summary}, indent=2) + "\n")
     return summary, False
+
+
+def check_run_directory(run_dir: Path) -> None:
+    """Refuse (one-line ``K2LabError``) a run directory that ``train_or_reuse`` would wipe although it is not
+    a run: it must be new, empty, a run of a study (``RUN_MARKER``) or an earlier k2lab run
+    (``is_run_directory``). Wiping any existing directory deleted a folder of notes at ``OUT/runs/none``."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise K2LabError(f"{run_dir} exists and is not a directory; the study trains a run there")
+    shown = other_entries(run_dir)
+    if shown is not None and not (run_dir / RUN_MARKER).exists() and not is_run_directory(run_dir):
+        raise K2LabError(
+            f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; the study replaces "
+            "the directories of its runs, so move it away or choose another --out"
+        )
 
 
 def drop_weights(run_dir: Path) -> None:
@@ -244,8 +264,11 @@ def train_runs(
     With ``ablation.jobs == 1`` the runs train one after another in this process (live progress). With more
     jobs they train in that many spawned worker processes, each with ``ablation.threads`` torch threads
     (default: this process's threads divided among the jobs) and its output in ``OUT/logs/{log_name}.log``.
-    ``done(index, summary, reused)`` is called as each run finishes.
+    ``done(index, summary, reused)`` is called as each run finishes. A run directory that holds anything but
+    a run (``check_run_directory``) is refused before any run trains.
     """
+    for run in plan:  # before training anything: a directory the study may not replace
+        check_run_directory(Path(run.config.out))
     jobs, keep_weights = ablation.jobs, ablation.keep_weights
     available = torch.get_num_threads()
     per_run = ablation.threads or (available if jobs == 1 else max(1, available // jobs))
