@@ -50,3 +50,26 @@ def test_half_precision_weights_load(saved: Path):
     state = {key: value.bfloat16() for key, value in load_file(saved / WEIGHTS).items()}
     save_file(state, str(saved / WEIGHTS))
     assert load_model(saved).norm.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_holding_nan_or_inf_are_refused(saved: Path, bad: float):
+    """A diverged or damaged model loaded in silence and generated garbage (or a multinomial traceback)."""
+    state = load_file(saved / WEIGHTS)
+    state["norm.weight"][3] = bad
+    save_file(state, str(saved / WEIGHTS))
+    with pytest.raises(CheckpointError, match="holds NaN or infinite values in 1 tensors \\(norm.weight\\)"):
+        load_model(saved)
+
+
+@pytest.mark.parametrize("preset", ["k2-nano", "k3-nano", "k25-nano", "k3-vl-nano"])
+def test_every_fresh_models_state_is_finite(preset: str, tmp_path: Path):
+    from k2lab.presets.vision_language import load_vlm_preset
+    from k2lab.vision.vlm import build_vlm
+
+    model = (
+        build_vlm(load_vlm_preset(preset))
+        if "-vl" in preset or "k25" in preset
+        else build_model(load_preset(preset))
+    )
+    assert load_model(save_model(model, tmp_path / "model")) is not None  # no buffer legitimately infinite

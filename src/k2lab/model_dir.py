@@ -130,7 +130,8 @@ def check_manifest_version(manifest: dict, source: Path) -> None:
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Raise ``CheckpointError`` listing missing, unexpected, mis-shaped and wrongly typed tensors (a
     floating-point parameter stored as integers, booleans or FP8) of ``state`` for ``model`` (a whole model
-    or a module such as a draft's)."""
+    or a module such as a draft's), and tensors holding NaN or infinite values (a diverged or damaged model,
+    which would only generate garbage)."""
     reference = model.state_dict()
     expected = {key: tuple(value.shape) for key, value in reference.items()}
     expected.pop(tied_head_key(model), None)
@@ -154,7 +155,19 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
         ("wrongly typed", mistyped),
     ):
         if items:
-            shown = ", ".join(items[:10]) + (f", ... and {len(items) - 10} more" if len(items) > 10 else "")
-            problems.append(f"{len(items)} {label}: {shown}")
+            problems.append(f"{len(items)} {label}: {_listing(items)}")
     if problems:
         raise CheckpointError(f"{source} does not match the model config: " + "; ".join(problems))
+    nonfinite = [
+        key for key in sorted(state) if state[key].is_floating_point() and not state[key].isfinite().all()
+    ]
+    if nonfinite:
+        raise CheckpointError(
+            f"{source} holds NaN or infinite values in {len(nonfinite)} tensors ({_listing(nonfinite)}): a "
+            "diverged or damaged model; load an earlier checkpoint"
+        )
+
+
+def _listing(items: list[str]) -> str:
+    """The first ten ``items``, then how many more."""
+    return ", ".join(items[:10]) + (f", ... and {len(items) - 10} more" if len(items) > 10 else "")

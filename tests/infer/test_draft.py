@@ -52,8 +52,10 @@ def test_a_draft_for_another_model_is_refused(tmp_path):
 
 def _saved_draft(tmp_path, model, vocab=None):
     from k2lab.infer.draft import DRAFT_MANIFEST
+    from k2lab.train.draft import draft_module
 
-    directory = save_draft(MultiTokenPrediction(model.config, 1), model.config, tmp_path / "d", vocab=vocab)
+    module = draft_module(model, fresh=True, seed=0)  # initialised: a bare module's router is torch.empty
+    directory = save_draft(module, model.config, tmp_path / "d", vocab=vocab)
     return directory, directory / DRAFT_MANIFEST
 
 
