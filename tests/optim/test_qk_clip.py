@@ -122,6 +122,27 @@ def test_single_layer_rerun_records_tau():
     )
 
 
+def test_a_layer_no_forward_ran_is_unmeasured_and_left_unclipped():
+    """RL and MOPD score a model with an MTP block through its main layers only: the step raised "no max
+    logits recorded". The block reads −∞ (nothing measured, nothing clipped); no layer at all still raises."""
+    from k2lab.optim.muonclip import MuonClip
+
+    model = nano_variant(num_nextn_predict_layers=1)
+    optimizer = MuonClip(
+        model, OptimizerConfig(lr=1e-2, qk_clip_tau=1e-3), verbose=False
+    )  # every head over τ
+    ids = torch.randint(0, 128, (2, 30))
+    model(ids, labels=ids).loss.backward()
+    mtp_attn = model.mtp[0].block.attn
+    before = {name: p.clone() for name, p in mtp_attn.named_parameters()}
+    stats = optimizer.step()
+    assert stats["qk_clipped_heads"] > 0 and all(v == v and abs(v) != float("inf") for v in stats.values())
+    assert all(torch.equal(before[name], p) for name, p in mtp_attn.named_parameters())
+    assert f"max_logit/layer{model.config.num_hidden_layers}" not in stats  # the MTP block's: none
+    with pytest.raises(RuntimeError, match="no max logits recorded"):
+        optimizer.step()  # no forward since
+
+
 def test_clip_leaves_values_rope_key_and_down_projections_alone():
     model = nano_variant()
     attn = model.layers[0].attn

@@ -59,10 +59,14 @@ class MuonClip:
         if self.clipping:
             clipped = self.qk_clip.apply(maxima).clipped_heads
         self._steps += 1
+        layers = [
+            (i, m) for i, m in zip(self.qk_clip.layer_indices, maxima, strict=True) if m.isfinite().all()
+        ]
+        measured = [m for _, m in layers]  # a layer no forward ran this step (−∞) has no figure
         stats: dict[str, float] = {
-            "max_logit": max((float(m.max()) for m in maxima), default=0.0),  # 0 without MLA layers
+            "max_logit": max((float(m.max()) for m in measured), default=0.0),  # 0 without MLA layers
             "max_logit_clipped": max(
-                (float(m.clamp(max=self.qk_clip.tau).max() if self.clipping else m.max()) for m in maxima),
+                (float(m.clamp(max=self.qk_clip.tau).max() if self.clipping else m.max()) for m in measured),
                 default=0.0,
             ),
             "qk_clipped_heads": float(clipped),
@@ -70,8 +74,7 @@ class MuonClip:
             "muon_update_rms": self.optimizer.last_update_rms,
             "ns_orthogonality_error": self._orthogonality_error(),
         }
-        layers = self.qk_clip.layer_indices
-        stats.update({f"max_logit/layer{i}": float(m.max()) for i, m in zip(layers, maxima, strict=True)})
+        stats.update({f"max_logit/layer{i}": float(m.max()) for i, m in layers})
         return stats
 
     @torch.no_grad()

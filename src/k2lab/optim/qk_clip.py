@@ -19,6 +19,7 @@ Defaults τ = 100, α = 0.5 (the report); K2 run facts in facts.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -97,12 +98,17 @@ class QKClip:
 
     def recorded_maxima(self) -> list[torch.Tensor]:
         """Per-layer S_max [H] over every forward since the last call (e.g. all micro-batches of a step),
-        MAX-reduced over data-parallel ranks. Reading clears them for the next step."""
+        MAX-reduced over data-parallel ranks. Reading clears them for the next step.
+
+        A layer no forward ran since (an MTP block while RL scores the main model only) reads −∞: nothing
+        was measured, so nothing is clipped; with no layer recorded at all, recording was never turned on.
+        """
+        if self.layers and all(attn.max_logits is None for attn in self.layers):
+            raise RuntimeError("no max logits recorded: call QKClip.record() before the forward pass")
         maxima = []
         for attn in self.layers:
-            if attn.max_logits is None:
-                raise RuntimeError("no max logits recorded: call QKClip.record() before the forward pass")
-            maxima.append(attn.max_logits.float())
+            unmeasured = attn.max_logits is None
+            maxima.append(torch.full((attn.n_heads,), -math.inf) if unmeasured else attn.max_logits.float())
             attn.max_logits = None
         return all_reduce_max(maxima)
 
