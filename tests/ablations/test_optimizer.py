@@ -177,3 +177,10 @@ def test_recipe_is_the_settings_or_a_training_recipe_for_base(tmp_path):
     assert (
         study.base.steps == 20 and study.base.optimizer.weight_decay == 0.0 and study.out == "runs/ablation"
     )
+
+
+@pytest.mark.parametrize("lr", [math.inf, math.nan, 0.0])
+def test_a_learning_rate_that_is_not_positive_and_finite_is_refused(lr):
+    """--lrs inf trained NaN runs and reported "best lr inf"."""
+    with pytest.raises(ValueError, match="positive and finite"):
+        AblationConfig(lrs=[1e-3, lr])

@@ -159,8 +159,8 @@ class AblationConfig(AblationSettings):
     @field_validator("lrs")
     @classmethod
     def _positive_lrs(cls, lrs: list[float]) -> list[float]:
-        if any(not lr > 0 for lr in lrs):
-            raise ValueError(f"learning rates must be positive, got {lrs}")
+        if any(not 0 < lr < math.inf for lr in lrs):
+            raise ValueError(f"learning rates must be positive and finite, got {lrs}")
         return sorted(set(lrs))
 
     @model_validator(mode="after")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 
 from k2lab.ablations.common import ordered_subset
@@ -78,6 +78,18 @@ class ParlAblationSettings(BaseModel):
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], description="Seeds (tasks, sampling)")
     target: float = Field(default=0.9, gt=0, le=1, description="Held-out success for 'time to target'")
     threads: int = Field(default=1, ge=1, description="torch threads")
+
+    @field_validator("arms")
+    @classmethod
+    def _known_arms(cls, arms: list[str]) -> list[str]:
+        return ordered_subset(arms, tuple(ARMS), "arms")
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int]) -> list[int]:
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds must be one or more distinct seeds, got {seeds}")
+        return seeds
 
 
 def run_parl_ablation(settings: ParlAblationSettings, console: Console | None = None) -> dict[str, Any]:

@@ -28,9 +28,10 @@ from k2lab.optim.muon import NS_COEFFICIENTS, Muon, device_type
 
 
 class OptimizerConfig(BaseModel):
-    """Optimizer recipe; ``name`` picks MuonClip (Muon + QK-Clip), plain Muon, or AdamW for everything."""
+    """Optimizer recipe; ``name`` picks MuonClip (Muon + QK-Clip), plain Muon, or AdamW for everything.
+    Every number is finite (an lr of inf passed ``gt=0`` and made every weight NaN)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: Literal["muonclip", "muon", "adamw"] = Field(default="muonclip", description="Optimizer.")
     lr: float = Field(default=2e-3, gt=0, description="Peak learning rate.")

@@ -79,9 +79,9 @@ BUCKETS = (2, 5, 8, 12)  # remaining shards ≤ 2, ≤ 5, ≤ 8, ≤ 12, more
 
 
 class ParlConfig(BaseModel):
-    """PARL hyper-parameters (equations in the module docstring)."""
+    """PARL hyper-parameters (equations in the module docstring); every number finite."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     iterations: int = Field(default=40, ge=1)
     groups_per_iteration: int = Field(default=4, ge=1)
