@@ -123,3 +123,27 @@ def test_draft_weights_that_do_not_fit_are_a_one_line_error(tmp_path):
     ) as error:
         load_draft(directory, model)
     assert "\n" not in str(error.value)
+
+
+def test_save_draft_replaces_only_a_new_empty_or_earlier_draft_directory(tmp_path):
+    """``save_draft`` swaps in the whole directory: one holding anything but an earlier draft (a model, the
+    user's notes, a draft with notes added) is refused and left as it was."""
+    model = target()
+    module = randomize(build_model(load_preset("k2-nano", num_nextn_predict_layers=1)), seed=4).mtp[0]
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # new, then over the earlier draft
+        save_draft(module, model.config, tmp_path / "d")
+        save_draft(module, model.config, tmp_path / "empty")
+    (tmp_path / "d" / "notes.txt").write_text("mine\n")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine\n")
+    (tmp_path / "file").write_text("mine\n")
+    for out, message in (
+        ("d", "holds other files"),
+        ("notes", "holds other files"),
+        ("file", "not a directory"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            save_draft(module, model.config, tmp_path / out)
+    assert (tmp_path / "d" / "notes.txt").is_file() and (tmp_path / "notes" / "notes.txt").is_file()
+    assert load_draft(tmp_path / "d", model).module is not None

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from k2lab import build_model, load_preset
 from k2lab.cli import main
-from k2lab.errors import K2LabError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.infer import GenerationConfig, generate
 from k2lab.infer.draft import DRAFT_DIR, find_draft
 from k2lab.infer.speculative import speculative_generate
@@ -94,3 +94,73 @@ def test_a_bad_draft_vocabulary_is_refused(model_dir, tiny_corpus):
     config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), draft_vocab=301, **SMALL)
     with pytest.raises(K2LabError, match="between 1 and the target's vocabulary 300, got 301"):
         train_draft(config, log=lambda line: None)
+
+
+def _snapshot(directory):
+    return sorted(str(path.relative_to(directory)) for path in directory.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["model", "parent", "notes", "file"])
+def test_an_out_that_would_lose_files_is_refused_before_any_work(model_dir, tiny_corpus, where):
+    """The draft replaces its whole directory: ``--out MODEL`` replaced the model's weights, manifest and
+    tokenizer with the draft (exit 0), and a folder of the user's files lost them."""
+    notes = model_dir.parent / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine\n")
+    (model_dir.parent / "file").write_text("mine\n")
+    out = {"model": model_dir, "parent": model_dir.parent, "notes": notes, "file": model_dir.parent / "file"}
+    before = _snapshot(model_dir.parent)
+    config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), out=out[where], **SMALL)
+    lines = []
+    with pytest.raises(CheckpointError, match="holds the model|holds other files|not a directory"):
+        train_draft(config, log=lines.append)
+    assert not lines and _snapshot(model_dir.parent) == before
+    assert (notes / "notes.txt").read_text() == "mine\n"
+
+
+def test_the_command_refuses_the_model_as_out(model_dir, tiny_corpus, capsys):
+    args = ["draft", "train", "--model", model_dir, "--out", model_dir, "--data", tiny_corpus]
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in args])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "holds the model" in error
+    assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
+
+
+def test_an_earlier_draft_or_an_empty_folder_is_replaced(model_dir, tiny_corpus):
+    """New, empty and earlier-draft directories are written (the default MODEL/draft twice, too)."""
+    empty = model_dir.parent / "empty"
+    empty.mkdir()
+    for out in (None, None, empty, empty):
+        config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), out=out, steps=1, **SMALL)
+        train_draft(config, log=lambda line: None)
+        written = out or model_dir / DRAFT_DIR
+        assert sorted(path.name for path in written.iterdir()) == [
+            "draft.safetensors",
+            "k2lab-draft.json",
+            "summary.json",
+        ]
+    assert find_draft(model_dir, load_model(model_dir)) is not None
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            {"continuation": 247},
+            "prompt_len 10 \\+ continuation 247 = 257 tokens exceed the model's context of 256",
+        ),
+        (
+            {"eval_tokens": 300},
+            "prompt_len 10 \\+ eval_tokens 300 = 310 tokens exceed the model's context of 256",
+        ),
+    ],
+)
+def test_sequences_past_the_context_are_refused(model_dir, tiny_corpus, setting, message):
+    """k2-nano's context is 256 tokens: a continuation past it trained the draft on positions the model never
+    saw, in silence."""
+    config = DraftTrainConfig(model=model_dir, data=str(tiny_corpus), **{**SMALL, **setting})
+    lines = []
+    with pytest.raises(K2LabError, match=message):
+        train_draft(config, log=lines.append)
+    assert not lines and not (model_dir / DRAFT_DIR).exists()

@@ -45,7 +45,14 @@ from torch import nn
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import check_format_version, read_json_object, save_tensors, staged_directory
+from k2lab.fsutil import (
+    check_format_version,
+    holds,
+    other_entries,
+    read_json_object,
+    save_tensors,
+    staged_directory,
+)
 from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_step, reads_bf16
@@ -61,6 +68,8 @@ DRAFT_DIR = "draft"  # <model dir>/draft/: the EAGLE draft trained for that mode
 DRAFT_FORMAT = "k2lab-draft"
 DRAFT_MANIFEST = "k2lab-draft.json"
 DRAFT_WEIGHTS = "draft.safetensors"
+DRAFT_SUMMARY = "summary.json"  # written beside the draft by ``k2lab draft train``
+DRAFT_FILES = frozenset({DRAFT_MANIFEST, DRAFT_WEIGHTS, DRAFT_SUMMARY})  # all that a draft directory holds
 DRAFT_VERSION = 1
 DRAFT_KINDS = ("eagle",)
 VOCAB_KEY = "draft_vocab.ids"  # a reduced draft vocabulary's token ids [N] (``k2lab.infer.draft_vocab``)
@@ -306,8 +315,10 @@ def save_draft(
     """Write an EAGLE draft (``module``'s weights; embedding and head stay the target's) to ``directory``
     atomically: ``k2lab-draft.json`` {format, version, kind: "eagle", config: the target's ModelConfig,
     draft_vocab: N or null, info} and ``draft.safetensors`` (with a reduced vocabulary, its ids [N] under
-    ``draft_vocab.ids``). ``save_model`` over the model directory replaces ``draft/`` too."""
+    ``draft_vocab.ids``). ``save_model`` over the model directory replaces ``draft/`` too. The whole
+    directory is replaced, so it must be new, empty or an earlier draft (``check_draft_directory``)."""
     target = Path(directory)
+    check_draft_directory(target)
     with staged_directory(target) as staging:
         manifest = {
             "format": DRAFT_FORMAT,
@@ -323,6 +334,42 @@ def save_draft(
             state[VOCAB_KEY] = vocab.ids.cpu().contiguous()
         save_tensors(state, staging / DRAFT_WEIGHTS, metadata={"format": DRAFT_FORMAT})
     return target
+
+
+def is_draft_directory(directory: Path) -> bool:
+    """Whether ``directory`` holds an earlier draft and nothing else: a ``k2lab-draft.json`` that is a JSON
+    object of format ``k2lab-draft``, among no entries but ``DRAFT_FILES``."""
+    try:
+        manifest = json.loads((directory / DRAFT_MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (
+        isinstance(manifest, dict)
+        and manifest.get("format") == DRAFT_FORMAT
+        and {entry.name for entry in directory.iterdir()} <= DRAFT_FILES
+    )
+
+
+def check_draft_directory(target: Path, model: Path | None = None) -> None:
+    """Refuse (one-line ``CheckpointError``) to write a draft at ``target`` where that would lose anything:
+    ``save_draft`` replaces the whole directory, so ``target`` must be new, empty or an earlier draft
+    (``is_draft_directory``), and must not be the ``model`` or hold it. ``--out MODEL`` replaced the model's
+    weights, its manifest and its tokenizer with the draft."""
+    if model is not None and holds(target, model):
+        raise CheckpointError(
+            f"{target} is or holds the model {model}: the draft replaces its whole directory; choose another "
+            f"(the default is {Path(model) / DRAFT_DIR})"
+        )
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory; give a directory for the draft")
+    shown = other_entries(target)
+    if shown is not None and not is_draft_directory(target):
+        raise CheckpointError(
+            f"{target} holds other files ({shown}), not just an earlier draft; the draft replaces the whole "
+            "directory, so choose a new or empty one"
+        )
 
 
 def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraft:

@@ -33,7 +33,7 @@ from torch import nn
 from k2lab.data import load_tokenizer
 from k2lab.data.corpus import load_corpus
 from k2lab.errors import K2LabError
-from k2lab.infer.draft import DRAFT_DIR, EagleDraft, save_draft
+from k2lab.infer.draft import DRAFT_DIR, DRAFT_SUMMARY, EagleDraft, check_draft_directory, save_draft
 from k2lab.infer.draft_vocab import DraftVocab, check_size, frequent_tokens
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.infer.speculative import speculative_generate
@@ -181,11 +181,25 @@ def acceptance(
     return stats.tokens_per_step
 
 
+def check_context(config: DraftTrainConfig, context: int) -> None:
+    """``K2LabError`` when a training sequence (a prompt and its continuation) or a held-out check (a prompt
+    and its new tokens) would run past the target's ``context`` (``max_position_embeddings``): the draft
+    would learn the target's features at positions it was never trained on."""
+    for what, tokens in (("continuation", config.continuation), ("eval_tokens", config.eval_tokens)):
+        if config.prompt_len + tokens > context:
+            raise K2LabError(
+                f"prompt_len {config.prompt_len} + {what} {tokens} = {config.prompt_len + tokens} tokens "
+                f"exceed the model's context of {context} (max_position_embeddings); lower them"
+            )
+
+
 def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     """Fine-tune (or train) the draft of ``config.model`` and save it; returns the summary it writes."""
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
+    out = config.out or config.model / DRAFT_DIR
+    check_draft_directory(out, config.model)  # before any work: the draft replaces the whole directory
     if not (config.model / "tokenizer.json").is_file():
         raise K2LabError(f"{config.model} has no tokenizer.json: the prompts are corpus text")
     tokenizer = load_tokenizer(config.model / "tokenizer.json")
@@ -193,6 +207,7 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     if not isinstance(target, CausalLM):
         raise K2LabError("draft training needs a text model (a CausalLM checkpoint)")
     draft_vocab(config, target.config.vocab_size, None)  # a bad size fails before any work
+    check_context(config, target.config.max_position_embeddings)
     target.eval().requires_grad_(False)
     corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
     train = corpus_windows([d.text for d in corpus.train], tokenizer, config.prompts, config.prompt_len, rng)
@@ -241,9 +256,8 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
         **first,
         "seconds": time.perf_counter() - started,
     }
-    out = config.out or config.model / DRAFT_DIR
     info = {"training": config.model_dump(mode="json"), "summary": summary}
     save_draft(module, target.config, out, info, vocab)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / DRAFT_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     log(f"held-out tokens per step after: {after:.3f}; draft saved to {out}")
     return summary
