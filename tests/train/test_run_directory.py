@@ -125,3 +125,37 @@ def test_claiming_an_earlier_run_removes_only_leftover_temporaries_of_its_files(
     assert sorted(p.name for p in run.iterdir()) == sorted(
         [RUN_MARKER, "metrics.jsonl", "dashboard.png", ".model.abcdefgh", *kept]
     )
+
+
+def test_a_directory_another_live_run_holds_is_refused(tmp_path):
+    """Two runs into one --out interleaved their metrics lines; now the second is refused while the first
+    lives, and the same process may claim its directory again (a resume in the same process)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    claim_run_directory(run, "train")
+    claim_run_directory(run, "train")  # this process holds it already
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from k2lab.train.run_directory import claim_run_directory as c; c({str(run)!r}, 'train')",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode != 0 and "is in use by another k2lab run" in other.stderr
+    free = tmp_path / "free"
+    free.mkdir()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from k2lab.train.run_directory import claim_run_directory as c; c({str(free)!r}, 'train')",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    claim_run_directory(free, "train")  # the process that held it has ended: free again

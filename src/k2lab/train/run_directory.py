@@ -8,12 +8,14 @@ experts, critic): an RL run into its own source run replaced the model it was lo
 ``RUN_MARKER`` (which command made it, when) at once, so a run that fails before its first checkpoint can be
 run again into the same place. An existing directory the run cannot write (a read-only file system, no write
 permission) is refused before any work, and so is a path the file system rejects (a name over 255 bytes): one
-line each. Claiming an earlier run removes the hidden temporaries a kill left behind in it mid-way through an
+line each. A claimed directory stays locked (``flock``) while its process lives: a second run into it is
+refused. Claiming an earlier run removes the hidden temporaries a kill left behind in it mid-way through an
 atomic write (``k2lab.fsutil.staged_file``: ``.metrics.jsonl.k3j2x_ab``), and nothing else.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -30,6 +32,7 @@ __all__ = ["RUN_MARKER", "claim_run_directory", "is_run_directory"]
 RUN_MARKER = "run.json"
 LEGACY_MARKERS = ("checkpoints", "summary.json")  # what every run held before RUN_MARKER existed
 # a staged_file temporary: ".{target name}.{tempfile's 8 random characters}{suffix: '' or the target's .png}"
+_HELD: dict[Path, int] = {}  # run directories this process claimed: their locked descriptors
 _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}(?P<suffix>(\.png)?)$")
 
 
@@ -59,11 +62,37 @@ def claim_run_directory(
     checked()
     if write:
         with _reported(run_dir):
+            _lock(run_dir)  # before touching anything: another live run may be writing there
             _remove_temporaries(run_dir)
             if not (run_dir / RUN_MARKER).is_file():
                 marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
     return run_dir
+
+
+def _lock(run_dir: Path) -> None:
+    """Hold an exclusive ``flock`` on ``run_dir`` until this process ends; another process holding it (a run
+    still going there) is a one-line refusal. Two runs into one directory interleaved their metrics lines and
+    checkpoints. A directory this process already holds passes (a resumed run in the same process); on a file
+    system without locks the run goes on unlocked."""
+    held = _HELD.get(run_dir.resolve())
+    if held is not None and os.fstat(held).st_ino == os.stat(run_dir).st_ino:
+        return
+    descriptor = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise K2LabError(
+            f"{run_dir} is in use by another k2lab run (a live process holds it); wait for that run to end or "
+            "choose another --out"
+        ) from None
+    except OSError:
+        os.close(descriptor)
+        return
+    if held is not None:  # the directory was replaced since (a study wipes its runs): the old one is gone
+        os.close(held)
+    _HELD[run_dir.resolve()] = descriptor
 
 
 def is_run_directory(directory: Path) -> bool:
