@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from k2lab.agentic.distill.mopd import (
     mopd_advantages,
     mopd_dense_loss,
     mopd_loss,
+    run_mopd,
     sft_loss,
 )
 from k2lab.agentic.episodes.rollout import LocalPolicy
@@ -207,6 +209,37 @@ def test_train_experts_subset_and_resume_skips(sft_dir, tmp_path):
         train_experts(sft_dir, tmp_path, config, [ExpertSpec("instruction", "low", 3)])
 
 
+def test_a_rerun_of_experts_with_other_settings_is_refused_before_the_manifest_is_written(sft_dir, tmp_path):
+    """A rerun from another checkpoint, or with another learning rate or more iterations, reused the finished
+    experts ("done, skipped") and rewrote experts.json to claim the new settings; now it is refused, naming
+    the change, and the manifest is left as it was. Checkpointing may change (the experts are skipped)."""
+    specs = [ExpertSpec("instruction", "low", 2)]
+    config = RLConfig(iterations=1, group_size=2, groups_per_iteration=1, updates_per_iteration=1)
+    out = tmp_path / "experts"
+    train_experts(sft_dir, out, config, specs, log=lambda _: None)
+    before = (out / "experts.json").read_text()
+    assert json.loads(before)["checkpoint"] == str(sft_dir.resolve())
+    other = tmp_path / "other-sft"
+    shutil.copytree(sft_dir, other)
+    changes = [
+        (other, {}, "checkpoint: "),
+        (
+            sft_dir,
+            {"optimizer": config.optimizer.model_copy(update={"lr": 0.5})},
+            "optimizer.lr: 0.001 then, 0.5 now",
+        ),
+        (sft_dir, {"iterations": 5}, "iterations: 1 then, 5 now"),
+    ]
+    for checkpoint, update, fragment in changes:
+        with pytest.raises(K2LabError, match=f"started with other settings \\({fragment}"):
+            train_experts(checkpoint, out, config.model_copy(update=update), specs, log=lambda _: None)
+        assert (out / "experts.json").read_text() == before
+    logs: list[str] = []
+    train_experts(sft_dir, out, config.model_copy(update={"keep_checkpoints": 5}), specs, log=logs.append)
+    assert logs == [f"{specs[0].key}: done, skipped"]
+    assert json.loads((out / "experts.json").read_text())["rl"]["keep_checkpoints"] == 5
+
+
 @pytest.mark.parametrize("objective", ["sampled", "dense"])
 def test_distillation_resumes_exactly(small_tokenizer, tmp_path, objective):
     specs = [ExpertSpec("arithmetic", "low", 3), ExpertSpec("instruction", "max", 5)]
@@ -248,6 +281,29 @@ def test_resuming_with_another_objective_is_refused_and_loses_nothing(small_toke
         trainer(steps=2, objective="dense")
     assert (tmp_path / "metrics.jsonl").read_text() == before
     assert trainer(steps=2, objective="sampled").step == 1  # a longer run of the same settings resumes
+
+
+def test_resuming_distillation_from_another_student_or_experts_is_refused(sft_dir, small_tokenizer, tmp_path):
+    """A resumed run ignored a changed --experts (later steps distilled from other teachers) or --student (the
+    checkpoint's weights were used) while mopd.json claimed the new inputs; now either change is refused,
+    naming it, and mopd.json is left as it was."""
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    experts, others = tmp_path / "experts", tmp_path / "others"
+    write_experts(experts, small_tokenizer, specs)
+    write_experts(others, small_tokenizer, specs)
+    student = tmp_path / "student"
+    shutil.copytree(sft_dir, student)
+    out, config = tmp_path / "run", MOPDConfig(steps=1, prompts_per_step=1)
+    run_mopd(experts, sft_dir, out, config)
+    before = (out / "mopd.json").read_text()
+    longer = config.model_copy(update={"steps": 2})
+    with pytest.raises(K2LabError, match=f"experts: '{experts}' then, '{others}' now"):
+        run_mopd(others, sft_dir, out, longer)
+    shutil.rmtree(out / "model")
+    with pytest.raises(K2LabError, match=f"student: '{sft_dir}' then, '{student}' now"):
+        run_mopd(experts, student, out, config)
+    assert (out / "mopd.json").read_text() == before
+    assert len(run_mopd(experts, sft_dir, out, longer)) == 1  # the same inputs resume
 
 
 def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_path):

@@ -17,8 +17,13 @@ low 16, high 48, max 128.
 
 ``train_experts`` trains the nine experts from one SFT checkpoint with ``RLTrainer`` (the K1.5 objective,
 MuonClip, exact resume), each in ``OUT/{domain}-{effort}`` with its policy in ``OUT/{domain}-{effort}/model``;
-``OUT/experts.json`` is the manifest. A finished expert (its ``model/`` exists) is skipped; an unfinished
-one resumes from its own checkpoints.
+``OUT/experts.json`` is the manifest: the experts, the source checkpoint (resolved) and the RL settings they
+are trained with. A finished expert (its ``model/`` exists) is skipped; an unfinished one resumes from its own
+checkpoints. A rerun into the same directory must therefore train the same experts from the same checkpoint
+with the same RL settings: one that differs from the manifest is refused before anything is written, naming
+the differences. Only checkpointing and the step timeout (``EXPERT_RERUN_CHANGES``) may change; more
+``--iterations`` is refused too, since finished experts would be skipped rather than trained further while
+the manifest claimed the new count.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ from k2lab.data import load_tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import atomic_write_text, read_json_object
 from k2lab.model_dir import load_model, save_model
+from k2lab.train.persistence import check_resumed_config
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_DOMAINS",
     "EFFORTS",
+    "EXPERT_RERUN_CHANGES",
     "EXPERT_RL_DEFAULTS",
     "EffortEnv",
     "ExpertSpec",
@@ -58,6 +65,9 @@ DEFAULT_BUDGETS = {"low": 16, "high": 48, "max": 128}
 # RLConfig values of the experts' runs (``k2lab mopd experts``) where they differ from RLConfig's own
 EXPERT_RL_DEFAULTS = {"keep_checkpoints": 2}
 MANIFEST = "experts.json"
+# RLConfig fields a rerun into an experts directory may change: they change neither what an expert learns nor
+# which experts count as finished (not ``iterations``: a finished expert is skipped, not trained further)
+EXPERT_RERUN_CHANGES = frozenset({"checkpoint_every", "keep_checkpoints", "step_timeout_s"})
 
 
 def effort_prompt(effort: str) -> str:
@@ -198,8 +208,9 @@ def train_experts(
 ) -> dict[str, Any]:
     """Train every expert of ``specs`` (default: the 3 × 3 grid) from ``checkpoint``; resumable.
 
-    Each expert's RL seed is ``config.seed`` + its index, so experts see different prompts. Writes and
-    returns the manifest.
+    Each expert's RL seed is ``config.seed`` + its index, so experts see different prompts. A rerun whose
+    experts, checkpoint or RL settings differ from ``OUT/experts.json`` is refused (``check_rerun``) before
+    the manifest is written; returns it.
     """
     checkpoint, out = Path(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
@@ -207,14 +218,14 @@ def train_experts(
     specs = list(specs or expert_specs())
     for spec in specs:  # before the first expert trains, not when the bad one's turn comes
         check_env_name(spec.domain)
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).is_file() and load_manifest(out)["experts"] != [vars(s) for s in specs]:
-        raise K2LabError(f"{out} holds experts of other domains or budgets: choose another --out")
     manifest = {
-        "checkpoint": str(checkpoint),
+        "checkpoint": str(checkpoint.resolve()),
         "experts": [vars(s) for s in specs],
         "rl": config.model_dump(mode="json"),
     }
+    if (out / MANIFEST).is_file():
+        check_rerun(load_manifest(out), manifest, out)
+    out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     for index, spec in enumerate(specs):
         if (out / spec.key / "model" / "tokenizer.json").is_file():
@@ -226,3 +237,24 @@ def train_experts(
             checkpoint, spec, out / spec.key, seeded, log=lambda line, key=spec.key: log(f"{key}: {line}")
         )
     return manifest
+
+
+def check_rerun(saved: dict[str, Any], manifest: dict[str, Any], out: Path) -> None:
+    """Refuse (one line) a rerun into ``out`` whose experts, source checkpoint or RL settings differ from the
+    saved manifest's; only ``EXPERT_RERUN_CHANGES`` may differ (a manifest without them checks what it has)."""
+    if saved["experts"] != manifest["experts"]:
+        raise K2LabError(f"{out} holds experts of other domains or budgets: choose another --out")
+    check_resumed_config(_trained_with(saved), _trained_with(manifest), out, EXPERT_RERUN_CHANGES)
+
+
+def _trained_with(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's RL settings (nested ones as ``optimizer.lr``) and its source checkpoint (resolved) as one
+    flat dict, so a refusal names just the fields that changed."""
+    rl = manifest["rl"] if isinstance(manifest.get("rl"), dict) else {}
+    settings = {}
+    for key, value in rl.items():
+        nested = value.items() if isinstance(value, dict) else [(None, value)]
+        settings |= {key if sub is None else f"{key}.{sub}": item for sub, item in nested}
+    if isinstance(manifest.get("checkpoint"), str):
+        settings["checkpoint"] = str(Path(manifest["checkpoint"]).resolve())
+    return settings

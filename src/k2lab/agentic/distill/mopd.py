@@ -204,7 +204,8 @@ class MOPDTrainer(IterativeTrainer):
     """On-policy multi-teacher distillation (``mode="mopd"``) or SFT on teacher samples (``"sft"``).
 
     Counts ``step``s; checkpoints hold the student and the optimizer, and a resumed run must share the
-    config and the mode (``k2lab.posttrain.base`` for the loop, resume and cadence).
+    config, the mode and ``sources`` (where the student and the teachers came from; ``k2lab.posttrain.base``
+    for the loop, resume and cadence).
     """
 
     counter = "step"
@@ -219,9 +220,10 @@ class MOPDTrainer(IterativeTrainer):
         config: MOPDConfig,
         out_dir: str | Path,
         mode: Literal["mopd", "sft"] = "mopd",
+        sources: dict[str, str] | None = None,
     ) -> None:
         self.student, self.tokenizer, self.router = student.eval(), tokenizer, router
-        self.specs, self.mode = list(specs), mode
+        self.specs, self.mode, self.sources = list(specs), mode, dict(sources or {})
         self.envs = {s.key: EffortEnv(s, timeout_s=config.step_timeout_s) for s in self.specs}
         self.dispatch = CellDispatch(self.envs)
         self.enforcer = LocalPolicy(student, tokenizer)  # replays the samplers' tool-call masks
@@ -239,8 +241,9 @@ class MOPDTrainer(IterativeTrainer):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def settings(self) -> dict[str, Any]:
-        """The settings a resumed run must share with the checkpoint: the config and the mode."""
-        return self.config.model_dump(mode="json") | {"mode": self.mode}
+        """The settings a resumed run must share with the checkpoint: the config, the mode and the
+        ``sources`` (``run_mopd``: the resolved student and experts paths)."""
+        return self.config.model_dump(mode="json") | {"mode": self.mode} | self.sources
 
     # ---- the loop
     def run(
@@ -369,15 +372,20 @@ def run_mopd(
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """``k2lab mopd distill``: student from ``student_checkpoint``, teachers from ``experts_dir``; trains
-    (resuming from ``OUT/checkpoints``) and saves the student to ``OUT/model`` with the tokenizer."""
+    (resuming from ``OUT/checkpoints``, refused when the config, the mode, the student or the experts differ)
+    and saves the student to ``OUT/model`` with the tokenizer. ``OUT/mopd.json`` records the inputs once the
+    resume check has passed."""
     specs = manifest_specs(load_manifest(experts_dir))
     out = claim_run_directory(out_dir, f"mopd {mode}", [experts_dir, student_checkpoint])
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
     student = load_model(student_checkpoint)
-    trainer = MOPDTrainer(
-        student, tokenizer, TeacherRouter.load(experts_dir, specs), specs, config, out, mode
-    )
+    sources = {
+        "student": str(Path(student_checkpoint).resolve()),
+        "experts": str(Path(experts_dir).resolve()),
+    }
+    router = TeacherRouter.load(experts_dir, specs)
+    trainer = MOPDTrainer(student, tokenizer, router, specs, config, out, mode, sources)
     atomic_write_text(
         out / "mopd.json",
         json.dumps(
