@@ -306,6 +306,35 @@ def test_resuming_distillation_from_another_student_or_experts_is_refused(sft_di
     assert len(run_mopd(experts, sft_dir, out, longer)) == 1  # the same inputs resume
 
 
+def test_teachers_of_another_tokenizer_or_vocabulary_are_refused_before_any_work(
+    sft_dir, small_tokenizer, tmp_path
+):
+    """A student of another tokenizer than its teachers failed with a tensor-size traceback (dense) or
+    trained on ids that mean other text to the teachers (sampled, exit 0); now a one-line error, before
+    the run directory is made (tokenizer) or any step runs (vocabulary)."""
+    from k2lab.data.corpus import load_corpus
+    from k2lab.data.tokenizer import train_tokenizer
+
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "d.txt").write_text("an entirely different corpus of words, 12 + 30 = 42 " * 30)
+    other = train_tokenizer(load_corpus(str(tmp_path / "corpus")), vocab_size=290, use_cache=False)
+    write_experts(tmp_path / "foreign", other, specs)
+    for objective in ("dense", "sampled"):
+        config = MOPDConfig(steps=1, prompts_per_step=1, objective=objective)
+        with pytest.raises(K2LabError, match="have different tokenizers"):
+            run_mopd(tmp_path / "foreign", sft_dir, tmp_path / "out", config)
+        assert not (tmp_path / "out").exists()
+    wide = tmp_path / "wide"
+    write_experts(wide, small_tokenizer, specs)
+    model = build_model(load_preset("k2-nano", vocab_size=320, max_position_embeddings=2048))
+    save_model(randomize(model, seed=1), wide / specs[0].key / "model")
+    small_tokenizer.save(wide / specs[0].key / "model" / "tokenizer.json")
+    with pytest.raises(K2LabError, match="vocabulary of 300 tokens, the teacher .* one of 320"):
+        run_mopd(wide, sft_dir, tmp_path / "out", MOPDConfig(steps=1, prompts_per_step=1))
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_path):
     """Both objectives sample step 0 from the same student with the same seeds: the same trained tokens
     (positions, not positions × vocabulary), and the dense loss is the exact KL the sampled one estimates."""

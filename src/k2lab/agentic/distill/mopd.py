@@ -67,6 +67,7 @@ from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.agentic.episodes.evaluate import play_greedy
 from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
 from k2lab.data import load_tokenizer
+from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.model_dir import load_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
@@ -82,6 +83,8 @@ __all__ = [
     "MOPDConfig",
     "MOPDTrainer",
     "TeacherRouter",
+    "check_tokenizers",
+    "check_vocab_sizes",
     "dense_reverse_kl",
     "evaluate_cells",
     "mopd_advantages",
@@ -376,6 +379,7 @@ def run_mopd(
     and saves the student to ``OUT/model`` with the tokenizer. ``OUT/mopd.json`` records the inputs once the
     resume check has passed."""
     specs = manifest_specs(load_manifest(experts_dir))
+    check_tokenizers(student_checkpoint, experts_dir, specs)
     out = claim_run_directory(out_dir, f"mopd {mode}", [experts_dir, student_checkpoint])
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
@@ -385,6 +389,7 @@ def run_mopd(
         "experts": str(Path(experts_dir).resolve()),
     }
     router = TeacherRouter.load(experts_dir, specs)
+    check_vocab_sizes(student, student_checkpoint, router, experts_dir, specs)
     trainer = MOPDTrainer(student, tokenizer, router, specs, config, out, mode, sources)
     atomic_write_text(
         out / "mopd.json",
@@ -403,6 +408,46 @@ def run_mopd(
     save_model(student, out / "model")
     tokenizer.save(out / "model" / "tokenizer.json")
     return history
+
+
+def check_tokenizers(
+    student_checkpoint: str | Path, experts_dir: str | Path, specs: Sequence[ExpertSpec]
+) -> None:
+    """Refuse (one line, before any work) experts whose tokenizer.json differs from the student's: teachers
+    score the student's token ids, which name other text under another tokenizer."""
+    student = load_tokenizer(Path(student_checkpoint) / "tokenizer.json").backend.to_str()
+    for spec in specs:
+        teacher = Path(experts_dir) / spec.key / "model"
+        if load_tokenizer(teacher / "tokenizer.json").backend.to_str() != student:
+            raise K2LabError(
+                f"the student {student_checkpoint} and the teacher {teacher} have different tokenizers "
+                "(tokenizer.json): distill from experts trained from the student's checkpoint"
+            )
+
+
+def check_vocab_sizes(
+    student: torch.nn.Module,
+    student_checkpoint: str | Path,
+    router: TeacherRouter,
+    experts_dir: str | Path,
+    specs: Sequence[ExpertSpec],
+) -> None:
+    """Refuse (one line) teachers whose vocabulary (output size) differs from the student's: their
+    next-token distributions are over other ids."""
+    size = _vocab_size(student)
+    for spec in specs:
+        theirs = _vocab_size(router.teachers[(spec.domain, spec.effort)])
+        if theirs != size:
+            raise K2LabError(
+                f"the student {student_checkpoint} has a vocabulary of {size} tokens, the teacher "
+                f"{Path(experts_dir) / spec.key / 'model'} one of {theirs}: the models must share one"
+            )
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    config = getattr(config, "text", config)  # a vision-language model's language model
+    return getattr(config, "vocab_size", None)
 
 
 # ------------------------------------------------------------------------------------------ evaluation
