@@ -335,6 +335,24 @@ def test_teachers_of_another_tokenizer_or_vocabulary_are_refused_before_any_work
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_a_distillation_that_trains_nothing_is_an_error_naming_the_cause(small_tokenizer, tmp_path):
+    """A student whose context every prompt overflows logged "loss None ... tokens 0" each step and exited 0
+    with its starting weights saved as the distilled model; now a one-line error naming the failures, and no
+    model is saved (a rerun says the same)."""
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    write_experts(tmp_path / "experts", small_tokenizer, specs)
+    short = build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=16))
+    save_model(randomize(short, seed=0), tmp_path / "student")
+    small_tokenizer.save(tmp_path / "student" / "tokenizer.json")
+    out, config = tmp_path / "run", MOPDConfig(steps=2, prompts_per_step=2)
+    for _ in range(2):
+        with pytest.raises(
+            K2LabError, match=r"nothing trained in 2 steps: .*\(failures: context overflow 4\)"
+        ):
+            run_mopd(tmp_path / "experts", tmp_path / "student", out, config)
+        assert not (out / "model").exists()
+
+
 def test_dense_and_sampled_steps_play_the_same_first_step(small_tokenizer, tmp_path):
     """Both objectives sample step 0 from the same student with the same seeds: the same trained tokens
     (positions, not positions × vocabulary), and the dense loss is the exact KL the sampled one estimates."""
@@ -418,6 +436,47 @@ def test_sigkilled_distillation_resumes_to_the_uninterrupted_run(sft_dir, small_
     resumed, straight = load_model(killed / "model"), load_model(tmp_path / "straight" / "model")
     for (name, a), (_, b) in zip(resumed.state_dict().items(), straight.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_report_refuses_bad_inputs_in_one_line_before_any_work(sft_dir, small_tokenizer, tmp_path, capsys):
+    """mopd report: a negative or NaN temperature reported every goal met (NaN wrote invalid JSON); a
+    directory without mopd.json, a corrupt one, or --out naming a file were tracebacks; an unfinished
+    distillation trained the baseline, then failed; other experts than the run's and a finished baseline
+    of other steps were used in silence. Each is now a one-line error, before a baseline or report is made."""
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    experts, distill = tmp_path / "experts", tmp_path / "distill"
+    write_experts(experts, small_tokenizer, specs)
+    distill.mkdir()
+    config = MOPDConfig(steps=2).model_dump(mode="json")
+    record = {"experts": str(experts), "student": str(sft_dir), "mode": "mopd", "config": config}
+
+    def report(*extra, with_experts=experts) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["mopd", "report", "--experts", str(with_experts), "--distill", str(distill),
+                  *map(str, extra)])  # fmt: skip
+        err = " ".join(capsys.readouterr().err.split())
+        assert exit_info.value.code == 2 and "Traceback" not in err
+        return err
+
+    assert "has no mopd.json" in report()
+    (distill / "mopd.json").write_text("{not json")
+    assert "mopd.json is not valid JSON" in report()
+    (distill / "mopd.json").write_text(json.dumps(record))
+    assert "has not finished (no model/)" in report()
+    shutil.copytree(sft_dir, distill / "model")
+    for value in ("-1", "nan", "inf"):
+        assert "--temperature must be >= 0 and finite" in report("--temperature", value)
+    assert "report with the experts the run used" in report(with_experts=tmp_path / "others")
+    (tmp_path / "file").write_text("mine")
+    assert "exists and is not a directory" in report("--out", tmp_path / "file")
+    baseline = distill / "baseline"
+    shutil.copytree(sft_dir, baseline / "model")
+    one_step = MOPDConfig(steps=1).model_dump(mode="json")
+    (baseline / "mopd.json").write_text(json.dumps(record | {"mode": "sft", "config": one_step}))
+    assert "was trained for 1 steps, not 2" in report()
+    assert "was trained for 1 steps, not 3" in report("--baseline-steps", 3)
+    assert not (distill / "report").exists() and (tmp_path / "file").read_text() == "mine"
+    assert not (baseline / "checkpoints").exists()
 
 
 def test_greedy_cell_evaluation_is_batched_yet_equals_one_at_a_time(small_tokenizer):

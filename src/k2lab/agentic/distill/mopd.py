@@ -53,22 +53,23 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.agentic.episodes.evaluate import play_greedy
 from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
+from k2lab.config import format_validation_error
 from k2lab.data import load_tokenizer
-from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.errors import CheckpointError, K2LabError
+from k2lab.fsutil import atomic_write_text, make_directory, read_json_object, save_figure_atomically
 from k2lab.model_dir import load_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
@@ -84,6 +85,7 @@ __all__ = [
     "MOPDTrainer",
     "TeacherRouter",
     "check_tokenizers",
+    "check_trained",
     "check_vocab_sizes",
     "dense_reverse_kl",
     "evaluate_cells",
@@ -97,6 +99,7 @@ __all__ = [
 ]
 
 GOAL = 0.9
+RUN_RECORD = "mopd.json"  # a run_mopd run's inputs, mode and config
 
 
 class MOPDConfig(BaseModel):
@@ -356,11 +359,30 @@ def _reward_metrics(samples: Sequence[tuple[ExpertSpec, Rollout, Any]]) -> dict[
         per_cell[spec.key].append(float(rollout.episode.reward or 0.0))
     rewards = [r for rs in per_cell.values() for r in rs]
     tokens = [r.episode.completion_tokens for _, r, _ in samples]
+    failed = [
+        r.episode.outcome for _, r, _ in samples if not (r.episode.outcome and r.episode.outcome.success)
+    ]
     return {
         "mean_reward": rounded_mean(rewards),
         "tokens_per_task": round(sum(tokens) / len(tokens), 3),
         "per_cell": {k: rounded_mean(v) for k, v in sorted(per_cell.items())},
+        "failures": dict(sorted(Counter(o.reason if o else "unfinished" for o in failed).items())),
     }
+
+
+def check_trained(history: Sequence[dict[str, Any]]) -> None:
+    """Refuse (one line) a run none of whose steps trained a token, naming the episodes' failures (a student
+    whose context every prompt overflows, say): its model would be the starting checkpoint."""
+    if not history or any(m.get("trained_tokens") for m in history):
+        return
+    failures: Counter[str] = Counter()
+    for metrics in history:
+        failures.update(metrics.get("failures") or {})
+    shown = ", ".join(f"{reason} {count}" for reason, count in sorted(failures.items())) or "none recorded"
+    raise K2LabError(
+        f"nothing trained in {len(history)} steps: no episode produced a completion to learn from "
+        f"(failures: {shown}); no model saved"
+    )
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -377,7 +399,7 @@ def run_mopd(
     """``k2lab mopd distill``: student from ``student_checkpoint``, teachers from ``experts_dir``; trains
     (resuming from ``OUT/checkpoints``, refused when the config, the mode, the student or the experts differ)
     and saves the student to ``OUT/model`` with the tokenizer. ``OUT/mopd.json`` records the inputs once the
-    resume check has passed."""
+    resume check has passed. A run whose steps trained no token at all is refused (``check_trained``)."""
     specs = manifest_specs(load_manifest(experts_dir))
     check_tokenizers(student_checkpoint, experts_dir, specs)
     out = claim_run_directory(out_dir, f"mopd {mode}", [experts_dir, student_checkpoint])
@@ -392,11 +414,11 @@ def run_mopd(
     check_vocab_sizes(student, student_checkpoint, router, experts_dir, specs)
     trainer = MOPDTrainer(student, tokenizer, router, specs, config, out, mode, sources)
     atomic_write_text(
-        out / "mopd.json",
+        out / RUN_RECORD,
         json.dumps(
             {
-                "experts": str(experts_dir),
-                "student": str(student_checkpoint),
+                "experts": sources["experts"],
+                "student": sources["student"],
                 "mode": mode,
                 "config": config.model_dump(mode="json"),
             },
@@ -405,6 +427,7 @@ def run_mopd(
         + "\n",
     )
     history = trainer.run(on_step=on_step)
+    check_trained(trainer.history())
     save_model(student, out / "model")
     tokenizer.save(out / "model" / "tokenizer.json")
     return history
@@ -615,6 +638,56 @@ def plot_report(rows: Sequence[dict[str, Any]], png_path: str | Path) -> Path:
     return Path(png_path)
 
 
+def check_temperature(temperature: float) -> None:
+    """A sampling temperature must be finite and >= 0 (0 = greedy); a one-line ``K2LabError`` otherwise."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise K2LabError(f"--temperature must be >= 0 and finite (0 = greedy), not {temperature}")
+
+
+def load_run_record(run_dir: Path) -> dict[str, Any]:
+    """``RUN_DIR/mopd.json`` of a ``run_mopd`` run, its ``config`` as a ``MOPDConfig``; a missing, unreadable
+    or incomplete one is a one-line error naming it."""
+    path = run_dir / RUN_RECORD
+    if not path.is_file():
+        raise K2LabError(f"{run_dir} has no {RUN_RECORD}: name a `k2lab mopd distill` run directory")
+    run = read_json_object(path)
+    if not all(isinstance(run.get(key), str) for key in ("experts", "student")):
+        raise CheckpointError(f"{path} is not a distillation record: it names no experts and student")
+    try:
+        return run | {"config": MOPDConfig.model_validate(run.get("config"))}
+    except ValidationError as error:
+        raise CheckpointError(f"{path}: invalid config: {format_validation_error(error)}") from error
+
+
+def check_finished_run(distill: Path, experts_dir: str | Path) -> dict[str, Any]:
+    """The record of a finished distillation in ``distill`` that used the experts of ``experts_dir``."""
+    run = load_run_record(distill)
+    if Path(run["experts"]).resolve() != Path(experts_dir).resolve():
+        raise K2LabError(
+            f"{distill} was distilled from the experts in {run['experts']}, not {experts_dir}: "
+            "report with the experts the run used"
+        )
+    if not (distill / "model" / "tokenizer.json").is_file():
+        raise K2LabError(
+            f"the distillation in {distill} has not finished (no model/): run `k2lab mopd distill` again "
+            "with its settings to finish it"
+        )
+    return run
+
+
+def check_baseline_steps(baseline_dir: Path, steps: int) -> None:
+    """Refuse to reuse a finished baseline trained for other than ``steps`` steps (the report would compare
+    with a baseline other than the one asked for)."""
+    if not (baseline_dir / "model" / "tokenizer.json").is_file():
+        return  # trained (or finished) by this report
+    trained = load_run_record(baseline_dir)["config"].steps
+    if trained != steps:
+        raise K2LabError(
+            f"the baseline in {baseline_dir} was trained for {trained} steps, not {steps}: pass "
+            f"--baseline-steps {trained} to reuse it, or remove {baseline_dir} to retrain it"
+        )
+
+
 def mopd_report(
     experts_dir: str | Path,
     distill_dir: str | Path,
@@ -628,17 +701,21 @@ def mopd_report(
     """``k2lab mopd report``: trains the SFT baseline into ``DISTILL/baseline`` when missing (same config
     as the distillation, ``baseline_steps`` overriding its steps), scores teacher / student / baseline on
     ``episodes`` held-out seeds per cell, writes report.json, report.md and report.png to ``out_dir``
-    (default ``DISTILL/report``); returns the report."""
+    (default ``DISTILL/report``); returns the report.
+
+    Refused before any work, one line each: a temperature below 0 or not finite, a ``distill_dir`` that is
+    not a finished distillation (its mopd.json, its model), ``experts_dir`` other than the experts the
+    distillation used, a finished baseline trained for other than the wanted steps (``baseline_steps``,
+    default the distillation's: remove ``DISTILL/baseline`` to retrain it) and an ``out_dir`` that is a file."""
     distill = Path(distill_dir)
-    run = json.loads((distill / "mopd.json").read_text())
-    out = Path(out_dir) if out_dir else distill / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    check_temperature(temperature)
+    run = check_finished_run(distill, experts_dir)
     specs = manifest_specs(load_manifest(experts_dir))
     baseline_dir = distill / "baseline"
+    config = run["config"].model_copy(update={"steps": baseline_steps or run["config"].steps})
+    check_baseline_steps(baseline_dir, config.steps)
+    out = make_directory(Path(out_dir) if out_dir else distill / "report", "the report directory")
     if not (baseline_dir / "model" / "tokenizer.json").is_file():
-        config = MOPDConfig(**run["config"])
-        if baseline_steps is not None:
-            config = config.model_copy(update={"steps": baseline_steps})
         log(f"baseline: SFT on teacher samples, {config.steps} steps")
         run_mopd(experts_dir, run["student"], baseline_dir, config, mode="sft")
     tokenizer = load_tokenizer(distill / "model" / "tokenizer.json")
