@@ -45,6 +45,7 @@ from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import atomic_write_text, read_json_object
 from k2lab.model_dir import load_model, save_model
 from k2lab.train.persistence import check_resumed_config
+from k2lab.train.resume import flat_settings
 
 __all__ = [
     "DEFAULT_BUDGETS",
@@ -250,11 +251,7 @@ def check_rerun(saved: dict[str, Any], manifest: dict[str, Any], out: Path) -> N
 def _trained_with(manifest: dict[str, Any]) -> dict[str, Any]:
     """A manifest's RL settings (nested ones as ``optimizer.lr``) and its source checkpoint (resolved) as one
     flat dict, so a refusal names just the fields that changed."""
-    rl = manifest["rl"] if isinstance(manifest.get("rl"), dict) else {}
-    settings = {}
-    for key, value in rl.items():
-        nested = value.items() if isinstance(value, dict) else [(None, value)]
-        settings |= {key if sub is None else f"{key}.{sub}": item for sub, item in nested}
+    settings = flat_settings(manifest["rl"]) if isinstance(manifest.get("rl"), dict) else {}
     if isinstance(manifest.get("checkpoint"), str):
         settings["checkpoint"] = str(Path(manifest["checkpoint"]).resolve())
     return settings
