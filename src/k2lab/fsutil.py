@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -97,14 +97,22 @@ def other_entries(directory: Path) -> str | None:
     return ", ".join(entries[:4]) + (", …" if len(entries) > 4 else "") if entries else None
 
 
-def check_replaceable(target: Path, what: str, source: Path | None = None) -> None:
-    """Refuse (``CheckpointError``) to write ``what`` (a model directory) at ``target`` where that would lose
-    anything else: ``target`` must be new, empty, or an earlier model (``is_model_directory``), and
-    must not be ``source`` or hold it. ``staged_directory`` replaces the whole directory, and an export to a
-    directory of other files, to its own run or to a parent of it deleted them all."""
+def check_replaceable(
+    target: Path,
+    what: str,
+    source: Path | None = None,
+    earlier: Callable[[Path], bool] | None = None,
+    kind: str = "model",
+    source_name: str = "source",
+) -> None:
+    """Refuse (``CheckpointError``) to write ``what`` (a directory of ``kind``) at ``target`` where that would
+    lose anything else: ``target`` must be new, empty, or an earlier one (``earlier``; default
+    ``is_model_directory``), and must not be ``source`` or hold it. ``staged_directory`` replaces the whole
+    directory, and an export to a directory of other files, to its own run or to a parent of it deleted them
+    all (and a draft trained with ``--out MODEL`` replaced the model)."""
     if source is not None and holds(target, source):
         raise CheckpointError(
-            f"{target} holds the source {source}: writing {what} there would replace it; choose another "
+            f"{target} holds the {source_name} {source}: writing {what} there would replace it; choose another "
             "directory"
         )
     if not target.exists():
@@ -112,9 +120,9 @@ def check_replaceable(target: Path, what: str, source: Path | None = None) -> No
     if not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
     shown = other_entries(target)
-    if shown is not None and not is_model_directory(target):
+    if shown is not None and not (earlier or is_model_directory)(target):
         raise CheckpointError(
-            f"{target} holds other files ({shown}) and no earlier model; writing {what} replaces the whole "
+            f"{target} holds other files ({shown}) and no earlier {kind}; writing {what} replaces the whole "
             "directory, so choose a new or empty one"
         )
 

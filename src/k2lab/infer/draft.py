@@ -47,8 +47,7 @@ from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import (
     check_format_version,
-    holds,
-    other_entries,
+    check_replaceable,
     read_json_object,
     save_tensors,
     staged_directory,
@@ -355,21 +354,7 @@ def check_draft_directory(target: Path, model: Path | None = None) -> None:
     ``save_draft`` replaces the whole directory, so ``target`` must be new, empty or an earlier draft
     (``is_draft_directory``), and must not be the ``model`` or hold it. ``--out MODEL`` replaced the model's
     weights, its manifest and its tokenizer with the draft."""
-    if model is not None and holds(target, model):
-        raise CheckpointError(
-            f"{target} is or holds the model {model}: the draft replaces its whole directory; choose another "
-            f"(the default is {Path(model) / DRAFT_DIR})"
-        )
-    if not target.exists():
-        return
-    if not target.is_dir():
-        raise CheckpointError(f"{target} exists and is not a directory; give a directory for the draft")
-    shown = other_entries(target)
-    if shown is not None and not is_draft_directory(target):
-        raise CheckpointError(
-            f"{target} holds other files ({shown}), not just an earlier draft; the draft replaces the whole "
-            "directory, so choose a new or empty one"
-        )
+    check_replaceable(target, "the draft", model, is_draft_directory, "draft", source_name="model")
 
 
 def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraft:
