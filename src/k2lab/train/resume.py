@@ -37,6 +37,7 @@ RESUMABLE_SETTINGS = frozenset(
         "compile",
         "device",
         "optimizer.ns_precision",
+        "sft.epochs",  # it only sets steps (load_sft_config)
     }
 )
 
