@@ -594,3 +594,10 @@ def test_a_corrupt_experts_manifest_is_a_one_line_error_naming_it(tmp_path, caps
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "experts.json is not valid JSON" in " ".join(err.split()) and "Traceback" not in err
+
+
+def test_an_infinite_student_temperature_is_refused():
+    from k2lab.agentic.distill.mopd import MOPDConfig
+
+    with pytest.raises(ValueError, match="finite number"):
+        MOPDConfig(temperature=float("inf"))

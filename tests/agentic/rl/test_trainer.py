@@ -554,3 +554,10 @@ def test_iteration_report_says_when_nothing_was_trained():
     trained = iteration_report({**metrics, "trained_tokens": 1234, "failures": {}}, 3)
     assert "1,234 tokens trained" in trained and "nothing trained" not in trained
     assert "nothing trained" not in iteration_report({**metrics, "episodes": 0}, 3)  # groups still pending
+
+
+@pytest.mark.parametrize("field", ["temperature_start", "temperature_floor"])
+def test_a_temperature_that_is_not_finite_is_refused(field):
+    """An infinite sampling temperature passed gt=0 and sampled uniform noise."""
+    with pytest.raises(ValueError, match="finite number"):
+        RLConfig(**{field: math.inf})

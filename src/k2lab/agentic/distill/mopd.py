@@ -109,7 +109,9 @@ class MOPDConfig(BaseModel):
 
     steps: int = Field(default=20, ge=1, description="Distillation steps.")
     prompts_per_step: int = Field(default=9, ge=1, description="Prompts per step (cells round-robin).")
-    temperature: float = Field(default=1.0, gt=0, description="Student sampling temperature.")
+    temperature: float = Field(
+        default=1.0, gt=0, allow_inf_nan=False, description="Student sampling temperature."
+    )
     objective: Literal["sampled", "dense"] = Field(
         default="dense",
         description="dense: the per-token KL(student || teacher) over the whole next-token distribution, the "

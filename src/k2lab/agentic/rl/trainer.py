@@ -115,9 +115,12 @@ class RLConfig(BaseModel):
         default=None, ge=1, description="Tokens per episode per iteration (partial rollouts)."
     )
     temperature_start: float = Field(
-        default=1.0, gt=0, description="Sampling temperature T_0 of the first iteration (then decays)."
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Sampling temperature T_0 of the first iteration (then decays).",
     )
-    temperature_floor: float = Field(default=0.3, ge=0, description="Temperature floor.")
+    temperature_floor: float = Field(default=0.3, ge=0, allow_inf_nan=False, description="Temperature floor.")
     temperature_decay: float = Field(default=0.9, gt=0, le=1, description="γ in T_i = max(floor, T_0 γ^i).")
     tau: float = Field(default=0.5, gt=0, description="τ of the K1.5 objective.")
     offpolicy_clip: float | None = Field(
