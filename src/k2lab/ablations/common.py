@@ -32,13 +32,13 @@ from rich.console import Console
 
 from k2lab.ablations.report import Report
 from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text, other_entries
+from k2lab.fsutil import atomic_write_text
 from k2lab.presets import get_preset
 from k2lab.recipes import read_recipe, set_dotted, validate_config
 from k2lab.train.config import TrainConfig
 from k2lab.train.divergence import TrainingDiverged
 from k2lab.train.metrics import read_metrics
-from k2lab.train.run_directory import is_run_directory
+from k2lab.train.run_directory import refuse_foreign
 from k2lab.train.trainer import run_training
 
 RUN_MARKER = "ablation_run.json"
@@ -225,17 +225,11 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
 def check_run_directory(run_dir: Path) -> None:
     """Refuse (one-line ``K2LabError``) a run directory that ``train_or_reuse`` would wipe although it is not
     a run: it must be new, empty, a run of a study (``RUN_MARKER``) or an earlier k2lab run
-    (``is_run_directory``). Wiping any existing directory deleted a folder of notes at ``OUT/runs/none``."""
-    if not run_dir.exists():
-        return
-    if not run_dir.is_dir():
+    (``refuse_foreign``). Wiping any existing directory deleted a folder of notes at ``OUT/runs/none``."""
+    if run_dir.exists() and not run_dir.is_dir():
         raise K2LabError(f"{run_dir} exists and is not a directory; the study trains a run there")
-    shown = other_entries(run_dir)
-    if shown is not None and not (run_dir / RUN_MARKER).exists() and not is_run_directory(run_dir):
-        raise K2LabError(
-            f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; the study replaces "
-            "the directories of its runs, so move it away or choose another --out"
-        )
+    consequence = "the study replaces the directories of its runs, so move it away or choose another --out"
+    refuse_foreign(run_dir, consequence, (RUN_MARKER,))
 
 
 def drop_weights(run_dir: Path) -> None:

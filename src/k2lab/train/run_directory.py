@@ -27,12 +27,12 @@ from pathlib import Path
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, holds, make_directory, other_entries
 
-__all__ = ["RUN_MARKER", "claim_run_directory", "is_run_directory"]
+__all__ = ["RUN_MARKER", "claim_run_directory", "is_run_directory", "refuse_foreign"]
 
 RUN_MARKER = "run.json"
 LEGACY_MARKERS = ("checkpoints", "summary.json")  # what every run held before RUN_MARKER existed
-# a staged_file temporary: ".{target name}.{tempfile's 8 random characters}{suffix: '' or the target's .png}"
 _HELD: dict[Path, int] = {}  # run directories this process claimed: their locked descriptors
+# a staged_file temporary: ".{target name}.{tempfile's 8 random characters}{suffix: '' or the target's .png}"
 _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}(?P<suffix>(\.png)?)$")
 
 
@@ -56,7 +56,9 @@ def claim_run_directory(
         for source in (Path(s) for s in reads if s is not None and str(s)):
             _refuse_holding(run_dir, source)
         if run_dir.exists():
-            _refuse_foreign(run_dir)
+            refuse_foreign(
+                run_dir, "a run writes model/, metrics.jsonl and more there, so choose a new or empty --out"
+            )
             _refuse_unwritable(run_dir)
     make_directory(run_dir, "the run directory")
     checked()
@@ -117,14 +119,20 @@ def _refuse_holding(run_dir: Path, source: Path) -> None:
         )
 
 
-def _refuse_foreign(run_dir: Path) -> None:
+def refuse_foreign(run_dir: Path, consequence: str, markers: tuple[str, ...] = ()) -> None:
+    """Refuse (one-line ``K2LabError`` ending in ``consequence``) a directory that holds other files and is not
+    a run: neither ``is_run_directory`` nor holding one of ``markers`` (a study's own). Not a directory:
+    left to the caller."""
     if not run_dir.is_dir():
-        return  # make_directory says so
+        return
     shown = other_entries(run_dir)
-    if shown is not None and not is_run_directory(run_dir):
+    if (
+        shown is not None
+        and not is_run_directory(run_dir)
+        and not any((run_dir / m).exists() for m in markers)
+    ):
         raise K2LabError(
-            f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; a run writes model/, "
-            "metrics.jsonl and more there, so choose a new or empty --out"
+            f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; {consequence}"
         )
 
 
