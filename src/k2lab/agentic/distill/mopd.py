@@ -65,7 +65,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from k2lab.agentic.distill.effort import EffortEnv, ExpertSpec, load_manifest, manifest_specs
 from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.agentic.episodes.evaluate import play_greedy
-from k2lab.agentic.episodes.rollout import LocalPolicy, Rollout, Turn, run_episode, run_episodes
+from k2lab.agentic.episodes.rollout import (
+    LocalPolicy,
+    Rollout,
+    Turn,
+    describe_failures,
+    failure_counts,
+    run_episode,
+    run_episodes,
+)
 from k2lab.config import format_validation_error
 from k2lab.data import load_tokenizer
 from k2lab.errors import CheckpointError, K2LabError
@@ -76,6 +84,7 @@ from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
 from k2lab.posttrain.objective import budget_penalty
 from k2lab.posttrain.scoring import turn_logprobs
+from k2lab.train.data import language_model
 from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 from k2lab.train.run_directory import claim_run_directory
@@ -361,14 +370,11 @@ def _reward_metrics(samples: Sequence[tuple[ExpertSpec, Rollout, Any]]) -> dict[
         per_cell[spec.key].append(float(rollout.episode.reward or 0.0))
     rewards = [r for rs in per_cell.values() for r in rs]
     tokens = [r.episode.completion_tokens for _, r, _ in samples]
-    failed = [
-        r.episode.outcome for _, r, _ in samples if not (r.episode.outcome and r.episode.outcome.success)
-    ]
     return {
         "mean_reward": rounded_mean(rewards),
         "tokens_per_task": round(sum(tokens) / len(tokens), 3),
         "per_cell": {k: rounded_mean(v) for k, v in sorted(per_cell.items())},
-        "failures": dict(sorted(Counter(o.reason if o else "unfinished" for o in failed).items())),
+        "failures": failure_counts(r for _, r, _ in samples),
     }
 
 
@@ -380,7 +386,7 @@ def check_trained(history: Sequence[dict[str, Any]]) -> None:
     failures: Counter[str] = Counter()
     for metrics in history:
         failures.update(metrics.get("failures") or {})
-    shown = ", ".join(f"{reason} {count}" for reason, count in sorted(failures.items())) or "none recorded"
+    shown = describe_failures(dict(sorted(failures.items()))) or "none recorded"
     raise K2LabError(
         f"nothing trained in {len(history)} steps: no episode produced a completion to learn from "
         f"(failures: {shown}); no model saved"
@@ -459,20 +465,14 @@ def check_vocab_sizes(
 ) -> None:
     """Refuse (one line) teachers whose vocabulary (output size) differs from the student's: their
     next-token distributions are over other ids."""
-    size = _vocab_size(student)
+    size = language_model(student).config.vocab_size
     for spec in specs:
-        theirs = _vocab_size(router.teachers[(spec.domain, spec.effort)])
+        theirs = language_model(router.teachers[(spec.domain, spec.effort)]).config.vocab_size
         if theirs != size:
             raise K2LabError(
                 f"the student {student_checkpoint} has a vocabulary of {size} tokens, the teacher "
                 f"{Path(experts_dir) / spec.key / 'model'} one of {theirs}: the models must share one"
             )
-
-
-def _vocab_size(model: torch.nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    config = getattr(config, "text", config)  # a vision-language model's language model
-    return getattr(config, "vocab_size", None)
 
 
 # ------------------------------------------------------------------------------------------ evaluation

@@ -35,6 +35,7 @@ import json
 import os
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,8 @@ __all__ = [
     "PolicyOutputError",
     "Rollout",
     "Turn",
+    "describe_failures",
+    "failure_counts",
     "load_rollouts",
     "run_episode",
     "run_episodes",
@@ -115,6 +118,21 @@ class Rollout:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Rollout:
         return cls(Episode.from_dict(data["episode"]), [Turn(**turn) for turn in data["turns"]])
+
+
+def failure_counts(rollouts: Iterable[Rollout]) -> dict[str, int]:
+    """The rollouts that did not succeed, counted per outcome reason ("unfinished": no outcome), by reason."""
+    reasons = Counter(
+        r.episode.outcome.reason if r.episode.outcome else "unfinished"
+        for r in rollouts
+        if not (r.episode.outcome and r.episode.outcome.success)
+    )
+    return dict(sorted(reasons.items()))
+
+
+def describe_failures(failures: Mapping[str, int]) -> str:
+    """``failure_counts`` as "reason count, ..." ("" when there are none)."""
+    return ", ".join(f"{reason} {count}" for reason, count in failures.items())
 
 
 # ------------------------------------------------------------------------------------------ policies

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,8 @@ from k2lab.agentic.episodes.rollout import (
     Policy,
     Rollout,
     Turn,
+    describe_failures,
+    failure_counts,
     run_episode,
     run_episodes,
     save_rollouts,
@@ -500,7 +502,7 @@ class RLTrainer(IterativeTrainer):
             "tool_calls_per_task": rounded_mean([m.episode.tool_calls for m in members]),
             "tokens_per_task": rounded_mean([m.episode.completion_tokens for m in members]),
             "budget_penalty": rounded_mean(penalties),
-            "failures": dict(sorted(Counter(_reason(m) for m in members if not _succeeded(m)).items())),
+            "failures": failure_counts(members),
             "per_env": {
                 env: {k: rounded_mean(v) for k, v in row.items()} | {"episodes": len(row["reward"])}
                 for env, row in sorted(per_env.items())
@@ -508,14 +510,6 @@ class RLTrainer(IterativeTrainer):
             "critic_loss": critic_loss,
             **losses,
         }
-
-
-def _succeeded(member: Rollout) -> bool:
-    return bool(member.episode.outcome and member.episode.outcome.success)
-
-
-def _reason(member: Rollout) -> str:
-    return member.episode.outcome.reason if member.episode.outcome else "unfinished"
 
 
 # ------------------------------------------------------------------------------------------ plot
@@ -612,6 +606,6 @@ def iteration_report(metrics: dict[str, Any], total: int) -> str:
         f"{metrics['seconds']:.1f} s"
     )
     if metrics["episodes"] and not metrics["trained_tokens"]:
-        failures = ", ".join(f"{reason} {count}" for reason, count in metrics["failures"].items()) or "none"
+        failures = describe_failures(metrics["failures"]) or "none"
         line += f"; nothing trained: no episode produced a completion (failures: {failures})"
     return line
