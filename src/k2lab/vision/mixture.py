@@ -243,7 +243,6 @@ class MixedBatches:
         self.start_step = config.start_step(steps)
         self.grad_accum, self.seq_len = grad_accum, seq_len
         self.micro = 0  # micro-batches produced
-        self.rows = 0  # visual rows produced
         self.skipped = 0  # samples longer than a row, skipped
 
     def __iter__(self) -> Iterator[Batch]:
@@ -261,7 +260,7 @@ class MixedBatches:
         pad = self.stream.tokenizer.pad_id
         visual, media, skipped = pack_visual_rows(self._counting(), n, self.seq_len, pad)
         self.stream.index = start + self._consumed
-        self.rows, self.skipped = self.rows + n, self.skipped + skipped
+        self.skipped += skipped
         segments = batch.segment_ids if batch.segment_ids is not None else torch.zeros_like(batch.input_ids)
         return Batch(
             torch.cat([visual.input_ids, batch.input_ids[n:]]),
@@ -279,14 +278,9 @@ class MixedBatches:
             self._consumed += 1
 
     def state_dict(self) -> dict:
-        return {
-            "micro": self.micro,
-            "rows": self.rows,
-            "skipped": self.skipped,
-            "stream": self.stream.state_dict(),
-        }
+        return {"micro": self.micro, "skipped": self.skipped, "stream": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.micro = int(state["micro"])
-        self.rows, self.skipped = int(state.get("rows", 0)), int(state.get("skipped", 0))  # 0: older states
+        self.skipped = int(state.get("skipped", 0))  # 0: states from before it was counted
         self.stream.load_state_dict(state["stream"])

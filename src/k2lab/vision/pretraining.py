@@ -60,10 +60,14 @@ class VisionPretrainingData(PretrainingData):
         if previous is not None:  # a new curriculum stage continues the visual stream and the schedule
             self.mixture.load_state_dict(previous.state_dict())
 
+    def visual_rows(self) -> int:
+        """The run's visual rows (``visual_rows_total`` of its schedule: what ``MixedBatches`` gives)."""
+        config = self.config
+        return visual_rows_total(config.steps, config.batch_size, config.grad_accum, self.vision)
+
     def describe(self) -> str:
         """The text side's line, then the run's visual rows (a warning when the schedule gives none)."""
-        config, vision = self.config, self.vision
-        total = visual_rows_total(config.steps, config.batch_size, config.grad_accum, vision)
+        config, vision, total = self.config, self.vision, self.visual_rows()
         rows = config.steps * config.grad_accum * config.batch_size
         line = (
             f"vision: {total:,} of the run's {rows:,} rows are visual (ratio {vision.ratio:g} from step "
@@ -78,11 +82,7 @@ class VisionPretrainingData(PretrainingData):
 
     def summary(self) -> dict[str, Any]:
         skipped = self.mixture.skipped if self.mixture else 0
-        return {
-            **super().summary(),
-            "visual_rows": self.mixture.rows if self.mixture else 0,
-            "visual_samples_skipped": skipped,
-        }
+        return {**super().summary(), "visual_rows": self.visual_rows(), "visual_samples_skipped": skipped}
 
     def train_batches(self) -> Iterator[Batch]:
         return distributed.local_batches(self.mixture)
