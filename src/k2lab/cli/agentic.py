@@ -154,7 +154,8 @@ app.add_typer(recipe_app, name="recipe")
 def recipe_agentic_mini(config: RecipeConfig) -> None:
     """Pre-trained mini model -> factory data -> SFT -> RL -> held-out evaluation (CPU, ~25 min).
 
-    Every stage is reused when complete, so a killed run resumes. Writes report.json, report.md and
+    Every stage is reused when complete, so a killed run resumes; a rerun into OUT with a setting a finished
+    or started stage depends on changed is refused (OUT/stages.json). Writes report.json, report.md and
     agentic_mini.png in OUT.
     """
     try:  # looked up on the module at run time, so a test can replace them

@@ -149,5 +149,9 @@ class IterativeTrainer(ABC):
 
     def history(self) -> list[dict[str, Any]]:
         """Every metrics line logged in ``out_dir`` so far (resumed runs included)."""
-        path = self.out / self.metrics_file
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+        return metrics_history(self.out / self.metrics_file)
+
+
+def metrics_history(path: Path) -> list[dict[str, Any]]:
+    """Every line of a post-training run's metrics file (``[]`` when there is none yet)."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from k2lab.agentic.recipe.mini import (
     no_tool_eval_seeds,
     run_recipe,
 )
+from k2lab.errors import CheckpointError
 from k2lab.model_dir import save_model
 from tests.conftest import randomize
 
@@ -156,23 +158,24 @@ def test_no_tool_probe_seeds_are_held_out_no_tool_tasks():
 # ---- end to end
 
 
-def tiny_config(out, base) -> RecipeConfig:
-    return RecipeConfig(
-        out=out,
-        base=base,
-        factory_n=12,
-        sft_steps=2,
-        sft_batch_size=1,
-        sft_seq_len=3072,
-        rl_iterations=1,
-        rl_groups=1,
-        rl_group_size=2,
-        max_new_tokens=8,
-        max_turns=2,
-        eval_n=20,
-        no_tool_eval_n=6,
-        eval_batch_size=10,
-    )
+TINY = {
+    "factory_n": 12,
+    "sft_steps": 2,
+    "sft_batch_size": 1,
+    "sft_seq_len": 3072,
+    "rl_iterations": 1,
+    "rl_groups": 1,
+    "rl_group_size": 2,
+    "max_new_tokens": 8,
+    "max_turns": 2,
+    "eval_n": 20,
+    "no_tool_eval_n": 6,
+    "eval_batch_size": 10,
+}
+
+
+def tiny_config(out, base, **changes) -> RecipeConfig:
+    return RecipeConfig(out=out, base=base, **(TINY | changes))
 
 
 @pytest.fixture(scope="module")
@@ -225,13 +228,44 @@ def test_cli_resumes_a_finished_run(tiny_run, base_dir, capsys):
     from k2lab.cli import main
 
     out, _, _ = tiny_run
-    args = ["recipe", "agentic-mini", "--out", str(out), "--base", str(base_dir), "--eval-n", "20"]
+    args = ["recipe", "agentic-mini", "--out", str(out), "--base", str(base_dir)]
+    args += [item for key, value in TINY.items() for item in ("--set", f"{key}={value}")]
     try:
         main(args)
     except SystemExit as exit_:
         assert exit_.code in (0, None)
     printed = capsys.readouterr().out
     assert "reused" in printed and "agentic-mini" in printed and "tokens/task" in printed
+
+
+def test_a_rerun_with_other_settings_is_refused_before_any_stage_reruns(tiny_run, base_dir):
+    out, _, _ = tiny_run
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    # the factory stage (and so every later one) was made with factory_n = 12
+    with pytest.raises(CheckpointError, match=r"factory_n: 12 then, 30 now"):
+        run_recipe(tiny_config(out, base_dir, factory_n=30), log=lambda line: None)
+    with pytest.raises(CheckpointError, match=r"eval_n: 20 then, 21 now"):
+        run_recipe(tiny_config(out, base_dir, eval_n=21), log=lambda line: None)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    assert json.loads((out / "stages.json").read_text())["eval"]["eval_n"] == 20
+
+
+def test_a_stage_killed_after_its_training_finished_is_completed_from_its_results(
+    tiny_run, base_dir, tmp_path, monkeypatch
+):
+    source, report, _ = tiny_run
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    for stage in ("sft", "rl", "eval"):  # killed after SFT wrote model/ and summary.json, before done.json
+        (out / stage / "done.json").unlink()
+    lines: list[str] = []
+    second = run_recipe(tiny_config(out, base_dir), log=lines.append)  # was: "... is already complete"
+    assert "[sft] running" in lines and "[rl] running" in lines
+    assert json.loads((out / "sft" / "done.json").read_text())["val_loss"] == pytest.approx(
+        json.loads((source / "sft" / "done.json").read_text())["val_loss"]
+    )
+    assert second["stages"]["rl"]["last_mean_reward"] == report["stages"]["rl"]["last_mean_reward"]
+    assert second["evaluation"] == report["evaluation"]
 
 
 def test_acceptance_needs_a_significant_paired_gain_not_a_higher_point_estimate():

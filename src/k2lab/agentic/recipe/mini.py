@@ -16,6 +16,11 @@ resumes; SFT and RL also resume from their own checkpoints mid-stage):
   (seeds ``eval_seed * 1_000_003 + NO_TOOL_OFFSET + i``): the main set holds only ~15 % of those, too few
   to see whether RL's budget penalty lowers the tool calls made where none is needed.
 
+Each stage records the settings it depends on (``STAGE_SETTINGS``, its own and those of the stages it
+builds on) in ``out/stages.json`` when it starts; a rerun into the same ``out`` with any of them changed is
+refused before the stage runs, instead of reusing results made with other settings. A stage killed after its
+training wrote its results but before ``done.json`` is finished from those results.
+
 Outputs in ``out``: ``report.json``, ``report.md``, ``agentic_mini.png`` and per-stage wall times.
 """
 
@@ -41,7 +46,10 @@ from k2lab.data import load_tokenizer
 from k2lab.fsutil import atomic_write_text, save_figure_atomically
 from k2lab.model_dir import load_model
 from k2lab.optim.grouping import OptimizerConfig
+from k2lab.posttrain.base import METRICS, metrics_history
 from k2lab.train.config import load_sft_config, load_train_config
+from k2lab.train.persistence import check_resumed_config
+from k2lab.train.resume import SUMMARY_FILE, results_written
 from k2lab.train.trainer import run_training
 
 __all__ = ["RecipeConfig", "RecipeToolTasks", "eval_seeds", "print_report", "run_recipe"]
@@ -158,10 +166,57 @@ def no_tool_eval_seeds(config: RecipeConfig) -> list[int]:
 # ------------------------------------------------------------------------------------------ stages
 
 
-def _stage(out: Path, name: str, work: Callable[[Path], dict[str, Any]], log: Callable[[str], None]) -> dict:
-    """Run ``work(dir)`` unless ``dir/done.json`` exists; the stage's record (with its wall time)."""
+_BASE = ("base", "pretrain_recipe", "pretrain_steps", "pretrain_overrides")
+_FACTORY = ("factory_n", "factory_seed", "variants_per_tool", "max_distractors")
+_SFT = (*_BASE, *_FACTORY, "sft_steps", "sft_batch_size", "sft_seq_len", "sft_lr", "seed")
+_RL = (
+    *_SFT,
+    *("rl_iterations", "rl_groups", "rl_group_size", "rl_lr", "rl_updates", "rl_no_tool_fraction"),
+    *("budget_penalty", "no_tool_budget", "max_new_tokens", "max_turns", "partial_credit", "credit"),
+)
+STAGE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "base": _BASE,
+    "factory": _FACTORY,
+    "sft": _SFT,
+    "rl": _RL,
+    "eval": (*_RL, "eval_n", "no_tool_eval_n", "eval_seed", "eval_batch_size"),
+}
+SETTINGS_FILE = "stages.json"
+
+
+def stage_settings(config: RecipeConfig, name: str) -> dict[str, Any]:
+    """The recipe settings stage ``name``'s results depend on (JSON values; paths resolved, so another
+    spelling of the same base model or pre-training recipe is the same setting). With a ``base`` given,
+    the pre-training settings are unused and left out."""
+    dumped = config.model_dump(mode="json") | {
+        key: str(path.resolve()) for key in ("base", "pretrain_recipe") if (path := getattr(config, key))
+    }
+    unused = _BASE[1:] if config.base is not None else ()
+    return {key: dumped[key] for key in STAGE_SETTINGS[name] if key not in unused}
+
+
+def _claim_stage(out: Path, name: str, settings: dict[str, Any]) -> None:
+    """Record stage ``name``'s ``settings`` in ``out/stages.json``, or refuse when it holds other ones."""
+    path = out / SETTINGS_FILE
+    claimed = json.loads(path.read_text()) if path.is_file() else {}
+    if name in claimed:
+        check_resumed_config(claimed[name], settings, out / name)
+    else:
+        atomic_write_text(path, json.dumps(claimed | {name: settings}, indent=2) + "\n")
+
+
+def _stage(
+    out: Path,
+    name: str,
+    settings: dict[str, Any],
+    work: Callable[[Path], dict[str, Any]],
+    log: Callable[[str], None],
+) -> dict:
+    """Run ``work(dir)`` unless ``dir/done.json`` exists; the stage's record (with its wall time). Refused
+    when the stage was started with other ``settings``."""
     directory = out / name
     done = directory / "done.json"
+    _claim_stage(out, name, settings)
     if done.is_file():
         record = json.loads(done.read_text())
         log(f"[{name}] complete, reused ({record['seconds']:.0f} s when it ran)")
@@ -184,7 +239,7 @@ def stage_base(config: RecipeConfig, directory: Path) -> dict[str, Any]:
         return {"model": str(config.base), "pretrained_here": False}
     overrides = {"steps": config.pretrain_steps, "out": str(directory), "save_every": 50, "keep_last": 1}
     train = load_train_config(config.pretrain_recipe, **(overrides | config.pretrain_overrides))
-    summary = run_training(train, resume=True)
+    summary = _train(train, directory)
     return {
         "model": str(directory / "model"),
         "pretrained_here": True,
@@ -225,8 +280,16 @@ def stage_sft(config: RecipeConfig, directory: Path, base: str, data: str) -> di
         seed=config.seed,
         **{"sft.init_checkpoint": base, "sft.data": data, "optimizer.lr": config.sft_lr},
     )
-    summary = run_training(train, resume=True)
+    summary = _train(train, directory)
     return {"model": str(directory / "model"), "steps": train.steps, **_floats(summary)}
+
+
+def _train(train: Any, directory: Path) -> dict[str, Any]:
+    """``run_training`` resumed, or the summary of a run that already finished there (killed before the
+    stage's ``done.json``: its settings were checked by the stage)."""
+    if results_written(directory):
+        return json.loads((directory / SUMMARY_FILE).read_text())
+    return run_training(train, resume=True)
 
 
 def rl_config(config: RecipeConfig) -> Any:
@@ -253,6 +316,7 @@ def stage_rl(config: RecipeConfig, directory: Path, sft_model: str) -> dict[str,
     """RL from the SFT model on tool tasks + budgeted no-tool tasks (resumes from its checkpoints)."""
     env = RecipeToolTasks(config, config.rl_no_tool_fraction, config.partial_credit)
     history = run_rl(sft_model, directory, rl_config(config), resume=True, threads=config.threads, env=env)
+    history = history or metrics_history(directory / METRICS)  # empty: it had finished before a kill
     last = history[-1] if history else {}
     return {
         "model": str(directory / "model"),
@@ -323,14 +387,15 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict[str, Any]] = {}
-    records["base"] = _stage(out, "base", lambda d: stage_base(config, d), log)
-    records["factory"] = _stage(out, "factory", lambda d: stage_factory(config, d), log)
-    records["sft"] = _stage(
-        out, "sft", lambda d: stage_sft(config, d, records["base"]["model"], records["factory"]["data"]), log
-    )
-    records["rl"] = _stage(out, "rl", lambda d: stage_rl(config, d, records["sft"]["model"]), log)
-    models = {name: records[name]["model"] for name in EVALUATED}
-    records["eval"] = _stage(out, "eval", lambda d: stage_eval(config, d, models, log), log)
+    works: dict[str, Callable[[Path], dict[str, Any]]] = {
+        "base": lambda d: stage_base(config, d),
+        "factory": lambda d: stage_factory(config, d),
+        "sft": lambda d: stage_sft(config, d, records["base"]["model"], records["factory"]["data"]),
+        "rl": lambda d: stage_rl(config, d, records["sft"]["model"]),
+        "eval": lambda d: stage_eval(config, d, {name: records[name]["model"] for name in EVALUATED}, log),
+    }
+    for name, work in works.items():
+        records[name] = _stage(out, name, stage_settings(config, name), work, log)
     return write_reports(config, out, records)
 
 
