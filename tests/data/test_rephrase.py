@@ -309,3 +309,17 @@ def test_cli_fails_when_every_document_failed(echo, tmp_path):
     (tmp_path / "corpus" / "a.txt").write_text(FACTS + " FAIL-ME")
     args = ("data", "rephrase", "--data", tmp_path / "corpus", "--out", tmp_path / "out", "--model", "echo")
     assert run_cli(*args, "--base-url", echo.base, "--retries", "0", "--set", "backoff=0.0") == 2
+
+
+def test_ablate_rephrase_fails_when_the_endpoint_returns_nothing(tiny_corpus, tmp_path, monkeypatch, capsys):
+    from k2lab.ablations import rephrase as study
+
+    real = study.rephrase_settings
+    monkeypatch.setattr(study, "rephrase_settings", lambda *a: real(*a).model_copy(update={"retries": 0}))
+    closed = f"http://127.0.0.1:{study.free_port()}/v1"  # nothing listens there
+    out = tmp_path / "ablation"
+    args = ("ablate", "rephrase", "--data", tiny_corpus, "--out", out, "--base-url", closed, "--model", "m")
+    small = ("--preset", "k2-nano", "--vocab-size", 300, "--docs", 2, "--doc-chars", 300, "--seq-len", 32)
+    assert run_cli(*args, *small, "--threads", 1, "--jobs", 1) == 2  # was 0: the raw text against itself
+    assert "every document this run tried failed (2)" in capsys.readouterr().err
+    assert not (out / "rephrase.json").exists() and not (out / "runs").exists()

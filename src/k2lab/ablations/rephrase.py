@@ -254,6 +254,7 @@ def produce_rephrasings(ablation: RephraseAblationConfig, docs: list[Document], 
         f"rephrasing: {report.done} done, {report.skipped} already done, {report.failed} failed; "
         f"{report.kept} kept, {report.dropped} dropped by the fidelity check ({report.seconds:.0f}s)"
     )
+    report.check_endpoint()  # else the rephrased arm would be the raw text, and the study compare it to itself
     return target
 
 

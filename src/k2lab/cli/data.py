@@ -11,7 +11,6 @@ from pydantic import Field
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.data.rephrase import RephraseSettings
-from k2lab.errors import K2LabError
 
 data_app = typer.Typer(help="Pre-training data recipes (K2's knowledge rephrasing).", no_args_is_help=True)
 
@@ -82,6 +81,4 @@ def data_rephrase(config: RephraseRun) -> None:
         f"{report.done} done, {report.skipped} skipped (already done), {report.failed} failed; "
         f"{report.kept} rephrasings kept, {report.dropped} dropped; {report.seconds:.1f}s → {out}"
     )
-    if report.failed and not report.done:  # nothing came back: the endpoint, not the documents
-        first = next(iter(report.failures.values()))
-        raise K2LabError(f"every document this run tried failed ({report.failed}); the first: {first}")
+    report.check_endpoint()

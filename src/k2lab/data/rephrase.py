@@ -459,6 +459,13 @@ class RephraseReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def check_endpoint(self) -> None:
+        """``K2LabError`` when every document this run tried failed: nothing came back, so the endpoint
+        (unreachable, wrong model, refusing) is at fault, not the documents."""
+        if self.failed and not self.done:
+            first = next(iter(self.failures.values()))
+            raise K2LabError(f"every document this run tried failed ({self.failed}); the first: {first}")
+
 
 class _Writer:
     """Writes a finished document's files and its manifest entry (the manifest atomically, under a lock)."""
