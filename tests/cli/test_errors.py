@@ -80,6 +80,14 @@ def test_stability_json_shows_clip_holding_tau():
     assert any(s["qk_clipped_heads"] > 0 for s in steps)
 
 
+def test_stability_table_names_tau_only_where_it_clips():
+    without = k2lab("stability", "--optimizer", "adamw", "--steps", "2")
+    assert without.returncode == 0, without.stderr
+    assert "(no QK-Clip)" in without.stdout and "τ" not in without.stdout  # was: "τ 5.0", never applied
+    clipped = k2lab("stability", "--optimizer", "muonclip", "--steps", "2")
+    assert "τ 5.0" in clipped.stdout and "no QK-Clip" not in clipped.stdout
+
+
 def test_presets_table_shows_the_layer_mix():
     result = subprocess.run(
         [sys.executable, "-m", "k2lab", "presets"],

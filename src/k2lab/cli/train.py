@@ -98,7 +98,8 @@ def stability(
             print(json.dumps({"step": step, **stats}))
         return
     settings = config.optimizer
-    table = Table(title=f"{config.preset}, {settings.name}, lr {settings.lr}, τ {settings.qk_clip_tau}")
+    clip = f", τ {settings.qk_clip_tau}" if settings.name == "muonclip" else " (no QK-Clip)"  # only it clips
+    table = Table(title=f"{config.preset}, {settings.name}, lr {settings.lr}{clip}")
     for column in ("step", "loss", "max logit", "after clip", "clipped heads", "ever clipped"):
         table.add_column(column, justify="right")
     for step, stats in enumerate(history, start=1):
