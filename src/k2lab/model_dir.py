@@ -29,6 +29,7 @@ from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
 from k2lab.fsutil import check_format_version, read_json_object, save_tensors, staged_directory
 from k2lab.hf import from_hf
+from k2lab.hf.io import check_finite, listing
 from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.vision.vlm import VisionLanguageModel, VLMConfig, build_vlm
@@ -155,19 +156,7 @@ def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], sou
         ("wrongly typed", mistyped),
     ):
         if items:
-            problems.append(f"{len(items)} {label}: {_listing(items)}")
+            problems.append(f"{len(items)} {label}: {listing(items)}")
     if problems:
         raise CheckpointError(f"{source} does not match the model config: " + "; ".join(problems))
-    nonfinite = [
-        key for key in sorted(state) if state[key].is_floating_point() and not state[key].isfinite().all()
-    ]
-    if nonfinite:
-        raise CheckpointError(
-            f"{source} holds NaN or infinite values in {len(nonfinite)} tensors ({_listing(nonfinite)}): a "
-            "diverged or damaged model; load an earlier checkpoint"
-        )
-
-
-def _listing(items: list[str]) -> str:
-    """The first ten ``items``, then how many more."""
-    return ", ".join(items[:10]) + (f", ... and {len(items) - 10} more" if len(items) > 10 else "")
+    check_finite(state, source)

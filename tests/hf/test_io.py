@@ -604,6 +604,17 @@ def test_many_missing_tensors_are_summarised(tmp_path: Path):
     assert "24 missing tensors" in message and "... and 14 more" in message
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_weights_holding_nan_or_inf_are_refused(saved: Path, bad: float):
+    """As k2lab model directories are: a damaged export loaded in silence and generated garbage."""
+    key = "model.layers.1.mlp.experts.5.up_proj.weight"
+    _edit_shard_with(saved, key, lambda state: state[key].__setitem__((0, 0), bad))
+    with pytest.raises(
+        CheckpointError, match=r"NaN or infinite values in 1 tensors \(layers\.1\.mlp\.experts\.up_proj\)"
+    ):
+        from_hf(saved)
+
+
 def test_unexpected_tensor(saved: Path):
     key = "model.norm.weight"
     _edit_shard_with(

@@ -144,7 +144,7 @@ def from_hf(
     Raises:
         CheckpointError: missing directory / config / weights, malformed JSON, unsupported ``model_type``
             or quantisation, an invalid config, or tensors that are missing, unexpected or mis-shaped
-            (the message lists them).
+            (the message lists them), or weights holding NaN or infinite values.
     """
     root = Path(path)
     raw = read_hf_config(root)
@@ -182,6 +182,7 @@ def from_hf(
         _check_tied_head(plan, headers, decoder_name, embed_key)
     materialize(model, device)
     load_tensors(model, plan, files)
+    check_finite(model.state_dict(), str(root))
     return model
 
 
@@ -346,11 +347,27 @@ def _read_tensor(file: Path, key: str) -> torch.Tensor:
         return handle.get_tensor(key)
 
 
-def _describe(label: str, items: Sequence[str]) -> str:
+def listing(items: Sequence[str]) -> str:
+    """The first ten ``items``, then how many more."""
     shown = ", ".join(items[:_LIST_LIMIT])
-    if len(items) > _LIST_LIMIT:
-        shown += f", ... and {len(items) - _LIST_LIMIT} more"
-    return f"{len(items)} {label} tensor{'s' if len(items) != 1 else ''}: {shown}"
+    return shown + (f", ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
+
+
+def _describe(label: str, items: Sequence[str]) -> str:
+    return f"{len(items)} {label} tensor{'s' if len(items) != 1 else ''}: {listing(items)}"
+
+
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """``CheckpointError`` naming the floating-point tensors of ``state`` that hold NaN or infinite values
+    (a diverged or damaged model, which would only generate garbage)."""
+    nonfinite = [
+        key for key in sorted(state) if state[key].is_floating_point() and not state[key].isfinite().all()
+    ]
+    if nonfinite:
+        raise CheckpointError(
+            f"{source} holds NaN or infinite values in {len(nonfinite)} tensors ({listing(nonfinite)}): a "
+            "diverged or damaged model; load an earlier checkpoint"
+        )
 
 
 def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
