@@ -1,11 +1,21 @@
 """staged_directory and staged_file: a directory or a file is replaced whole or not at all."""
 
+import os
+import socket
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import check_output_file, make_directory, staged_directory, staged_file
+from k2lab.fsutil import (
+    atomic_write_text,
+    check_output_file,
+    make_directory,
+    staged_directory,
+    staged_file,
+)
 
 
 def test_staged_directory_replaces_on_success_and_leaves_the_target_on_error(tmp_path: Path) -> None:
@@ -65,6 +75,29 @@ def test_check_output_file_refuses_an_input_a_directory_and_a_file_parent(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.json"]
 
 
+def test_a_fifo_or_socket_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    """`factory generate -o /dev/full` replaced the device node with a plain file (the rename of an atomic
+    write), as it did a FIFO; every atomic file write and output check now refuses special files."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # AF_UNIX paths are limited to ~108 bytes
+        sock_path = Path(short) / "s"
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(sock_path))
+            for target, kind in ((fifo, "FIFO"), (sock_path, "socket")):
+                with pytest.raises(K2LabError, match=f"is a {kind}, not a regular file"):
+                    atomic_write_text(target, "x")
+                with pytest.raises(K2LabError, match=f"is a {kind}, not a regular file: .* for the tools"):
+                    check_output_file(target, "the tools")
+            assert stat.S_ISSOCK(sock_path.lstat().st_mode)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    with pytest.raises(K2LabError, match="is a FIFO"):
+        check_output_file(link, "the tools")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "pipe"]  # no temporaries left
+
+
 def test_make_directory_says_what_stands_in_the_way(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("keep")
     with pytest.raises(K2LabError, match="the run directory .*file exists and is not a directory"):
@@ -108,7 +141,7 @@ def test_a_file_is_replaced_only_when_it_is_an_earlier_one_outside_the_source(tm
     with pytest.raises(CheckpointError, match="is not a GGUF file"):
         check_replaceable_file(tmp_path / "notes.txt", "a GGUF file", source, b"GGUF")
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(CheckpointError, match="is not a regular file"):
+    with pytest.raises(K2LabError, match="is a FIFO, not a regular file"):
         check_replaceable_file(tmp_path / "fifo", "a GGUF file", source, b"GGUF")
     (tmp_path / "old.gguf").write_bytes(b"GGUF\x03\x00")
     check_replaceable_file(tmp_path / "old.gguf", "a GGUF file", source, b"GGUF")  # an earlier one

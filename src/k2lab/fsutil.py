@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -17,7 +18,10 @@ from k2lab.errors import CheckpointError, K2LabError
 @contextmanager
 def staged_file(target: Path, suffix: str = "") -> Iterator[Path]:
     """A temporary sibling of ``target`` to write into: renamed onto ``target`` (an ordinary 0644 file)
-    when the block succeeds, removed when it raises. Readers and crashes never see half a file."""
+    when the block succeeds, removed when it raises. Readers and crashes never see half a file. A
+    ``target`` that is a device, FIFO or socket is refused (``K2LabError``): the rename would replace
+    ``/dev/null`` itself with a plain file."""
+    check_writable_path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(descriptor)
@@ -28,6 +32,29 @@ def staged_file(target: Path, suffix: str = "") -> Iterator[Path]:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def check_writable_path(target: Path, what: str = "a file") -> None:
+    """``K2LabError`` when ``target`` exists as something other than a regular file or a symbolic link
+    (which a rename replaces as a link): a directory, a device, a FIFO or a socket."""
+    try:
+        mode = target.lstat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # a new path (a parent in the way is the caller's)
+        return
+    if stat.S_ISDIR(mode):
+        raise K2LabError(f"{target} is a directory: give the path of a file for {what}")
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        kind = next(name for test, name in _SPECIAL if test(mode))
+        raise K2LabError(f"{target} is a {kind}, not a regular file: give the path of a file for {what}")
+
+
+_SPECIAL = (
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (lambda mode: True, "special file"),
+)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -139,8 +166,6 @@ def check_replaceable_file(target: Path, what: str, source: Path, magic: bytes) 
     check_output_file(target, what)
     if not os.path.lexists(target):
         return
-    if not target.is_file():
-        raise CheckpointError(f"{target} exists and is not a regular file; give a new path for {what}")
     with open(target, "rb") as handle:
         if handle.read(len(magic)) != magic:
             raise CheckpointError(
@@ -156,8 +181,7 @@ def check_output_file(target: Path, what: str, inputs: Iterable[Path | None] = (
     for source in inputs:
         if source is not None and target.resolve() == source.resolve():
             raise K2LabError(f"{target} is also an input ({source}): writing {what} there would replace it")
-    if target.is_dir():
-        raise K2LabError(f"{target} is a directory: give the path of a file for {what}")
+    check_writable_path(target.resolve() if target.is_symlink() else target, what)
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
