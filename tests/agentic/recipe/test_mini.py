@@ -127,6 +127,16 @@ def test_an_unknown_credit_is_refused_before_any_stage(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys):
+    from k2lab.cli import main
+
+    (tmp_path / "taken").write_text("notes")
+    with pytest.raises(SystemExit) as exit_:  # was: FileExistsError with a 16-frame traceback
+        main(["recipe", "agentic-mini", "--out", str(tmp_path / "taken")])
+    assert exit_.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "taken").read_text() == "notes"
+
+
 def test_reward_flags_reach_the_recipe_and_out_of_range_is_refused(tmp_path, monkeypatch):
     import k2lab.agentic.recipe.mini as recipe
     from k2lab.cli import main

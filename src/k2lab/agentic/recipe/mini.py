@@ -43,7 +43,7 @@ from k2lab.agentic.factory.tasks import MINI_TOOLS, ToolTaskEnvironment, check_c
 from k2lab.agentic.factory.tools import build_repository
 from k2lab.agentic.rl.trainer import RLConfig, run_rl
 from k2lab.data import load_tokenizer
-from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.fsutil import atomic_write_text, make_directory, save_figure_atomically
 from k2lab.model_dir import load_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.posttrain.base import METRICS, metrics_history
@@ -384,8 +384,7 @@ def run_recipe(config: RecipeConfig, log: Callable[[str], None] = print) -> dict
         torch.set_num_threads(config.threads)
     eval_seeds(config)
     check_credit(config.credit)  # before any stage: the RL stage's environment would refuse it late
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_directory(Path(config.out), "the recipe's output directory")
     records: dict[str, dict[str, Any]] = {}
     works: dict[str, Callable[[Path], dict[str, Any]]] = {
         "base": lambda d: stage_base(config, d),
