@@ -4,6 +4,7 @@ model; and a tiny end-to-end `k2lab ablate rephrase`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -37,11 +38,13 @@ FACTS = (
 
 
 class EchoEndpoint:
-    """A recording OpenAI-compatible app: echoes the prompt's source chunk, or answers garbage, or fails."""
+    """A recording OpenAI-compatible app: echoes the prompt's source chunk, or answers garbage, or fails;
+    each answer after ``delay`` seconds."""
 
     def __init__(self) -> None:
         self.requests: list[dict] = []
         self.mode = "echo"
+        self.delay = 0.0
         self.fail_marker = "FAIL-ME"
         self.app = FastAPI()
         self.app.post("/v1/chat/completions")(self.complete)
@@ -49,6 +52,7 @@ class EchoEndpoint:
     async def complete(self, request: Request):
         body = await request.json()
         self.requests.append(body)
+        await asyncio.sleep(self.delay)
         prompt = body["messages"][-1]["content"]
         if self.fail_marker in prompt:
             return JSONResponse(status_code=503, content={"error": {"message": "overloaded", "type": "x"}})
@@ -323,3 +327,30 @@ def test_ablate_rephrase_fails_when_the_endpoint_returns_nothing(tiny_corpus, tm
     assert run_cli(*args, *small, "--threads", 1, "--jobs", 1) == 2  # was 0: the raw text against itself
     assert "every document this run tried failed (2)" in capsys.readouterr().err
     assert not (out / "rephrase.json").exists() and not (out / "runs").exists()
+
+
+def test_an_interrupt_sends_no_more_requests_and_keeps_the_finished_documents(echo, tmp_path):
+    """Ctrl-C let the pool send every queued request (50 after the interrupt in the probe), then threw the
+    answers away; now at most the requests in flight (one per worker) end, and finished documents stay."""
+    docs = [Document(f"d{i}.txt", FACTS.replace("1867", str(1800 + i))) for i in range(6)]
+    finished: list[str] = []
+    at_interrupt = []
+
+    def interrupt(path: str, entry: dict) -> None:
+        finished.append(path)
+        if len(finished) == 2:
+            at_interrupt.append(len(echo.requests))
+            raise KeyboardInterrupt
+
+    echo.requests.clear()
+    echo.delay = 0.05  # the workers must not finish everything before the interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2), on_document=interrupt)
+    finally:
+        echo.delay = 0.0
+    assert len(echo.requests) - at_interrupt[0] <= 2  # concurrency 2: was every remaining request (~40)
+    documents = json.loads((tmp_path / "manifest.json").read_text())["documents"]
+    assert sorted(documents) == sorted(finished) and all(e["status"] == "done" for e in documents.values())
+    again = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2))
+    assert (again.skipped, again.done) == (2, 4)

@@ -527,6 +527,48 @@ def is_done(entry: dict[str, Any] | None, document: Document, settings: Rephrase
     )
 
 
+class _Stoppable:
+    """An endpoint that sends no more requests once ``stop`` is set: an interrupted run (Ctrl-C) kept
+    sending every queued request, then threw the answers away."""
+
+    def __init__(self, endpoint: ChatEndpoint, stop: threading.Event) -> None:
+        self.endpoint, self.stop = endpoint, stop
+
+    def complete(self, messages: list[dict[str, str]], max_tokens: int, seed: int) -> str:
+        if self.stop.is_set():
+            raise EndpointError("the run was interrupted")
+        return self.endpoint.complete(messages, max_tokens, seed)
+
+
+def _collect(
+    pool: ThreadPoolExecutor,
+    endpoint: ChatEndpoint,
+    settings: RephraseSettings,
+    todo: Sequence[Document],
+    writer: _Writer,
+    report: RephraseReport,
+    on_document: Callable[[str, dict[str, Any]], None] | None,
+) -> None:
+    """Rephrase ``todo`` on ``pool``, writing each document (and calling ``on_document``) as it finishes."""
+    progress = {d.path: _Progress(d) for d in todo}
+    futures = {
+        pool.submit(rephrase_document, endpoint, settings, d, k): (d.path, k)
+        for d in todo
+        for k in range(settings.n_rephrasings)
+    }
+    for future in as_completed(futures):
+        path, k = futures[future]
+        state = progress[path]
+        try:
+            state.results[k] = future.result()
+        except Exception as error:  # an endpoint or unexpected failure fails the document, not the run
+            state.errors.append(f"rephrasing {k}: {type(error).__name__}: {error}")
+        if len(state.results) + len(state.errors) == settings.n_rephrasings:
+            writer.finish(state, report)
+            if on_document is not None:
+                on_document(path, writer.manifest["documents"][path])
+
+
 def rephrase_corpus(
     documents: Sequence[Document],
     out: str | Path,
@@ -537,7 +579,9 @@ def rephrase_corpus(
     """Rephrase every document ``settings.n_rephrasings`` times into ``out`` (see the module docstring).
 
     Documents already done in ``out/manifest.json`` are skipped; ``on_document(path, entry)`` is called as
-    each one finishes (done or failed). Never raises for an endpoint failure: the document is failed.
+    each one finishes (done or failed). Never raises for an endpoint failure: the document is failed. An
+    interrupt (``KeyboardInterrupt``, also from ``on_document``) sends no further request and starts no
+    queued one; the documents finished so far stay recorded, the rest are redone by the next run.
     """
     out = Path(out)
     start = time.perf_counter()
@@ -548,24 +592,13 @@ def rephrase_corpus(
     report = RephraseReport(out=str(out))
     todo = [d for d in documents if not is_done(manifest["documents"].get(d.path), d, settings)]
     report.skipped = len(documents) - len(todo)
-    progress = {d.path: _Progress(d) for d in todo}
-    with ThreadPoolExecutor(settings.concurrency) as pool:
-        futures = {
-            pool.submit(rephrase_document, endpoint, settings, d, k): (d.path, k)
-            for d in todo
-            for k in range(settings.n_rephrasings)
-        }
-        for future in as_completed(futures):
-            path, k = futures[future]
-            state = progress[path]
-            try:
-                state.results[k] = future.result()
-            except Exception as error:  # an endpoint or unexpected failure fails the document, not the run
-                state.errors.append(f"rephrasing {k}: {type(error).__name__}: {error}")
-            if len(state.results) + len(state.errors) == settings.n_rephrasings:
-                writer.finish(state, report)
-                if on_document is not None:
-                    on_document(path, manifest["documents"][path])
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(settings.concurrency)
+    try:
+        _collect(pool, _Stoppable(endpoint, stop), settings, todo, writer, report, on_document)
+    finally:  # on an interrupt: no new request, nothing queued starts; requests in flight end first
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
     report.seconds = time.perf_counter() - start
     with writer.lock:
         manifest["last_run"] = report.to_dict()
