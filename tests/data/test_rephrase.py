@@ -354,3 +354,23 @@ def test_an_interrupt_sends_no_more_requests_and_keeps_the_finished_documents(ec
     assert sorted(documents) == sorted(finished) and all(e["status"] == "done" for e in documents.values())
     again = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2))
     assert (again.skipped, again.done) == (2, 4)
+
+
+def test_a_failed_redo_keeps_the_earlier_rephrasings(echo, tmp_path):
+    """A rerun asking for more rephrasings against a dead endpoint deleted the texts already done and marked
+    the document failed; now the earlier entry and files stay until a redo succeeds."""
+    from k2lab.ablations.rephrase import free_port
+
+    docs = [Document("d0.txt", FACTS)]
+    rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2))
+    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "texts").rglob("*.txt"))
+    before = json.loads((tmp_path / "manifest.json").read_text())["documents"]
+    outcomes = []
+    dead = settings(f"http://127.0.0.1:{free_port()}/v1", n_rephrasings=3, retries=0)
+    report = rephrase_corpus(docs, tmp_path, dead, on_document=lambda path, entry: outcomes.append(entry))
+    assert (report.failed, report.done) == (1, 0) and "Connection" in report.failures["d0.txt"]
+    assert outcomes[0]["status"] == "failed" and outcomes[0]["kept_earlier"] == 2
+    assert json.loads((tmp_path / "manifest.json").read_text())["documents"] == before
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "texts").rglob("*.txt")) == files
+    redo = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=3))
+    assert (redo.done, redo.kept) == (1, 3) and len(list((tmp_path / "texts").rglob("*.txt"))) == 3

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from pydantic import Field
+from rich.markup import escape
 
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
@@ -70,7 +71,11 @@ def data_rephrase(config: RephraseRun) -> None:
 
     def progress(path: str, entry: dict) -> None:
         if entry["status"] == "failed":
-            console.print(f"[red]failed[/] {path}: {entry['error']}", markup=True, highlight=False)
+            kept = entry.get("kept_earlier")
+            note = f" (the {kept} rephrasings of an earlier run are kept)" if kept is not None else ""
+            console.print(
+                f"[red]failed[/] {path}: {escape(entry['error'])}{note}", markup=True, highlight=False
+            )
         else:
             scores = ", ".join(f"{r['style']} {r['score']:.2f}{'' if r['kept'] else ' dropped'}"
                                for r in entry["rephrasings"])  # fmt: skip

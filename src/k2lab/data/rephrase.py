@@ -11,8 +11,9 @@ differently.
 Requests go to any OpenAI-compatible endpoint through the official ``openai`` client (``base_url``):
 k2lab's own ``k2lab serve``, vLLM, SGLang or a hosted API. Connection errors, timeouts, 429 and 5xx answers
 are retried with exponential backoff; a document whose requests still fail is marked ``failed`` in the
-manifest (with the error) and the run goes on. Failed and unfinished documents are redone by the next run;
-``done`` ones whose source text is unchanged are skipped.
+manifest (with the error) and the run goes on; when an earlier run had done it (a rerun asking for more
+rephrasings), its earlier entry and files are kept instead. Failed and unfinished documents are redone by
+the next run; ``done`` ones whose source text is unchanged (and that have enough rephrasings) are skipped.
 
 A **fidelity check** compares every rephrasing with its source (``fidelity``): recall of the source's
 content words, named entities (capitalised words) and numbers, precision of the rephrasing's numbers (no
@@ -476,7 +477,10 @@ class _Writer:
         settings_record.pop("api_key")
         self.manifest["settings"] = settings_record
 
-    def finish(self, progress: _Progress, report: RephraseReport) -> None:
+    def finish(self, progress: _Progress, report: RephraseReport) -> dict[str, Any]:
+        """Record a finished document; returns this run's entry of it. A failed redo leaves an earlier done
+        entry and its files as they were (a rerun against a dead endpoint deleted them): only a successful
+        redo replaces them, and the returned failed entry says how many were kept (``kept_earlier``)."""
         document = progress.document
         slug = document_slug(document.path)
         entry: dict[str, Any] = {
@@ -484,18 +488,23 @@ class _Writer:
             "chars": len(document.text),
             "slug": slug,
         }
-        for folder in ("texts", ".dropped"):  # an earlier run's files of this document are stale now
-            shutil.rmtree(self.out / folder / slug, ignore_errors=True)
         if progress.errors:
             entry.update(status="failed", error=progress.errors[0], rephrasings=[])
         else:
+            for folder in ("texts", ".dropped"):  # an earlier run's files of this document are stale now
+                shutil.rmtree(self.out / folder / slug, ignore_errors=True)
             entry.update(
                 status="done", rephrasings=[self._write(slug, r) for _, r in sorted(progress.results.items())]
             )
         with self.lock:
-            self.manifest["documents"][document.path] = entry
+            earlier = self.manifest["documents"].get(document.path)
+            if entry["status"] == "failed" and earlier is not None and earlier.get("status") == "done":
+                entry["kept_earlier"] = len(earlier.get("rephrasings", []))
+            else:
+                self.manifest["documents"][document.path] = entry
             self._count(entry, document.path, report)
             atomic_write_text(self.out / MANIFEST, json.dumps(self.manifest, indent=2) + "\n")
+        return entry
 
     def _write(self, slug: str, result: dict[str, Any]) -> dict[str, Any]:
         folder = Path("texts" if result["kept"] else ".dropped") / slug
@@ -564,9 +573,9 @@ def _collect(
         except Exception as error:  # an endpoint or unexpected failure fails the document, not the run
             state.errors.append(f"rephrasing {k}: {type(error).__name__}: {error}")
         if len(state.results) + len(state.errors) == settings.n_rephrasings:
-            writer.finish(state, report)
+            entry = writer.finish(state, report)
             if on_document is not None:
-                on_document(path, writer.manifest["documents"][path])
+                on_document(path, entry)
 
 
 def rephrase_corpus(
@@ -579,7 +588,8 @@ def rephrase_corpus(
     """Rephrase every document ``settings.n_rephrasings`` times into ``out`` (see the module docstring).
 
     Documents already done in ``out/manifest.json`` are skipped; ``on_document(path, entry)`` is called as
-    each one finishes (done or failed). Never raises for an endpoint failure: the document is failed. An
+    each one finishes (done or failed). Never raises for an endpoint failure: the document is failed (an
+    earlier run's rephrasings of it, when it was done, are kept). An
     interrupt (``KeyboardInterrupt``, also from ``on_document``) sends no further request and starts no
     queued one; the documents finished so far stay recorded, the rest are redone by the next run.
     """
