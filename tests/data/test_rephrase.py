@@ -38,8 +38,8 @@ FACTS = (
 
 
 class EchoEndpoint:
-    """A recording OpenAI-compatible app: echoes the prompt's source chunk, or answers garbage, or fails;
-    each answer after ``delay`` seconds."""
+    """A recording OpenAI-compatible app: echoes the prompt's source chunk, or answers garbage or nothing
+    (whitespace), or fails; each answer after ``delay`` seconds."""
 
     def __init__(self) -> None:
         self.requests: list[dict] = []
@@ -57,7 +57,9 @@ class EchoEndpoint:
         if self.fail_marker in prompt:
             return JSONResponse(status_code=503, content={"error": {"message": "overloaded", "type": "x"}})
         match = SOURCE_RE.search(prompt)
-        if self.mode == "garbage" or match is None:
+        if self.mode == "empty":
+            text = " \n"
+        elif self.mode == "garbage" or match is None:
             text = "bananas are yellow and tasty fruit " * 3 if match else "7"
         else:
             text = match.group(1)
@@ -374,3 +376,21 @@ def test_a_failed_redo_keeps_the_earlier_rephrasings(echo, tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "texts").rglob("*.txt")) == files
     redo = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=3))
     assert (redo.done, redo.kept) == (1, 3) and len(list((tmp_path / "texts").rglob("*.txt"))) == 3
+
+
+def test_an_empty_reply_is_a_failed_request(echo, tmp_path):
+    """HTTP 200 with no text counted as done work (every rephrasing dropped, exit 0) and the next run skipped
+    the documents; now it is retried like other failures, then the document fails."""
+    docs = [Document("d0.txt", FACTS)]
+    echo.requests.clear()
+    echo.mode = "empty"
+    try:
+        report = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2))
+    finally:
+        echo.mode = "echo"
+    assert (report.done, report.failed) == (0, 1) and "EmptyReply" in report.failures["d0.txt"]
+    assert len(echo.requests) == 2 * 2  # 2 rephrasings × (1 try + 1 retry) of chunk 0
+    with pytest.raises(K2LabError, match="every document this run tried failed"):
+        report.check_endpoint()
+    again = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2))
+    assert (again.skipped, again.done, again.kept) == (0, 1, 2)

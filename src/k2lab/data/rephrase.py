@@ -232,6 +232,10 @@ def _assemble(piece: str, source_chunk: str) -> str:
 
 
 # ---- the endpoint ----------------------------------------------------------------------------------------
+class EmptyReply(Exception):
+    """An answer with no text (HTTP 200, empty content): a failed request, not an empty rewrite."""
+
+
 class OpenAIEndpoint:
     """Chat completions through the official ``openai`` client, retried with exponential backoff."""
 
@@ -248,21 +252,33 @@ class OpenAIEndpoint:
 
     def _retryable(self, error: Exception) -> bool:
         openai = self.openai
+        if isinstance(error, EmptyReply):
+            return True
         if isinstance(error, openai.APIConnectionError | openai.RateLimitError | openai.InternalServerError):
             return True
         return isinstance(error, openai.APIStatusError) and error.status_code >= 500
+
+    def _request(self, messages: list[dict[str, str]], max_tokens: int, seed: int) -> str:
+        """One request's text; ``EmptyReply`` when it has none (an answer of whitespace counted as done
+        work: every rephrasing dropped, exit 0, and the next run skipped the documents)."""
+        s = self.settings
+        reply = self.client.chat.completions.create(
+            model=s.model, messages=messages, max_tokens=max_tokens, temperature=s.temperature, seed=seed
+        )
+        text = reply.choices[0].message.content or ""
+        if not text.strip():
+            raise EmptyReply(
+                f"the endpoint answered with no text (finish_reason {reply.choices[0].finish_reason})"
+            )
+        return text
 
     def complete(self, messages: list[dict[str, str]], max_tokens: int, seed: int) -> str:
         """The assistant's text; ``EndpointError`` once the retries are spent or on a client error."""
         s = self.settings
         for attempt in range(s.retries + 1):
             try:
-                reply = self.client.chat.completions.create(
-                    model=s.model, messages=messages, max_tokens=max_tokens,
-                    temperature=s.temperature, seed=seed,
-                )  # fmt: skip
-                return reply.choices[0].message.content or ""
-            except self.openai.APIError as error:
+                return self._request(messages, max_tokens, seed)
+            except (self.openai.APIError, EmptyReply) as error:
                 if not self._retryable(error) or attempt == s.retries:
                     raise EndpointError(f"{type(error).__name__}: {error}") from error
                 self.sleep(s.backoff * 2**attempt * (1 + random.random() * 0.1))
@@ -358,6 +374,9 @@ def rephrase_once(
     """One autoregressive rephrasing of a chunked document in ``style`` (``EndpointError`` on failure)."""
     text = ""
     for index, chunk in enumerate(chunks):
+        if not chunk.strip():  # nothing to rewrite (an empty answer is a failure)
+            text += chunk
+            continue
         tail = bounded_tail(text, settings.tail_chars)
         messages = build_messages(settings.style_text(style), chunk, tail, index, len(chunks))
         piece = endpoint.complete(messages, _max_tokens(settings, chunk), _seed(seed, index))
