@@ -394,3 +394,15 @@ def test_an_empty_reply_is_a_failed_request(echo, tmp_path):
         report.check_endpoint()
     again = rephrase_corpus(docs, tmp_path, settings(echo.base, n_rephrasings=2))
     assert (again.skipped, again.done, again.kept) == (0, 1, 2)
+
+
+def test_cli_refuses_an_out_inside_the_data(tmp_path, capsys):
+    """--out inside --data rephrased its own output on every rerun (2, then 6, then 14 documents)."""
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_text(FACTS)
+    for out in (data / "rephrased", data):
+        args = ("data", "rephrase", "--data", data, "--out", out, "--model", "m", "--base-url", "http://x/v1")
+        assert run_cli(*args) == 2
+        assert "is inside --data" in " ".join(capsys.readouterr().err.split())
+    assert sorted(p.name for p in data.iterdir()) == ["a.txt"]

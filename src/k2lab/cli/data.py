@@ -12,6 +12,8 @@ from rich.markup import escape
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.data.rephrase import RephraseSettings
+from k2lab.errors import K2LabError
+from k2lab.fsutil import holds
 
 data_app = typer.Typer(help="Pre-training data recipes (K2's knowledge rephrasing).", no_args_is_help=True)
 
@@ -63,8 +65,13 @@ def data_rephrase(config: RephraseRun) -> None:
     from k2lab.data.corpus import load_corpus
     from k2lab.data.rephrase import rephrase_corpus
 
-    corpus = load_corpus(config.data, val_fraction=0.0)
     out = config.out
+    if holds(config.data, out):
+        raise K2LabError(
+            f"--out {out} is inside --data {config.data}: every rerun would rephrase the rephrasings again; "
+            "choose an --out outside it"
+        )
+    corpus = load_corpus(config.data, val_fraction=0.0)
     console.print(
         f"rephrasing {len(corpus.train)} documents × {config.n_rephrasings} through {config.base_url} → {out}"
     )
