@@ -406,3 +406,16 @@ def test_cli_refuses_an_out_inside_the_data(tmp_path, capsys):
         assert run_cli(*args) == 2
         assert "is inside --data" in " ".join(capsys.readouterr().err.split())
     assert sorted(p.name for p in data.iterdir()) == ["a.txt"]
+
+
+def test_cli_says_which_files_are_not_utf8(echo, tmp_path, capsys):
+    """A binary or non-UTF-8 file was sent to the endpoint (its bad bytes as U+FFFD) without a word; the
+    command now prints the corpus line `k2lab train` prints, which names such files."""
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_text(FACTS)
+    (data / "b.txt").write_bytes(FACTS.encode() + b"\xff\xfe caf\xe9\n")
+    args = ("data", "rephrase", "--data", data, "--out", tmp_path / "out", "--model", "echo")
+    assert run_cli(*args, "--base-url", echo.base, "--n-rephrasings", 1) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "1 files are not UTF-8 and their undecodable bytes read as U+FFFD (first: b.txt)" in printed

@@ -72,6 +72,7 @@ def data_rephrase(config: RephraseRun) -> None:
             "choose an --out outside it"
         )
     corpus = load_corpus(config.data, val_fraction=0.0)
+    console.print(f"corpus: {corpus}", markup=False, highlight=False)  # says which files are not UTF-8
     console.print(
         f"rephrasing {len(corpus.train)} documents × {config.n_rephrasings} through {config.base_url} → {out}"
     )
