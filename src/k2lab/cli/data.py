@@ -59,8 +59,9 @@ def data_rephrase(config: RephraseRun) -> None:
 
     Each chunk's prompt holds the tail of the rephrased text so far and the next source chunk; a fidelity
     check (content words, names, numbers, length) drops unfaithful rephrasings. Writes OUT/texts/ (a corpus
-    directory for `k2lab train --data`) and OUT/manifest.json; documents already done are skipped, and a
-    document whose requests keep failing is reported and retried on the next run.
+    directory for `k2lab train --data`) and OUT/manifest.json (OUT outside DATA); documents already done are
+    skipped, and a document whose requests keep failing (or answer nothing) is reported and retried on the
+    next run.
     """
     from k2lab.data.corpus import load_corpus
     from k2lab.data.rephrase import rephrase_corpus
