@@ -419,3 +419,11 @@ def test_cli_says_which_files_are_not_utf8(echo, tmp_path, capsys):
     assert run_cli(*args, "--base-url", echo.base, "--n-rephrasings", 1) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "1 files are not UTF-8 and their undecodable bytes read as U+FFFD (first: b.txt)" in printed
+
+
+def test_ablate_rephrase_refuses_an_out_inside_the_data(tiny_corpus, capsys):
+    out = tiny_corpus / "study"  # its rephrased/ and data/ would be read as raw documents by the next run
+    assert (
+        run_cli("ablate", "rephrase", "--data", tiny_corpus, "--out", out, "--base-url", "http://x/v1") == 2
+    )
+    assert "is inside --data" in capsys.readouterr().err and not out.exists()

@@ -76,7 +76,7 @@ from k2lab.data.rephrase import (
 )
 from k2lab.data.tokenizer import train_tokenizer
 from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.fsutil import atomic_write_text, holds, save_figure_atomically
 from k2lab.model_dir import load_model
 from k2lab.serve import Engine
 from k2lab.serve.threads import hand_threads_to_engine
@@ -433,6 +433,11 @@ def plan_runs(
 
 def run_rephrase_ablation(ablation: RephraseAblationConfig, console: Console | None = None) -> dict[str, Any]:
     """Rephrase (or reuse), train both arms (or reuse), probe, write OUT/rephrase.{json,md,png}."""
+    if ablation.data is not None and holds(Path(ablation.data), Path(ablation.out)):
+        raise K2LabError(
+            f"--out {ablation.out} is inside --data {ablation.data}: a rerun would read the study's own "
+            "rephrasings and arm data as raw documents; choose an --out outside it"
+        )
     study = StudyRun(ablation, console or Console())
     out = Path(ablation.out)
     raw, heldout = select_raw(ablation)
