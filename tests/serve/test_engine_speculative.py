@@ -1,8 +1,9 @@
 """Speculative decoding in the serving engine: greedy replies identical to the engine without a draft for
 concurrent requests of different lengths admitted at different times (an MLA and a hybrid KDA target, with
-and without the prefix cache), cancelled requests, constrained rows (no drafts), sampled rows that decode
-plainly on a CPU unless asked to draft, deterministic seeded sampling, per-row settings that keep the
-target's distribution, and the counters in ``/health``."""
+and without the prefix cache), cancelled requests, constrained rows (greedy ones walked through their
+constraint, sampled ones without drafts), sampled rows that decode plainly on a CPU unless asked to draft,
+deterministic seeded sampling, per-row settings that keep the target's distribution, and the counters in
+``/health``."""
 
 from __future__ import annotations
 
@@ -150,28 +151,40 @@ class Banned:
         self.seen.append(token)
 
 
-def test_constrained_rows_decode_plainly_beside_drafting_rows(mla, plain_replies):
-    """Requests 0 and 3 carry a constraint (banning what unconstrained greedy decoding picks): they take no
-    drafts and reply exactly as the plain engine; the free rows still speculate."""
+def test_constrained_greedy_rows_draft_and_reply_as_the_plain_engine(mla, plain_replies):
+    """Requests 0 and 3 carry a constraint banning what unconstrained greedy decoding picks, which is what the
+    self-draft proposes: walked through their constraint (``Engine._walk``) they still draft, reply exactly
+    as the plain engine, and their constraint is fed what plain decoding feeds it (no more: a stop token ends
+    the walk, and nothing past it or past max_tokens is fed)."""
     banned = sorted({t for tokens, _ in plain_replies("mla") for t in tokens[:3]})
+    stop = (plain_replies("mla")[1][0][4],)
 
     def constrain(i):
         return Banned(banned) if i in (0, 3) else None
 
-    plain = serve(engine(mla), [FIRST, LATER], constrain=constrain)
+    plain = serve(engine(mla), [FIRST, LATER], constrain=constrain, stop=stop)
     spec_engine = engine(mla, ModelDraft(mla))
-    spec = serve(spec_engine, [FIRST, LATER], constrain=constrain)
+    spec = serve(spec_engine, [FIRST, LATER], constrain=constrain, stop=stop)
     assert replies(spec) == replies(plain)
-    assert spec[0].constraint.seen == spec[0].tokens and not set(spec[3].tokens) & set(banned)
+    assert [spec[i].constraint.seen for i in (0, 3)] == [plain[i].constraint.seen for i in (0, 3)]
+    assert not set(spec[3].tokens) & set(banned)
     stats = spec_engine.speculation.stats
     assert stats.proposed == 3 * stats.row_steps and stats.accepted > 0
 
 
-def test_a_batch_of_constrained_rows_runs_plain_steps(mla):
+def test_a_batch_of_constrained_rows(mla):
+    """Only constrained rows: greedy ones speculate (the self-draft's drafts held where the constraint lets
+    them), sampled ones take no drafts (plain steps) even with sampled drafts on; both reply as the plain
+    engine."""
     waves = [[(p, n) for p, n in FIRST]]
     plain = serve(engine(mla), waves, constrain=lambda i: Banned([5]))
-    spec_engine = engine(mla, EagleDraft(mla, mla.mtp[0]))
+    spec_engine = engine(mla, ModelDraft(mla))
     assert replies(serve(spec_engine, waves, constrain=lambda i: Banned([5]))) == replies(plain)
+    assert spec_engine.speculation.stats.steps > 0 and spec_engine.speculation.stats.accepted > 0
+    sampled = serve(engine(mla), waves, temperature=1.0, constrain=lambda i: Banned([5]))
+    spec_engine = engine(mla, EagleDraft(mla, mla.mtp[0]), sampled_drafts=True)
+    spec = serve(spec_engine, waves, temperature=1.0, constrain=lambda i: Banned([5]))
+    assert replies(spec) == replies(sampled)
     assert spec_engine.speculation.stats.steps == 0
 
 
@@ -253,6 +266,33 @@ def test_health_reports_the_acceptance(small_tokenizer):
     assert health["draft_tokens"] == 3 and health["verify_steps"] > 0 and health["mean_accepted"] > 0
     assert health["sampled_drafts"] is False  # a CPU: sampled requests decode plainly
     assert health["tokens_per_step"] == pytest.approx(1 + health["mean_accepted"], abs=1e-3)
+
+
+def test_greedy_chats_draft_and_reply_as_the_plain_server(small_tokenizer):
+    """Every chat carries the tool-call constraint (without tools it still bans opening a section): greedy
+    chats without tools, with tool_choice "none" and with tools "auto" draft on a server with a draft
+    (``verify_steps`` grows) and reply as the server without one, token for token."""
+    from tests.serve.test_server import WEATHER
+
+    model = randomize(build_model(load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=1)))
+    bodies = [
+        {"messages": [{"role": "user", "content": f"hello there {i}, how are you?"}], **extra}
+        for i, extra in enumerate([{}, {"tools": [WEATHER], "tool_choice": "none"}, {"tools": [WEATHER]}])
+    ]
+    answers = {}
+    for side, draft in (("plain", None), ("speculative", ModelDraft(model))):
+        eng = engine(model, draft)
+        with serving(build_app(eng, small_tokenizer, "nano")) as base:
+            answers[side] = [
+                httpx.post(base + "/v1/chat/completions", json={"model": "nano", "max_tokens": 12,
+                                                                "temperature": 0, **body}, timeout=60).json()
+                for body in bodies
+            ]  # fmt: skip
+            health = httpx.get(base + "/health").json()["speculative"]
+        eng.shutdown()
+    assert [a["choices"] for a in answers["speculative"]] == [a["choices"] for a in answers["plain"]]
+    assert [a["usage"] for a in answers["speculative"]] == [a["usage"] for a in answers["plain"]]
+    assert health["verify_steps"] > 0 and health["mean_accepted"] > 0
 
 
 def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tokenizer, monkeypatch, capsys):

@@ -15,9 +15,11 @@ Every iteration of the loop:
 With a draft (``MODEL/draft/`` or an MTP layer; ``k2lab.serve.speculation``) step 2 is speculative: the
 draft proposes ``draft_tokens`` tokens per row and one (k + 1)-token forward verifies them, so a row emits
 1 … k + 1 tokens per step — greedy rows exactly what plain decoding gives, sampled rows the target's
-distribution (rejection sampling with the request's own generator); rows with a constraint take no drafts,
-nor do sampled rows where sampled drafts do not pay (``sampled_drafts``: by default not on a CPU), and a
-batch of such rows runs plain decode steps.
+distribution (rejection sampling with the request's own generator). A greedy row with a constraint drafts
+too: after each verify the engine walks its drafted tokens through the constraint, keeping each while it is
+the constrained argmax (``_walk``), so it replies as plain constrained decoding. Sampled rows with a
+constraint take no drafts, nor do sampled rows where sampled drafts do not pay (``sampled_drafts``: by
+default not on a CPU), and a batch of such rows runs plain decode steps.
 Admission appends the new rows' draft cache and features, retirement selects them.
 
 Each request has its own sampling settings and generator (temperature, top-p, seed) and may carry a
@@ -122,7 +124,15 @@ class Engine:
         self.speculation = (
             None
             if draft is None
-            else Speculation(self.model, draft, draft_tokens, compile, decode_weights, sampled_drafts)
+            else Speculation(
+                self.model,
+                draft,
+                draft_tokens,
+                compile,
+                decode_weights,
+                sampled_drafts,
+                self._walk_constrained,
+            )
         )
         # the decode forward: compiled (its matrices per decode_weights) or the model
         self._step = decode_step(self.model, compile, decode_weights)
@@ -313,6 +323,31 @@ class Engine:
         """Tokens [n] of the running rows ``rows`` [n] that take no drafts, from their logits [n, V]."""
         chosen = [self._choose_or_fail(self._running[r], logits[i]) for i, r in enumerate(rows.tolist())]
         return torch.tensor([self.pad_id if c is None else c for c in chosen], dtype=torch.long)
+
+    def _walk_constrained(
+        self, drafted: torch.Tensor, logits: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify's (accepted [B], tokens [B]) with each drafting row under a constraint re-decided by
+        ``_walk`` from its drafted [k] tokens and target logits [k + 1, V] (``Speculation``'s ``walk``)."""
+        plain = self.speculation.runner.rows.plain.tolist()
+        for row, request in enumerate(self._running):
+            if request.constraint is not None and not plain[row] and request.finish_reason is None:
+                accepted[row], tokens[row] = self._walk(request, drafted[row].tolist(), logits[row])
+        return accepted, tokens
+
+    def _walk(self, request: Request, drafted: list[int], logits: torch.Tensor) -> tuple[int, int]:
+        """(accepted drafts, next token) of a greedy row under a constraint, chosen as plain decoding chooses:
+        at each position ``_choose`` masks the verify forward's logits, takes the argmax and advances the
+        constraint; a drafted token stays while it is that choice. The walk also ends at a stop token and at
+        ``max_tokens``, so the constraint is never fed a token plain decoding would not have fed it."""
+        left = request.params.max_tokens - len(request.tokens)
+        for position, draft_token in enumerate([*drafted, None]):
+            choice = self._choose_or_fail(request, logits[position])
+            if choice is None:
+                return position, self.pad_id
+            if choice != draft_token or choice in request.params.stop_token_ids or position + 1 >= left:
+                return position, choice
+        raise AssertionError("unreachable: the position after the last draft always ends the walk")
 
     @staticmethod
     def _row_settings(requests: Sequence[Request], spec: Speculation) -> RowSettings:

@@ -9,10 +9,15 @@ Continuous batching needs three things plain ``speculative_generate`` does not:
 * **admission and retirement**: a new batch's target cache, draft cache, pending tokens and draft features
   are appended to the running ones (``SpeculativeStep.concat``: ``LatentCache.concat`` and
   ``Draft.concat``), and finished rows leave all of them (``select``);
-* **constrained rows** (the tool-call enforcer) take no drafts: the ``Constraint`` protocol cannot advance
-  along a drafted path and take it back, so such a row accepts 0 drafted tokens every step and its token is
-  the engine's constrained sample from the verify forward's first position — exactly a plain decode step
-  (``plain`` rows). A batch of only plain rows runs the plain decode step instead;
+* **constrained rows** (the tool-call enforcer; every chat request carries one, tools or not): the
+  ``Constraint`` protocol cannot advance along a drafted path and take it back, so a greedy constrained row
+  is walked forward instead (``walk``: the engine's ``Engine._walk_constrained``): at each verified position
+  the engine masks the target's logits and picks the argmax as plain decoding would, advancing the
+  constraint, and keeps the drafted token while it is that pick — the first other pick is the row's next
+  token. Nothing is ever taken back, and the row replies exactly as plain constrained decoding. A sampled
+  constrained row takes no drafts: it accepts 0 drafted tokens every step and its token is the engine's
+  constrained sample from the verify forward's first position — exactly a plain decode step (``plain``
+  rows). A batch of only plain rows runs the plain decode step instead;
 * **sampled rows where drafts do not pay**: ``sampled_drafts`` (default: ``speculation_decision`` for
   sampled decoding — off on a CPU, where eager sampled speculative decoding measured 0.50–1.02× plain
   decoding) makes every request with a temperature > 0 a plain row too, so a batch of sampled requests
@@ -33,7 +38,7 @@ rate can differ.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +58,13 @@ from k2lab.infer.speculative import (
     speculation_decision,
 )
 
-__all__ = ["DraftForward", "Speculation", "prefill_for_draft"]
+__all__ = ["DraftForward", "Speculation", "WalkRows", "prefill_for_draft"]
+
+#: (drafted [B, k], target logits [B, k + 1, V], accepted [B], tokens [B]) -> (accepted [B], tokens [B]): the
+#: verify's result with the rows the engine decides itself (constrained greedy rows) re-decided
+WalkRows = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @dataclass
@@ -104,10 +115,30 @@ def _prefill_tail(
     return cache, out.logits, DraftForward(ids, valid, out.hidden)
 
 
+class _ServingStep(SpeculativeStep):
+    """A ``SpeculativeStep`` whose verify result goes through ``walk`` (the engine's constrained rows)."""
+
+    def __init__(self, *args, walk: WalkRows, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.walk = walk
+
+    def verify(
+        self, drafted: torch.Tensor, draft_logits: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.walk(drafted, logits, *super().verify(drafted, draft_logits, logits))
+
+
+def _unchanged(
+    drafted: torch.Tensor, logits: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return accepted, tokens
+
+
 class Speculation:
     """The engine's speculative state: ``draft`` (a prototype, copied per admitted batch), k
     (``draft_tokens``), whether sampled requests take drafts (``sampled_drafts``; None: as
-    ``speculation_decision`` decides for sampled decoding on the model's device), the running batch's
+    ``speculation_decision`` decides for sampled decoding on the model's device), ``walk`` (how the engine
+    re-decides its constrained greedy rows after each verify; the module docstring), the running batch's
     ``SpeculativeStep`` and the acceptance counts."""
 
     def __init__(
@@ -118,10 +149,11 @@ class Speculation:
         compile: CompileMode = "auto",
         decode_weights: Precision = "auto",
         sampled_drafts: bool | None = None,
+        walk: WalkRows = _unchanged,
     ) -> None:
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
-        self.model, self.draft, self.k = model, draft, draft_tokens
+        self.model, self.draft, self.k, self.walk = model, draft, draft_tokens, walk
         self.config = GenerationConfig(compile=compile, decode_weights=decode_weights)
         device = next(model.parameters()).device.type
         self.sampled_drafts, self.sampled_reason = (
@@ -148,7 +180,7 @@ class Speculation:
     ) -> SpeculativeStep:
         """Start the new rows (their prefilled ``cache``, first tokens [n], ``forward``) and append them to
         the running batch with ``room`` free slots after its longest row; returns the running step."""
-        part = SpeculativeStep(self.model, copy.copy(self.draft), self.config, rows=rows)
+        part = _ServingStep(self.model, copy.copy(self.draft), self.config, rows=rows, walk=self.walk)
         part.begin(cache, first, forward.ids, forward.valid, forward.hidden, capacity)
         if self.runner is None:
             self.runner = part
@@ -157,10 +189,10 @@ class Speculation:
         return self.runner
 
     def plain_rows(self, temperatures: Sequence[float], constrained: Sequence[bool]) -> torch.Tensor:
-        """Which new rows take no drafts [n] bool: constrained ones, and sampled ones unless
-        ``sampled_drafts``."""
+        """Which new rows take no drafts [n] bool: sampled ones that are constrained or, unless
+        ``sampled_drafts``, any sampled one (a greedy constrained row drafts, walked: the module docstring)."""
         return torch.tensor(
-            [c or (t > 0 and not self.sampled_drafts) for t, c in zip(temperatures, constrained, strict=True)]
+            [t > 0 and (c or not self.sampled_drafts) for t, c in zip(temperatures, constrained, strict=True)]
         )
 
     def drafting(self) -> bool:
