@@ -166,6 +166,48 @@ def test_stop_strings(client):
     assert out.choices[0].finish_reason == "stop"
 
 
+class ScriptedEngine(Engine):
+    """An engine that answers every request with ``script`` at once, cancelled or not (a real engine's cancel
+    takes effect at its next step, and a speculative step delivers a whole window of tokens)."""
+
+    script: list[int] = []
+
+    def submit(self, request):
+        for token in self.script:
+            request.on_token(token)
+        request.on_finish("cancelled" if request.cancelled else "length")
+        return request
+
+
+@pytest.fixture(scope="module")
+def scripted(small_tokenizer):
+    model = build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=512))
+    engine = ScriptedEngine(model, prefix_cache_bytes=0)
+    engine.script = small_tokenizer.encode("hello there, how are you? get_weather describe")
+    with serving(build_app(engine, small_tokenizer, "nano")) as base:
+        yield base, engine
+
+
+def test_tokens_after_a_stop_string_are_not_billed(scripted, small_tokenizer):
+    """Tokens that arrive after the one completing a stop string (before the cancel takes effect) are
+    dropped: chat, streaming or not, bills up to that token, as /v1/completions does."""
+    base, engine = scripted
+    decoded = [small_tokenizer.decode(engine.script[: i + 1]) for i in range(len(engine.script))]
+    expected = next(i + 1 for i, text in enumerate(decoded) if "there" in text)
+    assert expected < len(engine.script)
+    body = {"model": "nano", "messages": [{"role": "user", "content": "hi"}], "stop": ["there"]}
+    whole = httpx.post(base + "/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["message"]["content"] == "hello "
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    lines = httpx.post(base + "/v1/chat/completions", json=stream).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    plain = {"model": "nano", "prompt": "hi", "stop": ["there"], "max_tokens": 50}
+    completion = httpx.post(base + "/v1/completions", json=plain).json()
+    billed = [whole["usage"], chunks[-1]["usage"], completion["usage"]]
+    assert [usage["completion_tokens"] for usage in billed] == [expected] * 3
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [

@@ -180,6 +180,16 @@ class _Completion:
         )
         self.constraint = grammar.constraint(max_tokens=budget)
         self.tokens: list[int] = []
+        self.stopped = False  # a stop string is complete: later tokens are dropped
+
+    def take(self, token: int) -> bool:
+        """Take a sampled token; False once a stop string is complete (the caller then cancels the request).
+        Tokens the engine delivers before that cancel takes effect are dropped, as ``/v1/completions`` drops
+        them: the reply and its usage end with the token that completed the stop string."""
+        if not self.stopped:
+            self.tokens.append(token)
+            self.stopped = bool(self.stops) and self.stop_hit() is not None
+        return not self.stopped
 
     def submit(self, stream: _Stream) -> EngineRequest:
         request = EngineRequest(
@@ -391,8 +401,7 @@ async def _drain(completion: _Completion, stream: _Stream, request: EngineReques
         kind, value = await stream.queue.get()
         if kind == "finish":
             return value
-        completion.tokens.append(value)
-        if completion.stops and completion.stop_hit() is not None:
+        if not completion.take(value):
             request.cancel()
 
 
@@ -446,8 +455,7 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
             if kind == "finish":
                 finish = value
                 break
-            completion.tokens.append(value)
-            if completion.stops and completion.stop_hit() is not None:
+            if not completion.take(value):
                 request.cancel()
                 continue
             # hold back what could still become the start of a stop string, and half a UTF-8 character
