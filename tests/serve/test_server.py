@@ -166,6 +166,32 @@ def test_stop_strings(client):
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_without_max_tokens_the_budget_is_what_the_context_leaves(server):
+    """No max_tokens: up to 256 tokens, fewer where the prompt leaves less of the 512-token context (was: a
+    fixed 256, refusing this prompt for a max_tokens the client never sent); a prompt that leaves no room is
+    refused without blaming max_tokens; a max_tokens that does not fit is still refused."""
+    base = server[0]
+    messages = [{"role": "user", "content": "hello there " * 60}]
+    prompt = httpx.post(base + "/tokenize", json={"model": "nano", "messages": messages}).json()["count"]
+    assert 256 < prompt < 500
+    body = {"model": "nano", "messages": messages, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 512 - prompt
+    refusals = [
+        {**body, "max_tokens": 513 - prompt},
+        {**body, "messages": [{"role": "user", "content": "hello there " * 80}]},
+    ]
+    errors = [
+        httpx.post(base + "/v1/chat/completions", json=b, headers={"Authorization": f"Bearer {KEY}"})
+        for b in refusals
+    ]
+    assert [e.status_code for e in errors] == [400, 400]
+    asked, full = (e.json()["error"] for e in errors)
+    assert f"max_tokens asks for {513 - prompt} more" in asked["message"]
+    assert full["code"] == "context_length_exceeded" and "max_tokens" not in full["message"]
+    assert "leaving no room for a reply" in full["message"]
+
+
 class ScriptedEngine(Engine):
     """An engine that answers every request with ``script`` at once, cancelled or not (a real engine's cancel
     takes effect at its next step, and a speculative step delivers a whole window of tokens)."""

@@ -10,7 +10,11 @@ from k2lab.infer.compiled import CompileMode
 from k2lab.infer.decode_weights import decode_weights_field
 from k2lab.infer.speculative import DRAFT_TOKENS
 
-__all__ = ["ServeConfig"]
+__all__ = ["DEFAULT_MAX_TOKENS", "ServeConfig"]
+
+#: A chat request's completion budget when it sets neither max_tokens nor max_completion_tokens (cut to what
+#: the context leaves after its prompt).
+DEFAULT_MAX_TOKENS = 256
 
 
 class ServeConfig(BaseModel):
@@ -25,7 +29,10 @@ class ServeConfig(BaseModel):
     )
     max_batch: int = Field(default=16, ge=1, description="Sequences decoded together (continuous batching).")
     max_context: int | None = Field(
-        default=None, ge=2, description="Prompt + completion limit (None: the model's)."
+        default=None,
+        ge=2,
+        description="Prompt + completion limit (None: the model's). A chat request without max_tokens may "
+        f"generate {DEFAULT_MAX_TOKENS} tokens, fewer where its prompt leaves less room.",
     )
     prefix_cache_mb: int = Field(
         default=256,

@@ -47,6 +47,7 @@ from k2lab.runtime.chat_format import chat_format_for
 from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.completions import add_completion_routes
+from k2lab.serve.config import DEFAULT_MAX_TOKENS
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode, error_body
@@ -155,17 +156,7 @@ class _Completion:
             raise APIError(400, str(error), "invalid_request_error", "messages") from error
         check_unicode(prompt_text, "messages")
         self.prompt = app_state.tokenizer.encode(prompt_text)
-        limit = app_state.max_context
-        budget = body.max_completion_tokens or body.max_tokens or app_state.default_max_tokens
-        if len(self.prompt) + budget > limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens; the messages use {len(self.prompt)} "
-                f"and max_tokens asks for {budget} more.",
-                "invalid_request_error",
-                "messages",
-                "context_length_exceeded",
-            )
+        budget = _budget(body, len(self.prompt), app_state.max_context)
         grammar = ToolCallGrammar.build(
             app_state.tokenizer, app_state.vocab_size, tools, choice, body.parallel_tool_calls, fmt.markup
         )
@@ -250,6 +241,26 @@ class _Completion:
         }
 
 
+def _budget(body: ChatCompletionRequest, prompt: int, limit: int) -> int:
+    """The completion's token budget: max_completion_tokens or max_tokens, refused (400) where the prompt of
+    ``prompt`` tokens leaves less room in the context of ``limit``; neither set, ``DEFAULT_MAX_TOKENS`` cut
+    to that room, refused only where the prompt leaves none."""
+    asked, room = body.max_completion_tokens or body.max_tokens, limit - prompt
+    if asked is None and room >= 1:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if asked is not None and asked <= room:
+        return asked
+    field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    wanted = ", leaving no room for a reply" if asked is None else f" and {field} asks for {asked} more"
+    raise APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens; the messages use {prompt}{wanted}.",
+        "invalid_request_error",
+        "messages",
+        "context_length_exceeded",
+    )
+
+
 class _State:
     def __init__(
         self, engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None, max_context: int
@@ -257,7 +268,6 @@ class _State:
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
         self.max_context = max_context
         self.vocab_size = engine.config.vocab_size
-        self.default_max_tokens = min(256, max_context // 2)
         special = tokenizer.special_tokens
         self.chat_format = chat_format_for(engine.config, special=special)
         turn_end = special.get(self.chat_format.turn_end)
