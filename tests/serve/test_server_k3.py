@@ -100,18 +100,18 @@ def test_streamed_named_call(client):
 
 
 class Scripted:
-    """An engine stand-in: every request gets ``tokens`` (then "stop"), whatever its constraint allows, as a
-    model spelling markup in pieces the enforcer does not expect would."""
+    """An engine stand-in: every request gets ``tokens`` (then ``finish``), whatever its constraint allows, as
+    a model spelling markup in pieces the enforcer does not expect would."""
 
     def __init__(self, config) -> None:
-        self.config, self.tokens = config, []
+        self.config, self.tokens, self.finish = config, [], "stop"
         self.model = self.prefix_cache = self.speculation = None
         self.active = 0
 
     def submit(self, request):
         for token in self.tokens:
             request.on_token(token)
-        request.on_finish("stop")
+        request.on_finish(self.finish)
         return request
 
 
@@ -133,11 +133,12 @@ def scripted(small_tokenizer):
         yield base, engine, tokenizer
 
 
-def ask(scripted, reply: str, stream: bool = False, **body) -> tuple[Any, str]:
-    """The engine replies ``reply`` (+ the turn's close); the message (or the streamed deltas, in order) and
-    the finish reason, as the server's raw JSON."""
+def ask(scripted, reply: str, stream: bool = False, cut: bool = False, **body) -> tuple[Any, str]:
+    """The engine replies ``reply`` (+ the turn's close; ``cut``: not closed, finishing "length"); the
+    message (or the streamed deltas, in order) and the finish reason, as the server's raw JSON."""
     base, engine, tokenizer = scripted
-    engine.tokens = tokenizer.encode(reply + f"<|close|>message{SEP}")
+    engine.tokens = tokenizer.encode(reply if cut else reply + f"<|close|>message{SEP}")
+    engine.finish = "length" if cut else "stop"
     body = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
     response = httpx.post(
         base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
@@ -174,6 +175,20 @@ def test_a_stop_string_cuts_the_response_channel(scripted):
     assert joined(deltas, "reasoning_content") == "I should greet."
     message, _ = ask(scripted, REPLY, stop=["greet"])  # a stop string in the reasoning is not content
     assert message["content"] == "hello STOP more"
+
+
+def test_a_reply_cut_inside_the_think_channel_keeps_its_reasoning(scripted):
+    """max_tokens reached while thinking: the reasoning so far, no content, finish "length" (was: an empty
+    content and no reasoning, streamed as nothing); cut inside the tools channel, the reasoning stays too."""
+    message, reason = ask(scripted, "I should greet the", cut=True)
+    assert message == {"role": "assistant", "content": "", "reasoning_content": "I should greet the"}
+    assert reason == "length"
+    deltas, reason = ask(scripted, "I should greet the", stream=True, cut=True)
+    assert joined(deltas, "reasoning_content") == "I should greet the" and joined(deltas, "content") == ""
+    assert reason == "length"
+    unfinished = REPLY.replace("hello STOP more", "hi") + CALL[:60]
+    message, reason = ask(scripted, unfinished, cut=True, tools=[WEATHER])
+    assert message["reasoning_content"] == "I should greet." and reason == "length"
 
 
 def test_tool_choice_none_never_returns_calls(scripted):

@@ -88,9 +88,10 @@ class ChatFormat:
         """What stop strings are matched in and cut from, and the content of a turn that does not parse."""
         raise NotImplementedError
 
-    def closed_reasoning(self, text: str) -> str | None:
-        """The reasoning of a turn cut short (a stop string), once its thinking closed; None when there is
-        none (blank, still open, or a format that keeps thinking in ``text_before_calls``)."""
+    def reasoning(self, text: str) -> str | None:
+        """The reasoning of a turn cut short (a stop string, or ``max_tokens`` with the thinking still
+        open) or that does not parse; None when there is none (blank, or a format that keeps thinking in
+        ``text_before_calls``)."""
         return None
 
     def encode_chat(
@@ -238,9 +239,9 @@ class K3ChatFormat(ChatFormat):
         """The response channel's text (markup words such as ``response`` are not text)."""
         return self.visible_content(text)
 
-    def closed_reasoning(self, text: str) -> str | None:
-        """The think channel's text once it closed (with thinking on), unless blank."""
-        if not self.thinking or THINK_CLOSE not in text:
+    def reasoning(self, text: str) -> str | None:
+        """The think channel's text (with thinking on), closed or still open, unless blank."""
+        if not self.thinking:
             return None
         reasoning = text.split(THINK_CLOSE, 1)[0]
         return reasoning if reasoning.strip() else None

@@ -13,7 +13,8 @@ token) and parsed back into an OpenAI message: text as ``content``, thinking as 
 tool-call section as ``tool_calls`` with ``finish_reason: "tool_calls"`` (never with ``tool_choice: "none"``:
 a section the model spelled past the enforcer is left out, its text reply kept). A stop string is matched
 in, and cut from, the visible text (``ChatFormat.text_before_calls``; K3: the response channel), with the
-reasoning kept when the think channel closed. Streaming sends content deltas as tokens arrive and each
+reasoning kept. A K3 reply cut by max_tokens inside the think channel comes back as its reasoning, with
+``finish_reason: "length"``. Streaming sends content deltas as tokens arrive and each
 tool call as one delta once its section closes. A client that disconnects cancels its request, streaming or
 not, which frees its batch row at the engine's next step. Tool-call ids are made distinct when the model repeats
 one.
@@ -210,15 +211,11 @@ class _Completion:
         visible = self.visible(text)
         cut = self.stop_hit(visible)
         if cut is not None:
-            stopped: dict[str, Any] = {"role": "assistant", "content": visible[:cut]}
-            reasoning = fmt.closed_reasoning(text)
-            if reasoning is not None:
-                stopped["reasoning_content"] = reasoning
-            return stopped, "stop"
+            return self._with_reasoning({"role": "assistant", "content": visible[:cut]}, text), "stop"
         try:
             parsed = fmt.parse_assistant(text)
-        except ToolCallParseError:  # an unfinished section at max_tokens: report the text as it is
-            parsed = {"role": "assistant", "content": fmt.text_before_calls(text)}
+        except ToolCallParseError:  # unfinished at max_tokens (a section, K3's thinking): the text as it is
+            parsed = self._with_reasoning({"role": "assistant", "content": fmt.text_before_calls(text)}, text)
         content = parsed.get("content")
         message = {
             "role": "assistant",
@@ -232,6 +229,14 @@ class _Completion:
             message["tool_calls"] = _distinct_ids(parsed["tool_calls"])
             return message, "tool_calls"
         return message, "length" if finish == "length" else "stop"
+
+    def _with_reasoning(self, message: dict[str, Any], text: str) -> dict[str, Any]:
+        """``message`` with the reasoning of a turn that was cut or does not parse (``ChatFormat.reasoning``:
+        K3's think channel, closed or not), special tokens left out."""
+        reasoning = self.state.strip_special(self.state.chat_format.reasoning(text) or "")
+        if reasoning.strip():
+            message["reasoning_content"] = reasoning
+        return message
 
     def usage(self) -> dict[str, int]:
         return {
