@@ -416,3 +416,23 @@ def test_error_bodies_name_the_field_and_unknown_routes_answer_like_openai(serve
     bad_stop = {"model": "nano", "prompt": "x", "max_tokens": 2, "stop_token_ids": [10**12]}
     response = httpx.post(server[0] + "/v1/completions", json=bad_stop, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "stop_token_ids"
+
+
+def test_every_route_takes_a_json_body_whatever_its_content_type(server):
+    """Chat always read its body as JSON; /v1/completions and /tokenize now do too (they answered "body:
+    Input should be a valid dictionary" for a JSON body sent as text/plain)."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"}
+    bodies = {
+        "/v1/chat/completions": {
+            "model": "nano",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+        },
+        "/v1/completions": {"model": "nano", "prompt": "x", "max_tokens": 2},
+        "/tokenize": {"model": "nano", "prompt": "hello"},
+    }
+    for path, body in bodies.items():
+        response = httpx.post(server[0] + path, content=json.dumps(body), headers=headers)
+        assert response.status_code == 200, (path, response.text)
+    response = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers=headers)
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]

@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -56,7 +56,7 @@ from k2lab.runtime.chat_format import ChatFormat
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
-from k2lab.serve.errors import APIError, check_model, check_unicode
+from k2lab.serve.errors import APIError, check_model, check_unicode, parse_body
 from k2lab.serve.threads import in_worker_thread
 
 __all__ = [
@@ -503,12 +503,13 @@ def _tokenizer_info(state: ServedModel) -> dict[str, Any]:
 
 def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
     """Serve ``/v1/completions``, ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` on ``app`` (whose
-    ``RequestValidationError`` handler turns a malformed body into a 400 and whose ``APIError`` handler
-    answers a ``CompletionError``)."""
+    ``APIError`` handler answers a malformed body, ``parse_body``: JSON whatever the Content-Type, as the chat
+    route takes it, and a ``CompletionError``)."""
     scorer = _Scorer(state.engine.model)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
         check_model(state.model_name, body.model)
         completion = _Completion(state, scorer, body)
         if body.stream:
@@ -516,12 +517,14 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
         return await completion.response()
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, TokenizeRequest)
         check_model(state.model_name, body.model)
         return _tokenize(state, body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, DetokenizeRequest)
         check_model(state.model_name, body.model)
         vocab = state.tokenizer.vocab_size
         _check_vocabulary(body.tokens, vocab, "tokens")

@@ -3,9 +3,17 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+from typing import TypeVar
 
-__all__ = ["APIError", "check_model", "check_unicode", "error_body"]
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+__all__ = ["APIError", "check_model", "check_unicode", "error_body", "parse_body", "validation_message"]
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
@@ -51,3 +59,33 @@ def check_unicode(text: str, param: str) -> None:
         raise APIError(
             400, f"Text in {param} contains {bad}, a lone surrogate, which is not valid Unicode.", param=param
         ) from None
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The request's JSON object as ``model``, whatever its Content-Type (as OpenAI's server takes it); 400
+    for a body that is not JSON, not an object, or not valid for ``model``."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"The request body is not valid JSON ({error}).") from error
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        message, param = validation_message(error)
+        raise APIError(400, message, param=param) from error
+
+
+def validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request's first validation error; param is the field's path (``messages.0.role``)
+    without pydantic's tags for the member of a union it tried (``tool_choice.literal[...]``, ``stop.str``)."""
+    first = error.errors()[0]
+    parts = [part for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
+    location = ".".join(str(part) for part in parts)
+    return f"{location or 'body'}: {first.get('msg', 'invalid value')}", location or None
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a location part names a union member's type (``str``, ``list[str]``, ``literal['a','b']``)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)

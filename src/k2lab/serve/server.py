@@ -39,7 +39,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2lab.data.tokenizer import Tokenizer
@@ -51,7 +51,14 @@ from k2lab.serve.completions import add_completion_routes
 from k2lab.serve.config import DEFAULT_MAX_TOKENS
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
-from k2lab.serve.errors import APIError, check_model, check_unicode, error_body
+from k2lab.serve.errors import (
+    APIError,
+    check_model,
+    check_unicode,
+    error_body,
+    parse_body,
+    validation_message,
+)
 from k2lab.serve.threads import in_worker_thread
 
 __all__ = ["ChatCompletionRequest", "build_app"]
@@ -112,20 +119,6 @@ class ChatCompletionRequest(BaseModel):
             if refuse:
                 return field, f"{field}{detail}"
         return None
-
-
-def _validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) of a request's first validation error; param is the field's path (``messages.0.role``)
-    without pydantic's tags for the member of a union it tried (``tool_choice.literal[...]``, ``stop.str``)."""
-    first = error.errors()[0]
-    parts = [part for part in first.get("loc", ()) if part != "body" and not _union_tag(part)]
-    location = ".".join(str(part) for part in parts)
-    return f"{location or 'body'}: {first.get('msg', 'invalid value')}", location or None
-
-
-def _union_tag(part: object) -> bool:
-    """Whether a location part names a union member's type (``str``, ``list[str]``, ``literal['a','b']``)."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)
 
 
 class _Stream:
@@ -306,7 +299,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(error)
+        message, param = validation_message(error)
         return error_body(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -334,7 +327,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse_body(request)
+        body = await parse_body(request, ChatCompletionRequest)
         check_model(state.model_name, body.model)
         refused = body.unsupported()
         if refused is not None:
@@ -369,22 +362,6 @@ class _RequireKey:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-async def _parse_body(request: Request) -> ChatCompletionRequest:
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(
-            400, f"The request body is not valid JSON ({error}).", "invalid_request_error"
-        ) from error
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.", "invalid_request_error")
-    try:
-        return ChatCompletionRequest.model_validate(data)
-    except ValidationError as error:
-        message, param = _validation_message(error)
-        raise APIError(400, message, "invalid_request_error", param) from error
 
 
 async def _complete(completion: _Completion, http: Request) -> dict[str, Any]:
