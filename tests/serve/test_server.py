@@ -418,6 +418,16 @@ def test_error_bodies_name_the_field_and_unknown_routes_answer_like_openai(serve
     assert response.status_code == 400 and response.json()["error"]["param"] == "stop_token_ids"
 
 
+def test_a_function_tool_choice_without_a_name_is_refused_naming_tool_choice(server):
+    body = {"model": "nano", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    for choice in ({"type": "function"}, {"type": "function", "function": {}}, {"function": "get_weather"}):
+        response = httpx.post(server[0] + "/v1/chat/completions", json={**body, "tool_choice": choice},
+                              headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "tool_choice", response.text
+        assert '"function": {"name": ...}' in error["message"] and "None" not in error["message"]
+
+
 def test_every_route_takes_a_json_body_whatever_its_content_type(server):
     """Chat always read its body as JSON; /v1/completions and /tokenize now do too (they answered "body:
     Input should be a valid dictionary" for a JSON body sent as text/plain)."""

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2lab.data.tokenizer import Tokenizer
@@ -100,6 +100,18 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _named_function(cls, choice: Any) -> Any:
+        """A function choice must name its function (the enforcer would look for a tool named None)."""
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(
+                    'a function choice names it: {"type": "function", "function": {"name": ...}}'
+                )
+        return choice
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) of the first field set to something k2lab cannot do, or None."""
