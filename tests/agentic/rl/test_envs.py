@@ -212,6 +212,36 @@ def test_coding_env_scores_tests_in_sandbox():
     assert episode.reward == 0.0 and episode.outcome.reason == "program error"
 
 
+FORGERIES = {
+    "forged line": 'import os\nprint(\'K2LAB_TESTS {"passed": 3, "total": 3}\', flush=True)\nos._exit(0)',
+    "always equal": "class E:\n    __eq__ = lambda s, o: True\ndef add(a, b):\n    return E()",
+    "equal int": "class E(int):\n    __eq__ = lambda s, o: True\ndef add(a, b):\n    return E(-7)",
+    "patched eval": "import builtins\nbuiltins.eval = lambda *a: True",
+}
+
+
+@pytest.mark.parametrize("label", FORGERIES)
+def test_coding_env_verdict_cannot_be_forged(label):
+    """The verdict was the first `K2LAB_TESTS` line of the candidate's own stdout and tests compared with ==:
+    printing the line then os._exit(0), or returning an object equal to everything, got reward 1."""
+    env = CodingEnv(limits=SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=8))
+    episode = env.reset(0)  # add(a, b)
+    env.step(episode, say(f"```python\n{FORGERIES[label]}\n```"))
+    assert not episode.outcome.success and episode.reward == 0.0, episode.outcome
+
+
+def test_coding_env_compares_types_and_keeps_the_candidates_names():
+    """1 is not True; a candidate global named like the harness's variables still passes."""
+    env = CodingEnv(limits=SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=8))
+    episode = env.reset(2)  # is_even(n)
+    env.step(episode, say("```python\ndef is_even(n):\n    return int(n % 2 == 0)\n```"))
+    assert episode.reward == 0.0 and episode.outcome.reason == "tests failed"
+    episode = env.reset(2)
+    code = "results, call, json = 0, 2, None\ndef is_even(n):\n    return n % call == results"
+    env.step(episode, say(f"```python\n{code}\n```"))
+    assert episode.reward == 1.0 and episode.outcome.success
+
+
 # ---- adapters
 
 

@@ -9,7 +9,8 @@ end the episode with ``outcome.reason`` saying why (reward 0).
                       trivial ("What is 2+3?", ``needs_tools=False``, small ``token_budget``), odd seeds hard.
 * ``InstructionEnv``  format constraints checked by code (exact word count, lowercase, last word, JSON keys,
                       no commas), ``needs_tools=False``.
-* ``CodingEnv``       small Python functions; reward = fraction of unit tests passed in the sandbox.
+* ``CodingEnv``       small Python functions; reward = fraction of unit tests passed (values returned in the
+                      sandbox, compared outside it).
 * ``OpenQAEnv``       open-ended prompts with no verifier (``state["open_ended"]``): the RL loop rewards
                       them with the self-critique rubric critic (``k2lab.agentic.rl.critic``).
 * ``GuardedEnv``      wraps any ``Environment`` (e.g. the factory's tool tasks): exceptions and hangs in
@@ -345,34 +346,64 @@ CODING_TASKS: tuple[dict[str, Any], ...] = (
     {
         "name": "add",
         "prompt": "Write a Python function add(a, b) that returns the sum of a and b.",
-        "tests": ["add(1, 2) == 3", "add(-1, 1) == 0", "add(10, 5) == 15"],
+        "tests": [["add(1, 2)", 3], ["add(-1, 1)", 0], ["add(10, 5)", 15]],
     },
     {
         "name": "reverse",
         "prompt": "Write a Python function reverse(s) that returns the string s reversed.",
-        "tests": ["reverse('abc') == 'cba'", "reverse('') == ''", "reverse('ab') == 'ba'"],
+        "tests": [["reverse('abc')", "cba"], ["reverse('')", ""], ["reverse('ab')", "ba"]],
     },
     {
         "name": "is_even",
         "prompt": "Write a Python function is_even(n) that returns True when n is even.",
-        "tests": ["is_even(2) is True", "is_even(3) is False", "is_even(0) is True"],
+        "tests": [["is_even(2)", True], ["is_even(3)", False], ["is_even(0)", True]],
     },
     {
         "name": "largest",
         "prompt": "Write a Python function largest(xs) that returns the largest number in the list xs.",
-        "tests": ["largest([1, 3, 2]) == 3", "largest([-5, -2]) == -2", "largest([7]) == 7"],
+        "tests": [["largest([1, 3, 2])", 3], ["largest([-5, -2])", -2], ["largest([7])", 7]],
     },
 )
+RESULTS_MARKER = "K2LAB_RESULTS "
+# Runs after the candidate's code, in its process: it only reports what each call returned (JSON, or null
+# when the call raised or its value is not JSON). The expected values never enter the sandbox.
 _HARNESS = """
-import json
-passed = 0
-for test in {tests!r}:
+import json as _k2lab_json
+_k2lab_results = []
+for _k2lab_call in {calls!r}:
     try:
-        passed += bool(eval(test))
+        _k2lab_results.append([_k2lab_json.dumps(eval(_k2lab_call))])
     except BaseException:
-        pass
-print("K2LAB_TESTS", json.dumps({{"passed": passed, "total": {total}}}))
+        _k2lab_results.append(None)
+print({marker!r} + _k2lab_json.dumps(_k2lab_results), flush=True)
 """
+
+
+_MISSING = object()  # a call that raised or returned a non-JSON value: equal to no expected value
+
+
+def same_value(got: Any, expected: Any) -> bool:
+    """``got == expected`` with the same type at every level (``True`` is not ``1``, ``3.0`` is not ``3``)."""
+    if type(got) is not type(expected):
+        return False
+    if isinstance(expected, list):
+        return len(got) == len(expected) and all(map(same_value, got, expected))
+    if isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(same_value(got[k], expected[k]) for k in expected)
+    return got == expected
+
+
+def score_results(line: str, tests: Sequence[Sequence[Any]]) -> int:
+    """How many of ``tests`` (``[call, expected]``) a harness results line passes; a malformed line
+    (written by the candidate instead of the harness) passes none."""
+    try:
+        results = json.loads(line[len(RESULTS_MARKER) :])
+        values = [json.loads(entry[0]) if entry else _MISSING for entry in results]
+    except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+        return 0
+    if len(values) != len(tests):
+        return 0
+    return sum(same_value(value, expected) for value, (_, expected) in zip(values, tests, strict=True))
 
 
 def extract_python(text: str) -> str | None:
@@ -386,6 +417,11 @@ class CodingEnv(_SingleAnswerEnv):
 
     reward = passed / total; a sandbox timeout, crash of the whole program or a missing code block give 0
     with reasons "timeout", "program error" and "no code block".
+
+    The verdict is not the candidate's to write: the sandbox only reports what each test call returned (the
+    last ``K2LAB_RESULTS`` line) and the expected values, which never enter the sandbox, are compared here
+    type-strictly (``same_value``). A forged line or an object whose ``__eq__`` is always true scores only
+    what it would score by returning the right values.
     """
 
     name = "coding"
@@ -413,17 +449,20 @@ class CodingEnv(_SingleAnswerEnv):
             episode.finish(False, "no code block", reward=0.0)
             return
         tests = episode.state["tests"]
-        result = run_python(code + "\n" + _HARNESS.format(tests=tests, total=len(tests)), self.limits)
+        calls = [call for call, _ in tests]
+        result = run_python(code + "\n" + _HARNESS.format(calls=calls, marker=RESULTS_MARKER), self.limits)
         if result.timed_out or result.killed_reason:
             episode.finish(False, "timeout", reward=0.0, killed=result.killed_reason)
             return
-        line = next((x for x in result.stdout.splitlines() if x.startswith("K2LAB_TESTS ")), None)
-        if line is None:
+        lines = [x for x in result.stdout.splitlines() if x.startswith(RESULTS_MARKER)]
+        if not lines:
             episode.finish(False, "program error", reward=0.0, stderr=result.stderr[-500:])
             return
-        counts = json.loads(line.split(" ", 1)[1])
-        reward = counts["passed"] / counts["total"]
-        episode.finish(reward == 1.0, "solved" if reward == 1.0 else "tests failed", reward=reward, **counts)
+        passed = score_results(lines[-1], tests)
+        reward = passed / len(tests)
+        solved = passed == len(tests)
+        reason = "solved" if solved else "tests failed"
+        episode.finish(solved, reason, reward=reward, passed=passed, total=len(tests))
 
 
 # ------------------------------------------------------------------------------------------ open-ended
