@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -206,6 +208,35 @@ def test_network_is_unreachable():
         assert result.stdout.count("blocked") == 2
     else:
         assert result.isolation["network"] is False and result.isolation["notes"]
+
+
+def test_host_unix_socket_is_unreachable():
+    """A read-only mount does not stop connect() on a Unix socket: a host service on a 0777 socket in /tmp
+    answered a sandbox that reported network isolation. /tmp (and /run, /dev/shm ...) are now empty inside,
+    while the program's workdir under /tmp stays writable."""
+    base = Path(tempfile.mkdtemp(prefix="k2lab-sock-", dir="/tmp"))
+    base.chmod(0o755)
+    path = base / "host.sock"
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(path))
+        path.chmod(0o777)
+        server.listen(4)
+        socket.socket(socket.AF_UNIX).connect(str(path))  # reachable from outside
+        code = (
+            f"import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({str(path)!r})\n"
+            "    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e.errno)\nopen('in.txt', 'w').write('x')"
+        )
+        result = run_python(code, FAST, workdir=base / "work")
+        assert result.exit_code == 0 and (base / "work" / "in.txt").read_text() == "x", result.stderr
+    finally:
+        server.close()
+        shutil.rmtree(base)
+    if NAMESPACES:
+        assert result.stdout.startswith("blocked") and "CONNECTED" not in result.stdout
+        assert result.isolation["filesystem"] and "/tmp" in result.isolation["hidden_dirs"]
+    else:
+        assert any("Unix sockets reachable" in note for note in result.isolation["notes"])
 
 
 def test_writing_outside_workdir_fails(tmp_path):

@@ -6,8 +6,11 @@ The containment, outermost first (each part is measured at run time and reported
 * ``unshare --net --mount --pid --ipc --uts --fork --kill-child --mount-proc`` (util-linux) gives the run
   its own network namespace (only an isolated loopback, brought up), mount namespace, PID namespace,
   IPC and UTS namespaces. Unprivileged callers add ``--user --map-root-user``.
-* Inside, a small init process (this module run as a script, PID 1 of the namespace) makes the whole
-  mount tree read-only (``mount_setattr(AT_RECURSIVE, MOUNT_ATTR_RDONLY)``), bind-mounts the working
+* Inside, a small init process (this module run as a script, PID 1 of the namespace) mounts an empty tmpfs
+  over the directories where host services keep their Unix sockets (``HIDDEN_DIRS``: /tmp, /var/tmp, /run,
+  /dev/shm; connect() on a socket ignores read-only mounts, and the network namespace only covers abstract
+  sockets), binding back the workdir, the program and the interpreter where they lie inside one; makes the
+  whole mount tree read-only (``mount_setattr(AT_RECURSIVE, MOUNT_ATTR_RDONLY)``), bind-mounts the working
   directory back read-write (nosuid, nodev), then forks the program with resource limits (RLIMIT_CPU,
   RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE=0), an emptied capability bounding
   set, ``no_new_privs`` and - when we are root - a dedicated unprivileged uid/gid drawn per run, so
@@ -64,6 +67,8 @@ NAMESPACE_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--k
 SANDBOX_UID_RANGE = (200_000, 260_000)  # dedicated per-run uids (root only); never real accounts
 STOP_GRACE_S = 2.0  # time the init process gets to kill and reap before we SIGKILL the whole group
 INIT_FLAG = "--sandbox-init"
+# Where host services put their Unix sockets: each gets an empty tmpfs inside the sandbox's mount namespace
+HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")
 
 
 class SandboxInputError(ValueError):
@@ -582,21 +587,77 @@ def _mount_setattr(path: str, recursive: bool, attr_set: int = 0, attr_clr: int 
     _check(ret, f"mount_setattr {path}")
 
 
-def _bind(path: str) -> None:
-    """Bind-mount ``path`` onto itself (MS_BIND | MS_REC) so it gets its own mount flags."""
-    _check(_libc().mount(path.encode(), path.encode(), None, ctypes.c_ulong(4096 | 16384), None), "bind")
+def _bind(source: str, target: str | None = None) -> None:
+    """Bind-mount ``source`` onto ``target`` (MS_BIND | MS_REC), by default onto itself so it gets its own
+    mount flags."""
+    target = target or source
+    _check(_libc().mount(source.encode(), target.encode(), None, ctypes.c_ulong(4096 | 16384), None), "bind")
 
 
-def _contain_filesystem(workdir: str, notes: list[str]) -> bool:
-    """Everything read-only except ``workdir`` (in our own mount namespace); True when that worked."""
+def _contain_filesystem(config: dict[str, Any], notes: list[str]) -> list[str] | None:
+    """Hide the host's socket directories, then everything read-only except the workdir (in our own mount
+    namespace); the directories hidden, None when the mount tree could not be made read-only."""
+    workdir = config["workdir"]
     try:
+        hidden = _hide_socket_dirs(_paths_to_keep(config), notes)
         _mount_setattr("/", recursive=True, attr_set=1)
         _bind(workdir)
         _mount_setattr(workdir, recursive=True, attr_set=2 | 4, attr_clr=1)
-        return True
+        return hidden
     except OSError as error:
         notes.append(f"filesystem: could not make the mount tree read-only ({error})")
-        return False
+        return None
+
+
+def _paths_to_keep(config: dict[str, Any]) -> list[str]:
+    """What the program needs to see: its workdir, its program's directory and its interpreter's prefix
+    (``PREFIX/bin/python``, a venv's or the real one)."""
+    python = config["python"]
+    venv = os.path.dirname(os.path.realpath(os.path.dirname(python)))
+    real = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    directories = [config["workdir"], os.path.realpath(os.path.dirname(config["program"])), venv, real]
+    return list(dict.fromkeys(directories))
+
+
+def _hide_socket_dirs(keep: list[str], notes: list[str]) -> list[str]:
+    """Mount an empty tmpfs over each of ``HIDDEN_DIRS`` (where host services put their Unix sockets, which a
+    read-only mount does not stop anyone from connecting to), binding the ``keep`` paths inside one back.
+    A directory that is, or lies inside, a ``keep`` path stays as it is. The directories hidden."""
+    hidden = []
+    for directory in dict.fromkeys(os.path.realpath(d) for d in HIDDEN_DIRS):
+        if not os.path.isdir(directory):
+            continue
+        if any(_within(directory, path) for path in keep):
+            notes.append(f"filesystem: {directory} left visible (it holds the workdir or the interpreter)")
+            continue
+        try:
+            _empty_over(directory, [path for path in keep if _within(path, directory)])
+            hidden.append(directory)
+        except OSError as error:
+            notes.append(f"filesystem: {directory} not hidden, host Unix sockets in it reachable ({error})")
+    return hidden
+
+
+def _empty_over(directory: str, inside: list[str]) -> None:
+    """Mount an empty tmpfs (nosuid, nodev) over ``directory`` and bind the paths ``inside`` it back (through
+    handles opened before they were covered)."""
+    handles = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in inside]
+    try:
+        flags = ctypes.c_ulong(2 | 4)  # MS_NOSUID | MS_NODEV
+        _check(
+            _libc().mount(b"tmpfs", directory.encode(), b"tmpfs", flags, b"mode=755"), f"tmpfs {directory}"
+        )
+        for path, handle in zip(inside, handles, strict=True):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _bind(f"/proc/self/fd/{handle}", path)
+    finally:
+        for handle in handles:
+            os.close(handle)
+
+
+def _within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or lies under it (both absolute, normalised)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _loopback_up() -> None:
@@ -620,9 +681,13 @@ def _isolate(config: dict[str, Any]) -> dict[str, Any]:
     else:
         notes.append("network: NOT isolated (the program shares the host network)")
     own_mounts = os.readlink("/proc/self/ns/mnt") != config["host_mntns"]
-    filesystem = own_mounts and _contain_filesystem(config["workdir"], notes)
+    hidden = _contain_filesystem(config, notes) if own_mounts else None
+    filesystem = hidden is not None
     if not filesystem:
-        notes.append("filesystem: paths outside the workdir are writable where the program's uid may write")
+        notes.append(
+            "filesystem: paths outside the workdir are writable, and host Unix sockets reachable, where the "
+            "program's uid may write"
+        )
     pid_ns = os.getpid() == 1
     if not pid_ns:
         notes.append("pid: no PID namespace (the program sees host processes; killed by session and uid)")
@@ -632,6 +697,7 @@ def _isolate(config: dict[str, Any]) -> dict[str, Any]:
     return {
         "network": network,
         "filesystem": filesystem,
+        "hidden_dirs": hidden or [],
         "pid_namespace": pid_ns,
         "dedicated_uid": uid is not None,
         "uid": uid if uid is not None else os.getuid(),
