@@ -260,6 +260,36 @@ def test_writing_outside_workdir_fails(tmp_path):
     assert not any(target.exists() for target in targets)
 
 
+def test_workdir_owners_and_modes_come_back(tmp_path):
+    """`--workdir` handed the tree to the run's uid, then gave every path to the directory's owner: files of
+    1234 and 4321 ended 0:0 and a setuid bit was lost. Each path now gets back its own owner and mode; what
+    the program made gets the directory's owner and no setuid bit. (Not root: one owner, nothing chowned.)"""
+    root = os.geteuid() == 0
+    mine, theirs = (1234, 4321) if root else (os.getuid(), os.getuid())
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "data.txt").write_text("a")
+    for path, owner, mode in [("data.txt", mine, 0o640), ("sub", theirs, 0o2750), ("suid", mine, 0o4755)]:
+        (work / path).touch()
+        os.chown(work / path, owner, owner)
+        (work / path).chmod(mode)
+    before = {name: (work / name).lstat() for name in ("data.txt", "sub", "suid")}
+    code = (
+        "import os\nopen('data.txt', 'a').write('b')\nopen('sub/new.txt', 'w').write('n')\n"
+        "open('made', 'w').write('m')\nos.chmod('made', 0o4755)\nprint(os.listdir('.'))"
+    )
+    result = run_python(code, FAST, workdir=work)
+    assert result.exit_code == 0, result.stderr
+    for name, stat in before.items():
+        now = (work / name).lstat()
+        assert (now.st_uid, now.st_gid, now.st_mode) == (stat.st_uid, stat.st_gid, stat.st_mode), name
+    assert (work / "data.txt").read_text() == "ab"
+    top = work.stat()
+    for made in (work / "made", work / "sub" / "new.txt"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (top.st_uid, top.st_gid)
+    assert (work / "made").stat().st_mode & 0o7777 == (0o755 if result.isolation["dedicated_uid"] else 0o4755)
+
+
 def test_gigabyte_of_output_is_cut_at_the_limit():
     code = "import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.buffer.write(chunk)"
     result, seconds = run(code, max_output_bytes=65536, timeout_s=10)

@@ -49,6 +49,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -67,6 +68,7 @@ NAMESPACE_FLAGS = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--k
 SANDBOX_UID_RANGE = (200_000, 260_000)  # dedicated per-run uids (root only); never real accounts
 STOP_GRACE_S = 2.0  # time the init process gets to kill and reap before we SIGKILL the whole group
 INIT_FLAG = "--sandbox-init"
+SETID_BITS = stat.S_ISUID | stat.S_ISGID
 # Where host services put their Unix sockets: each gets an empty tmpfs inside the sandbox's mount namespace
 HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")
 
@@ -136,7 +138,10 @@ def run_python(
     """Run Python ``source`` (code as ``str``, or a file as ``Path``) in a sandbox and return its result.
 
     ``workdir`` is the only writable directory (created if missing); by default a fresh temporary
-    directory that is removed afterwards. ``stdin`` is fed to the program's standard input. A file that
+    directory that is removed afterwards. When we are root its tree belongs to the run's uid during the run
+    (files with a setuid/setgid bit excepted: the program may read, not rewrite them) and is given back
+    after: each path to its recorded owner, what the program made to the directory's owner (no setuid or
+    setgid bits). ``stdin`` is fed to the program's standard input. A file that
     cannot be read or is not Python source text, or a ``workdir`` that cannot be a directory, raises
     ``SandboxInputError`` before anything runs.
     """
@@ -201,9 +206,7 @@ def _run_program(
     flags, ns_reason = namespace_support()
     python = sandbox_python()
     uid = _sandbox_uid() if python is not None else None
-    owner = work.stat()
-    if uid is not None:
-        _chown_tree(work, uid, uid)
+    record = {path: os.lstat(path) for path in _tree(work)} if uid is not None else None
     config = _init_config(program, work, limits, uid, namespaces=flags is not None, ns_reason=ns_reason)
     config["python"] = python or sys.executable
     if python is None:
@@ -211,13 +214,15 @@ def _run_program(
             "uid: no interpreter reachable by an unprivileged uid; the program runs as root"
         )
     try:
+        if record is not None:
+            _hand_over(record, uid)
         pump = _Pump(limits, stdin.encode() if isinstance(stdin, str) else stdin)
         config.update(status_fd=pump.status_w, ctrl_fd=pump.ctrl_r)
         pump.start([*([UNSHARE, *flags] if flags else []), *_init_command(config)])
         pump.run()
     finally:
-        if uid is not None:
-            _chown_tree(work, owner.st_uid, owner.st_gid)
+        if record is not None:
+            _hand_back(work, record)
     return _build_result(pump, limits)
 
 
@@ -325,13 +330,46 @@ def _sandbox_uid() -> int | None:
     return None
 
 
-def _chown_tree(root: Path, uid: int, gid: int) -> None:
-    """``lchown`` a tree (never following symlinks the sandbox may have planted)."""
-    os.lchown(root, uid, gid)
+def _tree(root: Path) -> list[str]:
+    """``root`` and every path under it, never following symlinks (the sandbox may have planted some)."""
+    paths = [str(root)]
     for base, dirs, files in os.walk(root, followlinks=False):
-        for name in dirs + files:
-            with contextlib.suppress(FileNotFoundError):
-                os.lchown(os.path.join(base, name), uid, gid)
+        paths += [os.path.join(base, name) for name in dirs + files]
+    return paths
+
+
+def _hand_over(record: dict[str, os.stat_result], uid: int) -> None:
+    """``lchown`` the recorded paths (``lstat`` of each, taken before) to the sandbox ``uid``: all but files
+    with a setuid or setgid bit, which stay their owner's (a chown would clear the bit, and the program must
+    not rewrite a file that gets a privilege bit back afterwards)."""
+    for path, info in record.items():
+        if info.st_mode & SETID_BITS and not stat.S_ISDIR(info.st_mode):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.lchown(path, uid, uid)
+
+
+def _hand_back(root: Path, record: dict[str, os.stat_result]) -> None:
+    """Give the tree back after a run. A path still holding its recorded inode gets its recorded owner; one
+    the program made (or replaced) gets the working directory's owner. Modes stay as the program left them,
+    without setuid/setgid bits on files the program owned (only a file never handed over keeps them)."""
+    owner = record[str(root)]
+    for path in _tree(root):
+        with contextlib.suppress(FileNotFoundError):
+            _give_back(path, os.lstat(path), record.get(path), owner)
+
+
+def _give_back(path: str, now: os.stat_result, before: os.stat_result | None, owner: os.stat_result) -> None:
+    """Chown (and re-mode: chown clears setuid/setgid) one path for :func:`_hand_back`."""
+    same = before is not None and (before.st_dev, before.st_ino) == (now.st_dev, now.st_ino)
+    uid, gid = (before.st_uid, before.st_gid) if same else (owner.st_uid, owner.st_gid)
+    never_handed_over = same and (now.st_uid, now.st_gid) == (uid, gid)
+    mode = stat.S_IMODE(now.st_mode)
+    if not (never_handed_over or stat.S_ISDIR(now.st_mode)):
+        mode &= ~SETID_BITS
+    os.lchown(path, uid, gid)
+    if not stat.S_ISLNK(now.st_mode):
+        os.chmod(path, mode)
 
 
 class _Pump:
