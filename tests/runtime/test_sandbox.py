@@ -5,11 +5,13 @@ Where an isolation is impossible on the machine, the test asserts the honest rep
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
 import shutil
 import socket
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -322,6 +324,61 @@ def test_snapshot_restore_resumes_state(tmp_path):
     path = snapshot(work, tmp_path / "snap.tar.gz")
     restore(path, tmp_path / "other")
     assert json.loads((tmp_path / "other" / "state" / "s.json").read_text()) == {"count": 2}
+
+
+def _tar_gz(members: list[tarfile.TarInfo]) -> bytes:
+    """A gzipped tar of empty ``members`` (a hand-made snapshot)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for member in members:
+            tar.addfile(member, io.BytesIO(b"") if member.isreg() else None)
+    return buffer.getvalue()
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, linkname: str = "") -> tarfile.TarInfo:
+    member = tarfile.TarInfo(name)
+    member.type, member.linkname = kind, linkname
+    return member
+
+
+def _listing(work: Path) -> dict[str, str]:
+    """Every path under ``work``: a link's target, 'fifo', 'dir' or a file's text."""
+    found = {}
+    for path in sorted(work.rglob("*")):
+        kind = "fifo" if path.is_fifo() else "dir" if path.is_dir() else None
+        found[str(path.relative_to(work))] = (
+            f"-> {os.readlink(path)}" if path.is_symlink() else kind or path.read_text()
+        )
+    return found
+
+
+def test_restore_takes_every_snapshot_and_keeps_the_workdir_when_it_fails(tmp_path):
+    """restore emptied the workdir, then refused what snapshot had stored without complaint (a venv's
+    absolute bin/python link: AbsoluteLinkError, a FIFO: SpecialFileError): the files were gone. Links and
+    FIFOs now come back (made last, never written through); a snapshot that cannot be restored changes
+    nothing."""
+    work = tmp_path / "work"
+    (work / "proj" / "bin").mkdir(parents=True)
+    (work / "proj" / "notes.txt").write_text("work")
+    (work / "proj" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (work / "up").symlink_to("../../outside")
+    os.mkfifo(work / "pipe")
+    before = _listing(work)
+    restore(snapshot(work), work)
+    assert _listing(work) == before
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for members in [
+        [_member("fine.txt"), _member("../escape.txt")],
+        [_member("fine.txt"), _member("dev", tarfile.CHRTYPE)],
+        [_member("a", tarfile.SYMTYPE, str(outside)), _member("a/p", tarfile.FIFOTYPE)],
+    ]:
+        with pytest.raises(tarfile.TarError):
+            restore(_tar_gz(members), work)
+        assert _listing(work) == before and list(outside.iterdir()) == []
+    assert not (tmp_path / "escape.txt").exists()
+    with pytest.raises(ValueError, match="a device file"):  # snapshot refuses what restore would
+        sandbox._no_devices(_member("dev", tarfile.CHRTYPE))
 
 
 def test_cli_runs_file_and_reports_usage_errors(tmp_path, capsys):

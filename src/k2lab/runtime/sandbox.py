@@ -28,7 +28,7 @@ Where namespaces are unavailable the program still runs (own session, limits, de
 process tree killed at the end) and ``isolation`` says what is not contained and why.
 
 ``snapshot(workdir)`` / ``restore(snapshot, workdir)`` tar a working directory so a rollout can pause and
-resume later in a fresh sandbox.
+resume later in a fresh sandbox; restore replaces nothing unless the whole snapshot extracts.
 
 This module imports only the standard library: it is also executed as the sandbox's init process.
 """
@@ -559,34 +559,86 @@ def _classify(
 
 
 def snapshot(workdir: str | Path, dest: str | Path | None = None) -> bytes | Path:
-    """Tar (gzip) the contents of ``workdir``; bytes, or the written ``dest`` path when given."""
+    """Tar (gzip) the contents of ``workdir``; bytes, or the written ``dest`` path when given.
+
+    Symlinks (wherever they point) and FIFOs are stored as such, sockets skipped; a device file raises
+    ``ValueError``, because :func:`restore` would refuse it - every snapshot made restores.
+    """
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         for child in sorted(Path(workdir).iterdir()):
-            tar.add(child, arcname=child.name, recursive=True)
+            tar.add(child, arcname=child.name, recursive=True, filter=_no_devices)
     if dest is None:
         return buffer.getvalue()
     Path(dest).write_bytes(buffer.getvalue())
     return Path(dest)
 
 
+def _no_devices(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """``tar.add``'s filter for :func:`snapshot`: a character or block device raises ``ValueError``."""
+    if member.isdev() and not member.isfifo():
+        raise ValueError(f"cannot snapshot {member.name}: a device file, which restore refuses")
+    return member
+
+
 def restore(snap: bytes | str | Path, workdir: str | Path) -> Path:
     """Replace the contents of ``workdir`` with a :func:`snapshot` (bytes or a path to one).
 
-    Extraction uses tarfile's ``data`` filter: no absolute paths, no links leaving the directory, no
-    device files - the snapshot's content came from untrusted code.
+    The snapshot's content came from untrusted code: it is extracted with tarfile's ``data`` filter (no
+    absolute or escaping paths, no device files) into a staging directory inside ``workdir``, with symlinks
+    and FIFOs made last, so no file is ever written through a link, whatever it points to (the program could
+    have made the same links itself). Only once all of it is extracted is the old content replaced; a
+    snapshot that cannot be restored raises and leaves ``workdir`` as it was.
     """
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    for child in work.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
     data = snap if isinstance(snap, bytes) else Path(snap).read_bytes()
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        tar.extractall(work, filter="data")
+    staging = Path(tempfile.mkdtemp(prefix=".k2lab-restore-", dir=work)).resolve()
+    try:
+        _extract(data, staging)
+        for child in work.iterdir():
+            if child.name == staging.name:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        for child in staging.iterdir():
+            child.rename(work / child.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return work
+
+
+def _extract(data: bytes, dest: Path) -> None:
+    """Extract a snapshot into the empty directory ``dest``: regular members through the ``data`` filter,
+    then the symlinks and FIFOs (their names checked by the same filter)."""
+    later: list[tarfile.TarInfo] = []
+
+    def data_or_later(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+        if not (member.issym() or member.isfifo()):
+            return tarfile.data_filter(member, path)
+        tarfile.data_filter(tarfile.TarInfo(member.name), path)  # its name, as a plain file's
+        later.append(member)
+        return None
+
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        tar.extractall(dest, filter=data_or_later)
+    for member in later:
+        _make_link_or_fifo(member, dest)
+
+
+def _make_link_or_fifo(member: tarfile.TarInfo, dest: Path) -> None:
+    """Create a symlink or FIFO member under ``dest`` (resolved), refusing a path through a symlink."""
+    target = os.path.normpath(os.path.join(dest, member.name))
+    parent = os.path.dirname(target)
+    if os.path.realpath(parent) != parent or os.path.lexists(target):
+        raise tarfile.OutsideDestinationError(member, target)
+    os.makedirs(parent, exist_ok=True)
+    if member.issym():
+        os.symlink(member.linkname, target)
+    else:
+        os.mkfifo(target, 0o600 | (member.mode & 0o755))
 
 
 # ----------------------------------------------------------------------------------------------------
