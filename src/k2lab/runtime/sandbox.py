@@ -84,6 +84,13 @@ class SandboxLimits:
 
     ``cpu_s`` defaults to the timeout rounded up; ``max_output_bytes`` caps stdout and stderr each
     (the run is killed when either is exceeded); ``max_processes`` is RLIMIT_NPROC for the run's uid.
+
+    Most are rlimits, so they hold per process, not per run (there is no cgroup): ``memory_mb`` is each
+    process's address space (RLIMIT_AS), so a run may use up to ``max_processes × memory_mb`` (32 GiB with
+    the defaults); ``cpu_s`` is each process's CPU time (the wall-clock ``timeout_s`` bounds the run);
+    ``max_file_bytes`` is the size of each file (RLIMIT_FSIZE), not of the working directory, whose total
+    only the filesystem and the timeout bound; ``max_open_files`` is per process. Without a dedicated uid
+    (not root) RLIMIT_NPROC counts all of the caller's processes, so it still bounds the run's.
     """
 
     timeout_s: float = 10.0
