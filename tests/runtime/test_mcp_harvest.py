@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,26 @@ def test_missing_and_invalid_schemas() -> None:
     assert [spec["name"] for spec in result.tools] == ["no_schema", "bad_output"]
     assert result.tools[0]["parameters"] == EMPTY_PARAMETERS and result.tools[1]["output_schema"] is None
     assert len(report.warnings) == 3 and report.tools == 2  # missing schema, dropped output, listed twice
+
+
+def test_unresolvable_refs_are_skipped_without_fetching(monkeypatch) -> None:
+    fetched: list[object] = []
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, *a, **k: fetched.append(url))
+    remote = {"type": "object", "properties": {"x": {"$ref": "http://127.0.0.1:9/exfil?secret=1"}}}
+    dangling = {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}
+    local = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "string"}}}
+    assert check_schema(local) is None and "remote references are never fetched" in check_schema(remote)
+    raw = [
+        {"name": "remote", "inputSchema": remote},
+        {"name": "dangling", "inputSchema": dangling},
+        {"name": "local", "inputSchema": local, "outputSchema": remote},
+    ]
+    report = ServerReport("s")
+    result = _assemble(parse_config({"mcpServers": {"s": {"command": "x"}}}), {"s": (report, raw)})
+    assert [spec["name"] for spec in result.tools] == ["local"] and result.tools[0]["output_schema"] is None
+    assert [skip["name"] for skip in report.skipped_tools] == ["remote", "dangling"]
+    assert "'#/$defs/missing' does not resolve within the schema" in report.skipped_tools[1]["reason"]
+    assert "outputSchema dropped" in report.warnings[0] and fetched == []
 
 
 def test_config_layouts_and_errors(tmp_path) -> None:

@@ -21,9 +21,11 @@ Normalisation rules (one spec per tool, in config order then listing order):
 * parameters: the ``inputSchema`` exactly as served; a missing or non-object one becomes
   ``{"type": "object", "properties": {}}`` (warning).
 * parameters: a schema that fails ``validator_for(schema).check_schema`` (its ``$schema`` dialect, 2020-12
-  by default) is not repaired: the tool is skipped and reported (``skipped_tools`` in the summary), since a
-  broken schema cannot constrain tool calls.
-* output_schema: kept when valid, dropped to ``null`` with a warning when it is not a valid JSON Schema.
+  by default), or holds a ``$ref`` that does not resolve within the schema (a remote URL included: k2lab
+  never fetches one), is not repaired: the tool is skipped and reported (``skipped_tools`` in the summary),
+  since a broken schema cannot constrain tool calls.
+* output_schema: kept when valid, dropped to ``null`` with a warning when it is not a valid JSON Schema (the
+  same checks).
 * annotations: ``readOnlyHint``, ``destructiveHint``, ``idempotentHint``, ``openWorldHint`` always present
   (``null`` when the server did not set them), plus any other annotation the server sent (e.g. ``title``).
 * title: the tool's ``title``, else ``annotations.title``; description: as served (``null`` when absent,
@@ -51,14 +53,13 @@ from pathlib import Path
 from typing import Annotated, Any, TextIO
 
 import anyio
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.table import Table
 from rich.text import Text
 
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
+from k2lab.runtime.tool_spec import json_schema_problems
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -230,13 +231,9 @@ def assign_names(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
 
 
 def check_schema(schema: Any) -> str | None:
-    """``None`` when ``schema`` is a valid JSON Schema (its ``$schema`` dialect, 2020-12 by default)."""
-    try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as error:
-        where = "/".join(str(part) for part in error.absolute_path)
-        return f"{error.message}" + (f" (at /{where})" if where else "")
-    return None
+    """``None`` when ``schema`` is a valid JSON Schema (its ``$schema`` dialect, 2020-12 by default) whose
+    every ``$ref`` resolves within it; else the problems, joined with ``;``."""
+    return "; ".join(json_schema_problems(schema)) or None
 
 
 def _annotations(raw: Any) -> dict[str, Any]:

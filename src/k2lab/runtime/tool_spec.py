@@ -32,6 +32,11 @@ non-ASCII kept), as K2's Hugging Face template writes ``tools | tojson``.
 
 ``validate_tools`` checks specs and raises ``ToolSpecError`` listing every problem with its path
 (``tools[1].function.name: ...``); the server reuses it for request validation.
+
+``schema_validator`` is the one way the project builds a ``jsonschema`` validator for a tool's schema: its
+``$ref``s resolve inside the schema (and the bundled metaschemas) only, so a harvested schema can never make
+k2lab fetch a URL. ``json_schema_problems`` says why a schema cannot be used that way (it breaks its
+metaschema, or a ``$ref`` does not resolve within it).
 """
 
 from __future__ import annotations
@@ -39,14 +44,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2lab.errors import K2LabError
+
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
+    from referencing import Registry, Resolver, Specification
 
 __all__ = [
     "TOOL_NAME_PATTERN",
     "ToolSpecError",
+    "json_schema_problems",
     "render_tool_declaration",
+    "schema_validator",
     "schema_to_typescript",
     "tool_to_typescript",
     "tools_to_json",
@@ -60,6 +71,9 @@ JSON_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 INDENT = "  "
 MAX_REF_DEPTH = 8
+REF_KEYWORDS = ("$ref", "$dynamicRef")
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # hold instances, not schemas
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 class ToolSpecError(K2LabError):
@@ -203,6 +217,89 @@ def _required_problems(required: object, properties: object, path: str) -> list[
     known = properties if isinstance(properties, Mapping) else {}
     missing = [r for r in required if r not in known]
     return [f"{path}.required: {', '.join(map(repr, missing))} not among the properties"] if missing else []
+
+
+# --------------------------------------------------------------------------------------- JSON Schema
+
+
+def schema_validator(schema: Mapping[str, Any] | bool) -> Validator:
+    """A ``jsonschema`` validator for ``schema`` (its ``$schema`` dialect, 2020-12 by default) that never
+    retrieves anything: without an explicit registry jsonschema would ``urlopen`` any remote ``$ref``, so a
+    harvested tool could make k2lab fetch URLs. An unresolvable ``$ref`` raises
+    ``referencing.exceptions.Unresolvable`` while validating; ``json_schema_problems`` finds those first."""
+    return _validator_class(schema)(schema, registry=_local_registry())
+
+
+def _validator_class(schema: object) -> type[Validator]:
+    from jsonschema.validators import Draft202012Validator, validator_for
+
+    return validator_for(schema, default=Draft202012Validator)
+
+
+def _local_registry() -> Registry:
+    """A registry whose retrieve refuses every URI: references outside the schema are never fetched."""
+    from referencing import Registry
+    from referencing.exceptions import NoSuchResource
+
+    def refuse(uri: str) -> Any:
+        raise NoSuchResource(ref=uri)
+
+    return Registry(retrieve=refuse)
+
+
+def json_schema_problems(schema: object) -> list[str]:
+    """Why ``schema`` cannot validate tool calls: it breaks its dialect's metaschema (one problem, with
+    its location), or ``$ref`` / ``$dynamicRef`` values do not resolve within it (remote ones included,
+    since nothing is fetched). Empty when the schema is usable."""
+    from jsonschema.exceptions import SchemaError
+    from referencing.jsonschema import DRAFT202012, specification_with
+
+    try:
+        _validator_class(schema).check_schema(schema)
+    except SchemaError as error:
+        where = "/".join(str(part) for part in error.absolute_path)
+        return [error.message + (f" (at /{where})" if where else "")]
+    if not isinstance(schema, Mapping):
+        return []
+    specification = specification_with(schema.get("$schema", ""), default=DRAFT202012)
+    resolver = _local_registry().resolver_with_root(specification.create_resource(schema))
+    return _ref_problems(schema, "", resolver, specification, schema_map=False)
+
+
+def _ref_problems(
+    node: object, path: str, resolver: Resolver, specification: Specification, schema_map: bool
+) -> list[str]:
+    """Unresolvable references in ``node`` (a schema, a list of schemas, or a name -> schema map);
+    instance data (``enum``, ``const``, ``default``, ``examples``) is not searched."""
+    if isinstance(node, list):
+        return [
+            problem
+            for index, item in enumerate(node)
+            for problem in _ref_problems(item, f"{path}/{index}", resolver, specification, False)
+        ]
+    if not isinstance(node, Mapping):
+        return []
+    if not schema_map and path and isinstance(node.get("$id"), str):
+        resolver = resolver.in_subresource(specification.create_resource(node))
+    problems = []
+    for key, value in node.items():
+        if not schema_map and key in REF_KEYWORDS and isinstance(value, str):
+            problems += _lookup_problem(resolver, value, f"{path}/{key}")
+        elif schema_map or key not in DATA_KEYWORDS:
+            child_is_map = not schema_map and key in SCHEMA_MAPS
+            problems += _ref_problems(value, f"{path}/{key}", resolver, specification, child_is_map)
+    return problems
+
+
+def _lookup_problem(resolver: Resolver, ref: str, path: str) -> list[str]:
+    from referencing.exceptions import Unresolvable
+
+    try:
+        resolver.lookup(ref)
+    except Unresolvable:
+        remote = "" if ref.startswith("#") else "; remote references are never fetched"
+        return [f"{ref!r} does not resolve within the schema (at {path}{remote})"]
+    return []
 
 
 # ------------------------------------------------------------------------------------------- TypeScript

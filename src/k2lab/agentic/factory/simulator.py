@@ -25,11 +25,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
 
 from k2lab.agentic.domains.base import ToolError
 from k2lab.agentic.factory.tools import SyntheticTool, ToolRepository
+from k2lab.runtime.tool_spec import json_schema_problems, schema_validator
 
 __all__ = ["FailureRates", "Observation", "ToolSimulator", "error_observation", "invent_value"]
 
@@ -84,7 +84,7 @@ class ToolSimulator:
     def __init__(self, repository: ToolRepository, rates: FailureRates | None = None):
         self.repository = repository
         self.rates = rates or FailureRates()
-        self._validators: dict[str, Draft202012Validator | None] = {}
+        self._validators: dict[str, Validator | None] = {}
 
     def execute(
         self, world: dict[str, Any], name: str, arguments: Any, seed: int = 0, call_index: int = 0
@@ -137,13 +137,11 @@ class ToolSimulator:
         return _success(result)
 
     def _schema_problems(self, name: str, arguments: dict[str, Any]) -> list[str]:
+        """The first problems of ``arguments`` under the tool's schema (none when the schema itself is
+        unusable: invalid, or with a ``$ref`` that does not resolve; remote ones are never fetched)."""
         if name not in self._validators:
             schema = self.repository.spec(name)["function"].get("parameters") or {"type": "object"}
-            try:
-                Draft202012Validator.check_schema(schema)
-                self._validators[name] = Draft202012Validator(schema)
-            except SchemaError:
-                self._validators[name] = None
+            self._validators[name] = None if json_schema_problems(schema) else schema_validator(schema)
         validator = self._validators[name]
         if validator is None:
             return []

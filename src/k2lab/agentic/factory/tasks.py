@@ -32,8 +32,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jsonschema import Draft202012Validator
-
 from k2lab.agentic.domains import BASES, DOMAINS, initial_world
 from k2lab.agentic.domains.base import Clarification, Draft, Phase, Step, ToolError
 from k2lab.agentic.domains.no_tool import no_tool_task
@@ -41,7 +39,9 @@ from k2lab.agentic.episodes.env import Environment, Episode
 from k2lab.agentic.factory.judge import judge_episode
 from k2lab.agentic.factory.simulator import FailureRates, ToolSimulator, error_observation, invent_value
 from k2lab.agentic.factory.tools import SyntheticTool, ToolRepository, build_repository
+from k2lab.errors import K2LabError
 from k2lab.runtime.chat import tool_call_id
+from k2lab.runtime.tool_spec import json_schema_problems, schema_validator
 
 __all__ = [
     "Agent",
@@ -138,6 +138,7 @@ class TaskGenerator:
         unknown = sorted(set(self.domains) - set(DOMAINS))
         if unknown:
             raise ValueError(f"unknown tool domains {unknown}; choose from {', '.join(sorted(DOMAINS))}")
+        _check_mcp_schemas(repository)
 
     def sample_agent(self, rng: random.Random, domain: str) -> Agent:
         """One variant per base tool of ``domain`` and up to ``max_distractors`` tools of other domains."""
@@ -191,7 +192,7 @@ class TaskGenerator:
         record = self.repository.mcp[name]
         schema = record["openai"]["function"].get("parameters") or {"type": "object", "properties": {}}
         args = invent_value({**schema, "properties": _required_only(schema)}, rng) or {}
-        if list(Draft202012Validator(schema).iter_errors(args)):
+        if list(schema_validator(schema).iter_errors(args)):
             return None
         server = record.get("server") or "mcp"
         same = [
@@ -208,6 +209,18 @@ class TaskGenerator:
         )
         draft = Draft("mcp_call", [phase], [])
         return self._finish(seed, agent, draft, world)
+
+
+def _check_mcp_schemas(repository: ToolRepository) -> None:
+    """Refuse harvested tools whose parameters cannot be checked (an invalid schema, or a ``$ref`` that
+    does not resolve within it: remote ones are never fetched), naming the first, before any rollout."""
+    for name, record in sorted(repository.mcp.items()):
+        problems = json_schema_problems(record["openai"]["function"].get("parameters") or {})
+        if problems:
+            raise K2LabError(
+                f"harvested tool {name!r} has unusable parameters: {problems[0]}; fix or remove it "
+                "(k2lab tools harvest skips such tools)"
+            )
 
 
 def _required_only(schema: dict[str, Any]) -> dict[str, Any]:
