@@ -25,6 +25,7 @@ from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from k2lab.hf.chat_template import TEMPLATE_FILE, chat_template
 from k2lab.runtime.chat import GENERATION_PROMPT, ChatFormatError, encode_chat, render_chat
 from tests.runtime.test_chat import CONVERSATION, GOLDEN, WEATHER
+from tests.runtime.test_tool_spec import TREE, chain, function_tool, self_referencing
 
 transformers = pytest.importorskip("transformers")
 
@@ -271,6 +272,18 @@ def test_the_golden_conversation_of_the_renderer_tests(hf_tokenizer):
             CONVERSATION, tools=[WEATHER], add_generation_prompt=prompt, tokenize=False
         )
         assert text == (GOLDEN if prompt else GOLDEN.removesuffix(GENERATION_PROMPT))
+
+
+def test_the_template_bounds_ref_inlining_as_render_chat_does(hf_tokenizer):
+    """Recursive refs render ``any``, and inlining stops after 256 refs (of a DAG of 9841)."""
+    tools = [
+        function_tool(TREE, "tree"),
+        function_tool(self_referencing(6), "wide"),
+        function_tool(chain(3, 10), "dag"),
+    ]
+    messages = [{"role": "user", "content": "hi"}]
+    text = hf_tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text == render_chat(messages, tools) and len(text) < 50_000
 
 
 @pytest.mark.parametrize("seed", range(4))

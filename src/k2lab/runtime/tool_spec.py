@@ -24,8 +24,10 @@ become unions of JSON literals, arrays ``T[]`` (``(A | B)[]`` for unions, ``any[
 objects with ``properties`` are written inline (a property without a ``required`` entry gets ``?``),
 objects without them ``object`` or ``Record<string, T>`` (``additionalProperties`` schema), type lists /
 ``anyOf`` / ``oneOf`` unions, ``allOf`` intersections, ``nullable: true`` adds ``| null``, local
-``$ref`` (``#/$defs/X``, ``#/definitions/X``) is inlined (a recursive one becomes ``any``), anything else
-``any``. A tool without parameters (or with no properties) is ``type name = () => any;``.
+``$ref`` (``#/$defs/X``, ``#/definitions/X``) is inlined, anything else ``any``. A ``$ref`` becomes ``any``
+instead when it is recursive (already being inlined on the path to it), 8 references deep, or past the
+declaration's first 256 inlinings: a small schema cannot render to a huge prompt (K2's Hugging Face template
+does the same). A tool without parameters (or with no properties) is ``type name = () => any;``.
 
 ``tools_to_json`` is the JSON form: the validated tool list as compact JSON (separators ``,`` and ``:``,
 non-ASCII kept), as K2's Hugging Face template writes ``tools | tojson``.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from k2lab.errors import K2LabError
@@ -70,7 +73,8 @@ TOOL_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 JSON_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 INDENT = "  "
-MAX_REF_DEPTH = 8
+MAX_REF_DEPTH = 8  # references inlined inside one another
+MAX_REF_EXPANSIONS = 256  # references inlined in one declaration
 REF_KEYWORDS = ("$ref", "$dynamicRef")
 DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # hold instances, not schemas
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -331,7 +335,7 @@ def tool_to_typescript(tool: Mapping[str, Any]) -> str:
     lines = _comment_lines(function.get("description"), "")
     parameters = function["parameters"]
     if parameters.get("properties"):
-        arguments = _object_literal(parameters, parameters, "", 0)
+        arguments = _object_literal(parameters, _Inlining(parameters), "", ())
         lines.append(f"type {function['name']} = (_: {arguments}) => any;")
     else:
         lines.append(f"type {function['name']} = () => any;")
@@ -340,7 +344,15 @@ def tool_to_typescript(tool: Mapping[str, Any]) -> str:
 
 def schema_to_typescript(schema: object, root: object | None = None) -> str:
     """The TypeScript type of a JSON Schema (objects inline and multi-line, indented from column 0)."""
-    return _type(schema, schema if root is None else root, "", 0)
+    return _type(schema, _Inlining(schema if root is None else root), "", ())
+
+
+@dataclass
+class _Inlining:
+    """The document a declaration's ``$ref``s point into and how many more of them may still be inlined."""
+
+    root: object
+    left: int = MAX_REF_EXPANSIONS
 
 
 def _comment_lines(text: object, indent: str) -> list[str]:
@@ -349,7 +361,9 @@ def _comment_lines(text: object, indent: str) -> list[str]:
     return [f"{indent}// {line}".rstrip() for line in text.strip().splitlines()]
 
 
-def _object_literal(schema: Mapping[str, Any], root: object, indent: str, depth: int) -> str:
+def _object_literal(
+    schema: Mapping[str, Any], inlining: _Inlining, indent: str, active: tuple[str, ...]
+) -> str:
     """``{`` + one ``// desc`` / ``name?: type;`` group per property + ``}``, properties one level in."""
     inner = indent + INDENT
     required = set(schema.get("required") or [])
@@ -358,7 +372,7 @@ def _object_literal(schema: Mapping[str, Any], root: object, indent: str, depth:
         sub_schema = sub if isinstance(sub, Mapping) else {}
         lines += _comment_lines(sub_schema.get("description"), inner)
         optional = "" if key in required else "?"
-        line = f"{inner}{_property_name(key)}{optional}: {_type(sub_schema, root, inner, depth)};"
+        line = f"{inner}{_property_name(key)}{optional}: {_type(sub_schema, inlining, inner, active)};"
         if "default" in sub_schema:
             line += f" // default: {json.dumps(sub_schema['default'], ensure_ascii=False)}"
         lines.append(line)
@@ -369,57 +383,64 @@ def _property_name(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z_$][A-Za-z0-9_$]*", key) else json.dumps(key, ensure_ascii=False)
 
 
-def _type(schema: object, root: object, indent: str, depth: int) -> str:
+def _type(schema: object, inlining: _Inlining, indent: str, active: tuple[str, ...]) -> str:
     """The TypeScript type of ``schema``; ``indent`` is the column nested object literals start at."""
     if not isinstance(schema, Mapping):
         return "any"
     if "$ref" in schema:
-        return _ref_type(schema["$ref"], root, indent, depth)
+        return _ref_type(schema["$ref"], inlining, indent, active)
     if "const" in schema:
         return _literal(schema["const"])
     if isinstance(schema.get("enum"), list):
         text = " | ".join(_literal(value) for value in schema["enum"])
     elif "anyOf" in schema or "oneOf" in schema:
-        text = _union([_type(s, root, indent, depth) for s in schema.get("anyOf") or schema["oneOf"]])
+        text = _union([_type(s, inlining, indent, active) for s in schema.get("anyOf") or schema["oneOf"]])
     elif "allOf" in schema:
-        text = " & ".join(_wrap(_type(s, root, indent, depth)) for s in schema["allOf"])
+        text = " & ".join(_wrap(_type(s, inlining, indent, active)) for s in schema["allOf"])
     else:
         kinds = schema.get("type")
         kinds = kinds if isinstance(kinds, list) else [kinds]
-        text = _union([_single_type(kind, schema, root, indent, depth) for kind in kinds])
+        text = _union([_single_type(kind, schema, inlining, indent, active) for kind in kinds])
     return _union([text, "null"]) if schema.get("nullable") is True else text
 
 
-def _single_type(kind: object, schema: Mapping[str, Any], root: object, indent: str, depth: int) -> str:
+def _single_type(
+    kind: object, schema: Mapping[str, Any], inlining: _Inlining, indent: str, active: tuple[str, ...]
+) -> str:
     if kind in ("string", "boolean", "null"):
         return str(kind)
     if kind in ("number", "integer"):
         return "number"
     if kind == "array":
         items = schema.get("items")
-        return f"{_wrap(_type(items, root, indent, depth))}[]" if isinstance(items, Mapping) else "any[]"
+        return f"{_wrap(_type(items, inlining, indent, active))}[]" if isinstance(items, Mapping) else "any[]"
     if kind == "object" or (kind is None and "properties" in schema):
-        return _object_type(schema, root, indent, depth)
+        return _object_type(schema, inlining, indent, active)
     return "any"
 
 
-def _object_type(schema: Mapping[str, Any], root: object, indent: str, depth: int) -> str:
+def _object_type(schema: Mapping[str, Any], inlining: _Inlining, indent: str, active: tuple[str, ...]) -> str:
     if isinstance(schema.get("properties"), Mapping) and schema["properties"]:
-        return _object_literal(schema, root, indent, depth)
+        return _object_literal(schema, inlining, indent, active)
     extra = schema.get("additionalProperties")
     if isinstance(extra, Mapping):
-        return f"Record<string, {_type(extra, root, indent, depth)}>"
+        return f"Record<string, {_type(extra, inlining, indent, active)}>"
     return "object"
 
 
-def _ref_type(ref: object, root: object, indent: str, depth: int) -> str:
-    """Inline a local ``#/$defs/X`` or ``#/definitions/X`` reference; deep or unknown ones are ``any``."""
-    if not isinstance(ref, str) or not ref.startswith("#/") or depth >= MAX_REF_DEPTH:
+def _ref_type(ref: object, inlining: _Inlining, indent: str, active: tuple[str, ...]) -> str:
+    """Inline a local ``#/$defs/X`` or ``#/definitions/X`` reference. It is ``any`` when it is already being
+    inlined on this path (recursion), is ``MAX_REF_DEPTH`` references deep, comes after the declaration's
+    ``MAX_REF_EXPANSIONS`` inlinings, or does not point at a schema: so every declaration stays small."""
+    if not isinstance(ref, str) or not ref.startswith("#/") or ref in active or len(active) >= MAX_REF_DEPTH:
         return "any"
-    target: object = root
+    target: object = inlining.root
     for part in ref[2:].split("/"):
         target = target.get(part) if isinstance(target, Mapping) else None
-    return _type(target, root, indent, depth + 1) if isinstance(target, Mapping) else "any"
+    if not isinstance(target, Mapping) or inlining.left <= 0:
+        return "any"
+    inlining.left -= 1
+    return _type(target, inlining, indent, (*active, ref))
 
 
 def _literal(value: object) -> str:
