@@ -209,6 +209,14 @@ def test_assign_names_rules() -> None:
     assert sanitize_name("ns/tool:v2 é") == "ns_tool_v2__"
 
 
+def test_hash_suffixes_never_land_on_an_existing_name() -> None:
+    suffixed = assign_names([("s1", "a.b"), ("s1", "a_b")])[("s1", "a_b")]  # a_b_ + its hash
+    keys = [("s1", "a.b"), ("s1", "a_b"), ("s1", suffixed)]
+    names = assign_names(keys)
+    assert len(set(names.values())) == 3 and names[("s1", suffixed)] == suffixed  # a unique name stays
+    assert all(OPENAI_NAME.match(name) for name in names.values()) and assign_names(keys) == names
+
+
 def test_missing_and_invalid_schemas() -> None:
     assert check_schema({"type": "object", "properties": {"a": {"type": "string"}}}) is None
     assert "not valid" in check_schema({"type": "object", "properties": {"a": {"type": 3}}})

@@ -15,7 +15,8 @@ Normalisation rules (one spec per tool, in config order then listing order):
   ``<server>__`` (server name sanitised the same way); tools of other servers keep their names.
 * name: longer than 64 characters -> the first 55 characters, ``_`` and 8 hex digits of
   sha256(``server/original_name``), so truncated names stay unique and stable.
-* name: a name that is still not unique (``a.b`` and ``a_b`` on one server) gets that same hash suffix.
+* name: a name that is still not unique (``a.b`` and ``a_b`` on one server) gets that same hash suffix; should
+  the suffixed name be taken (a tool really named ``a_b_<hash>``), the hash is redrawn until it is free.
 * a tool listed twice by the same server keeps its first listing (warning).
 * ``original_name`` and ``server`` are kept in every spec, and the summary lists every renamed tool.
 * parameters: the ``inputSchema`` exactly as served; a missing or non-object one becomes
@@ -202,12 +203,13 @@ def sanitize_name(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_-]", "_", name) or "tool"
 
 
-def _short_hash(server: str, original: str) -> str:
-    return hashlib.sha256(f"{server}/{original}".encode()).hexdigest()[:8]
+def _short_hash(server: str, original: str, attempt: int = 0) -> str:
+    key = f"{server}/{original}" + (f"#{attempt}" if attempt else "")
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
-def _with_hash(name: str, server: str, original: str) -> str:
-    return f"{name[: MAX_NAME_LENGTH - 9]}_{_short_hash(server, original)}"
+def _with_hash(name: str, server: str, original: str, attempt: int = 0) -> str:
+    return f"{name[: MAX_NAME_LENGTH - 9]}_{_short_hash(server, original, attempt)}"
 
 
 def assign_names(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
@@ -223,11 +225,24 @@ def assign_names(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
         names[(server, original)] = (
             name if len(name) <= MAX_NAME_LENGTH else _with_hash(name, server, original)
         )
+    return _dedupe(names)
+
+
+def _dedupe(names: dict[tuple[str, str], str]) -> dict[tuple[str, str], str]:
+    """Names that are unique already stay; the others get a hash suffix, rehashed (``#1``, ``#2``, ...)
+    until it is taken by no other tool, so a suffixed name never lands on an existing one."""
     counts = Counter(names.values())
+    taken = {name for name in counts if counts[name] == 1}
+    unique: dict[tuple[str, str], str] = {}
     for (server, original), name in names.items():
         if counts[name] > 1:
-            names[(server, original)] = _with_hash(name, server, original)
-    return names
+            attempt = 0
+            while (candidate := _with_hash(name, server, original, attempt)) in taken:
+                attempt += 1
+            name = candidate
+            taken.add(name)
+        unique[(server, original)] = name
+    return unique
 
 
 def check_schema(schema: Any) -> str | None:
