@@ -188,6 +188,20 @@ def test_python_api_matches_cli(cli_run, tmp_path) -> None:
     assert summary == tmp_path / "api.summary.json" and not list(tmp_path.glob(".*"))  # no temp files left
 
 
+def test_a_malformed_tool_entry_does_not_cost_the_page() -> None:
+    result = harvest({"mcpServers": {"m": server("malformed.py")}}, timeout=20)
+    (report,) = result.servers
+    assert report.status == "ok" and report.tools == 4, report.reason
+    specs = {spec["name"]: spec for spec in result.tools}
+    assert list(specs) == ["good", "no_schema", "string_schema", "later"]  # page 2 still followed
+    assert specs["no_schema"]["parameters"] == specs["string_schema"]["parameters"] == EMPTY_PARAMETERS
+    assert specs["good"]["parameters"]["properties"] == {"q": {"type": "string"}}
+    assert [w.split(":")[0] for w in report.warnings] == ["tool 'no_schema'", "tool 'string_schema'"]
+    reasons = {skipped["name"]: skipped["reason"] for skipped in report.skipped_tools}
+    assert reasons["bad_hint"].startswith("invalid tool listing: annotations.readOnlyHint:")
+    assert reasons["5"].startswith("invalid tool listing:") and len(reasons) == 3  # and the nameless one
+
+
 def test_assign_names_rules() -> None:
     names = assign_names(
         [

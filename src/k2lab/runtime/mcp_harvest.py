@@ -19,8 +19,11 @@ Normalisation rules (one spec per tool, in config order then listing order):
   the suffixed name be taken (a tool really named ``a_b_<hash>``), the hash is redrawn until it is free.
 * a tool listed twice by the same server keeps its first listing (warning).
 * ``original_name`` and ``server`` are kept in every spec, and the summary lists every renamed tool.
-* parameters: the ``inputSchema`` exactly as served; a missing or non-object one becomes
-  ``{"type": "object", "properties": {}}`` (warning).
+* parameters: the ``inputSchema`` exactly as served; a missing one, or one that is not an object schema
+  (``"type": "object"``), becomes ``{"type": "object", "properties": {}}`` (warning).
+* a malformed entry of a ``tools/list`` page never costs the page: each entry is repaired as above (the
+  SDK would reject the whole page), and one still invalid (no name, a non-boolean hint, not an object) is
+  skipped and reported with the SDK's reason.
 * parameters: a schema that fails ``validator_for(schema).check_schema`` (its ``$schema`` dialect, 2020-12
   by default), or holds a ``$ref`` that does not resolve within the schema (a remote URL included: k2lab
   never fetches one), is not repaired: the tool is skipped and reported (``skipped_tools`` in the summary),
@@ -260,13 +263,22 @@ def _annotations(raw: Any) -> dict[str, Any]:
 def _parameters(raw: dict[str, Any], warnings: list[str]) -> tuple[dict[str, Any] | None, str | None]:
     """(parameters, skip reason) for one wire-format tool; appends a warning when a default is used."""
     schema = raw.get("inputSchema")
-    if not isinstance(schema, dict):
-        warnings.append(f"tool {raw.get('name')!r}: inputSchema missing or not an object; using an empty one")
+    if not _is_object_schema(schema):
+        warnings.append(_empty_schema_warning(raw.get("name")))
         return dict(EMPTY_PARAMETERS), None
     problem = check_schema(schema)
     if problem is not None:
         return None, f"inputSchema is not a valid JSON Schema: {problem}"
     return schema, None
+
+
+def _is_object_schema(schema: Any) -> bool:
+    """Whether ``schema`` can be a tool's parameters: a JSON object with ``"type": "object"``."""
+    return isinstance(schema, dict) and schema.get("type") == "object"
+
+
+def _empty_schema_warning(name: Any) -> str:
+    return f"tool {name!r}: inputSchema missing or not an object schema; using an empty one"
 
 
 def _output_schema(raw: dict[str, Any], warnings: list[str]) -> dict[str, Any] | None:
@@ -381,6 +393,74 @@ def _wire_tool(tool: Any) -> dict[str, Any]:
     }
 
 
+class _ListingRepair:
+    """The transport's read stream with every ``tools/list`` page repaired entry by entry before the SDK
+    validates it, which would reject the whole page for one malformed tool (rules in the module docstring).
+
+    A page is a response whose result holds a ``tools`` list (no other result of a harvest session does);
+    entries are checked against the MCP types of the protocol version the server's initialize result
+    names. Repairs go to ``report.warnings``, entries still invalid to ``report.skipped_tools``.
+    """
+
+    def __init__(self, stream: Any, report: ServerReport):
+        self._stream, self._report = stream, report
+        self._version = "2025-11-25"  # the SDK's own assumption before a handshake
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __aiter__(self) -> _ListingRepair:
+        return self
+
+    async def __anext__(self) -> Any:
+        return self._repaired(await self._stream.__anext__())
+
+    async def receive(self) -> Any:
+        return self._repaired(await self._stream.receive())
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> _ListingRepair:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _repaired(self, item: Any) -> Any:
+        result = getattr(getattr(item, "message", None), "result", None)
+        if isinstance(result, dict) and isinstance(result.get("protocolVersion"), str):
+            self._version = result["protocolVersion"]
+        if isinstance(result, dict) and isinstance(result.get("tools"), list):
+            result["tools"] = [tool for tool in map(self._entry, result["tools"]) if tool is not None]
+        return item
+
+    def _entry(self, tool: Any) -> dict[str, Any] | None:
+        """The entry, its inputSchema defaulted when unusable; None (reported) when still invalid."""
+        from mcp_types import methods  # lazy, as for every mcp import here
+
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if isinstance(tool, dict) and not _is_object_schema(tool.get("inputSchema")):
+            self._report.warnings.append(_empty_schema_warning(name))
+            tool = {**tool, "inputSchema": dict(EMPTY_PARAMETERS)}
+        try:
+            methods.validate_server_result("tools/list", self._version, {"tools": [tool]})
+        except ValidationError as error:
+            shown = name if isinstance(name, str) else _one_line(repr(tool), 80)
+            self._report.skipped_tools.append({"name": shown, "reason": _listing_problem(error)})
+            return None
+        except (KeyError, ValueError):  # a protocol version the SDK cannot check: it decides
+            return tool
+        return tool
+
+
+def _listing_problem(error: ValidationError) -> str:
+    """``invalid tool listing: field: reason`` for the first problem of one entry's validation."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"][2:])  # past ("tools", 0)
+    return f"invalid tool listing: {where + ': ' if where else ''}{_brief(error)}"
+
+
 async def _list_all_tools(session: Any, stage: list[str]) -> list[dict[str, Any]]:
     """Every page of ``tools/list`` (``nextCursor`` pagination, loop-protected)."""
     from mcp import types  # lazy: mcp takes ~0.9 s to import and only a harvest needs it
@@ -403,9 +483,13 @@ async def _list_all_tools(session: Any, stage: list[str]) -> list[dict[str, Any]
 
 
 async def _session_tools(
-    server: ServerConfig, errlog: TextIO, stage: list[str], on_garbage: Callable[[Exception], Any]
+    server: ServerConfig,
+    errlog: TextIO,
+    stage: list[str],
+    on_garbage: Callable[[Exception], Any],
+    report: ServerReport,
 ) -> list[dict[str, Any]]:
-    """Spawn the server, initialise a session and list its tools."""
+    """Spawn the server, initialise a session and list its tools (listing repairs go to ``report``)."""
     from mcp import ClientSession, StdioServerParameters, stdio_client  # lazy: mcp (0.9 s), harvest only
 
     params = StdioServerParameters(
@@ -418,7 +502,9 @@ async def _session_tools(
 
     async with (
         stdio_client(params, errlog=errlog) as (read_stream, write_stream),
-        ClientSession(read_stream, write_stream, message_handler=on_message) as session,
+        ClientSession(
+            _ListingRepair(read_stream, report), write_stream, message_handler=on_message
+        ) as session,
     ):
         stage[0] = "initialize"
         await session.initialize()
@@ -480,7 +566,7 @@ def _garbage_note(garbage: list[Exception]) -> str:
     return f"; {len(garbage)} stdout line(s) not JSON-RPC, first: {shown}"
 
 
-async def _fetch_tools(server: ServerConfig, timeout: float, warnings: list[str]) -> list[dict[str, Any]]:
+async def _fetch_tools(server: ServerConfig, timeout: float, report: ServerReport) -> list[dict[str, Any]]:
     """The raw (wire-format) tools of one server; every failure is a ``_ServerFailure`` with a reason.
 
     Lines on the server's stdout that are not JSON-RPC (banners, stray prints) are ignored with a warning
@@ -491,12 +577,12 @@ async def _fetch_tools(server: ServerConfig, timeout: float, warnings: list[str]
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errlog:
         with anyio.move_on_after(timeout):
             try:
-                tools = await _session_tools(server, errlog, stage, garbage.append)
+                tools = await _session_tools(server, errlog, stage, garbage.append, report)
             except Exception as error:  # any server fault becomes a reported reason
                 reason = _describe(error) + _garbage_note(garbage) + _stderr_tail(errlog)
                 raise _ServerFailure(reason) from None
             if garbage:
-                warnings.append(f"ignored{_garbage_note(garbage).removeprefix(';')}")
+                report.warnings.append(f"ignored{_garbage_note(garbage).removeprefix(';')}")
             return tools
         reason = f"timed out after {timeout:g} s during {stage[0]}"
         raise _ServerFailure(reason + _garbage_note(garbage) + _stderr_tail(errlog))
@@ -518,7 +604,7 @@ async def _harvest_server(
     async with limiter:
         start = time.perf_counter()
         try:
-            raw = await _fetch_tools(server, server.timeout or timeout, report.warnings)
+            raw = await _fetch_tools(server, server.timeout or timeout, report)
         except _ServerFailure as failure:
             report.status, report.reason, raw = "failed", str(failure), []
         report.seconds = round(time.perf_counter() - start, 3)
