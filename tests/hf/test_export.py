@@ -250,6 +250,45 @@ def test_a_model_the_format_cannot_hold_writes_nothing(tmp_path: Path, model_dir
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "keep.txt"]
 
 
+def test_another_model_directory_is_refused_and_left_as_it_is(tmp_path: Path, model_dir: Path):
+    llama = tmp_path / "llama"  # someone else's model: refused, untouched
+    (llama / "notes").mkdir(parents=True)
+    (llama / "config.json").write_text('{"model_type": "llama"}')
+    (llama / "README.md").write_text("card")
+    with pytest.raises(K2LabError, match="holds a 'llama' model .*not an earlier k2lab export"):
+        export(ExportConfig(out=llama), model_dir, log=quiet)
+    assert sorted(path.name for path in llama.iterdir()) == ["README.md", "config.json", "notes"]
+    other = save_model(load_model(model_dir), tmp_path / "other")  # another k2lab model directory
+    with pytest.raises(K2LabError, match="is a k2lab model directory"):
+        export(ExportConfig(out=other), model_dir, log=quiet)
+    assert load_model(other) is not None
+
+
+def test_a_re_export_keeps_the_files_added_to_the_earlier_one(tmp_path: Path, model_dir: Path):
+    out = export(ExportConfig(out=tmp_path / "hf", max_shard_size="100KB"), model_dir, log=quiet)
+    (out / "README.md").write_text("card")  # what the user adds to an export stays through a re-export
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}")
+    export(ExportConfig(out=out), model_dir, log=quiet)  # now one model.safetensors: the shards go
+    assert (out / "README.md").read_text() == "card" and (out / "eval" / "scores.json").is_file()
+    assert sorted(path.name for path in out.glob("model*")) == [SINGLE_FILE]
+
+
+def test_a_checkpoint_is_not_exported_into_its_run(tmp_path: Path, tokenizer: Tokenizer):
+    make_run(tmp_path, tokenizer, {1: 1.0, 2: 0.5})
+    run = tmp_path / "run"
+    final = save_model(nano_for(tokenizer), run / "model")
+    before = (final / "model.safetensors").read_bytes()
+    step = checkpoint_directory(run, 2)
+    for out, message in ((run / "model", "lies inside the run"), (run, "holds the run"), (tmp_path, "holds")):
+        with pytest.raises(K2LabError, match=message):
+            export(ExportConfig(out=out), step, log=quiet)
+    with pytest.raises(K2LabError, match="lies inside the source"):
+        export(ExportConfig(out=run / "hf"), run, log=quiet)  # the run as the source: the same
+    assert (final / "model.safetensors").read_bytes() == before and (final / "k2lab.json").is_file()
+    assert export(ExportConfig(out=tmp_path / "hf"), step, log=quiet).is_dir()
+
+
 def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as done:
         main(["export", str(model_dir), "--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"])

@@ -47,12 +47,13 @@ from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import check_replaceable, check_replaceable_file, staged_directory
 from k2lab.hf.chat_template import chat_template_for
-from k2lab.hf.export_source import Choice, find_source
+from k2lab.hf.export_source import Choice, find_source, guarded_directory
 from k2lab.hf.gguf_export import GGUF_MAGIC, write_gguf
-from k2lab.hf.io import GENERATION_CONFIG_FILE, to_hf
+from k2lab.hf.io import CONFIG_FILE, GENERATION_CONFIG_FILE, HF_MODEL_TYPES, carry_over_other_files, to_hf
 from k2lab.hf.quantize import Quantize
 from k2lab.hf.tokenizer_files import tokenizer_files
 from k2lab.infer.generate import GenerationConfig
+from k2lab.model_dir import MANIFEST as MODEL_MANIFEST
 from k2lab.models import CausalLM
 from k2lab.runtime.chat_format import chat_format_for
 from k2lab.vision.vlm import VisionLanguageModel
@@ -88,7 +89,8 @@ class ExportConfig(BaseModel):
 
     out: Path = Field(
         description="Directory to write the model repository to: new, empty or an earlier export (replaced "
-        "atomically; a directory of other files is refused)."
+        "atomically, keeping files added to it such as a README; another model or a directory of other files "
+        "is refused, and so is the source's run)."
     )
     format: Literal["hf", "gguf"] = Field(
         default="hf",
@@ -190,7 +192,7 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     if config.format == "gguf":
         check_replaceable_file(out, "a GGUF file", source, GGUF_MAGIC)
     if config.format == "hf":
-        check_replaceable(out, "the export", source)
+        check_export_directory(out, source)
     found = find_source(source, config.checkpoint, config.tokenizer, log)
     log(f"exporting {found.description}")
     model, tokenizer = found.load(log)
@@ -220,4 +222,43 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
         )
         for name, text in files.items():
             (staging / name).write_text(text, encoding="utf-8")
+        carry_over_other_files(out, staging)  # the README, eval results ... added to an earlier export
     return out
+
+
+def check_export_directory(out: Path, source: Path) -> None:
+    """Refuse (``CheckpointError``) an ``out`` that the export would destroy something at: it must be new,
+    empty or an earlier export (``is_earlier_export``), and keep out of the source: not hold it nor lie
+    inside it, and for a training checkpoint the same for its whole run (``RUN/model`` is the run's final
+    model, which an export of ``RUN/checkpoints/step_2`` there replaced)."""
+    guarded, what = guarded_directory(source)
+    if guarded.resolve() in out.resolve().parents:
+        raise CheckpointError(
+            f"{out} lies inside the {what} {guarded}: writing the export there would change it; choose a "
+            "directory outside it"
+        )
+    check_replaceable(out, "the export", guarded, is_earlier_export, "export", source_name=what)
+
+
+def is_earlier_export(directory: Path) -> bool:
+    """Whether ``directory`` is an earlier export: a Hugging Face repository of a ``model_type`` that k2lab
+    writes (``HF_MODEL_TYPES``), which ``export`` may replace (carrying over files it does not write).
+    Another model is refused (``CheckpointError``) with its reason: a k2lab model directory, or another
+    kind of model (a Llama, say); anything else is False ("holds other files")."""
+    if (directory / MODEL_MANIFEST).exists():
+        raise CheckpointError(
+            f"{directory} is a k2lab model directory ({MODEL_MANIFEST}), not an earlier export: writing the "
+            "export there would replace the model; choose a new or empty directory"
+        )
+    try:
+        model_type = json.loads((directory / CONFIG_FILE).read_text()).get("model_type")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
+    if model_type in HF_MODEL_TYPES:
+        return True
+    if isinstance(model_type, str):
+        raise CheckpointError(
+            f"{directory} holds a {model_type!r} model ({CONFIG_FILE}), not an earlier k2lab export: writing "
+            "the export there would replace it; choose a new or empty directory"
+        )
+    return False

@@ -41,11 +41,16 @@ from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.train.config import TrainConfig
 from k2lab.train.pretraining import run_tokenizer
+from k2lab.train.run_checkpoints import (
+    CHECKPOINTS,
+    list_checkpoints,
+    load_training_checkpoint,
+    verify_checkpoint,
+)
 from k2lab.train.run_checkpoints import MANIFEST as CHECKPOINT_MANIFEST
-from k2lab.train.run_checkpoints import list_checkpoints, load_training_checkpoint, verify_checkpoint
 from k2lab.vision.vlm import VisionLanguageModel, VLMConfig, build_vlm
 
-__all__ = ["Choice", "ExportSource", "find_source"]
+__all__ = ["Choice", "ExportSource", "find_source", "guarded_directory"]
 
 Choice = Literal["latest", "best"]
 Log = Callable[[str], object]
@@ -99,6 +104,15 @@ def find_source(
             raise CheckpointError(f"tokenizer file {tokenizer} does not exist")
         source = replace(source, tokenizer=Path(tokenizer))
     return source
+
+
+def guarded_directory(path: Path) -> tuple[Path, str]:
+    """The directory an export of ``path`` must keep out of, and what it is: the run a training checkpoint
+    ``RUN/checkpoints/step_*`` belongs to (its ``model/``, other checkpoints, logs), else ``path`` itself."""
+    path = Path(path)
+    if (path / CHECKPOINT_MANIFEST).is_file() and path.parent.name == CHECKPOINTS:
+        return path.parent.parent, "run"
+    return path, "source"
 
 
 def _file_or_none(path: Path) -> Path | None:

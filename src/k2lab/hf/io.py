@@ -55,12 +55,23 @@ from k2lab.models import CausalLM, build_model
 from k2lab.models.init import cast_model, materialize
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 
-__all__ = ["CheckpointError", "dequantize_fp8", "from_hf", "read_hf_config", "to_hf"]
+__all__ = [
+    "HF_MODEL_TYPES",
+    "CheckpointError",
+    "carry_over_other_files",
+    "dequantize_fp8",
+    "from_hf",
+    "read_hf_config",
+    "to_hf",
+]
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+#: The ``model_type`` values ``from_hf`` reads and ``to_hf`` writes (decoders and Kimi K2.5).
+HF_MODEL_TYPES = (*MODEL_TYPES, kimi_k25.MODEL_TYPE)
 
 _LIST_LIMIT = 10
 _FP8_DTYPES = {"F8_E4M3"}
@@ -107,10 +118,9 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{root} has no {CONFIG_FILE}; not a Hugging Face checkpoint directory")
     data = read_json_object(config_path)
     model_type = data.get("model_type")
-    if model_type not in (*MODEL_TYPES, kimi_k25.MODEL_TYPE):
+    if model_type not in HF_MODEL_TYPES:
         raise CheckpointError(
-            f"{config_path}: model_type {model_type!r} is not supported "
-            f"(expected one of {[*MODEL_TYPES, kimi_k25.MODEL_TYPE]})"
+            f"{config_path}: model_type {model_type!r} is not supported (expected one of {list(HF_MODEL_TYPES)})"
         )
     return data
 
@@ -573,9 +583,9 @@ def to_hf(
         raise CheckpointError(f"{target} exists and is not a directory")
     with staged_directory(target) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(layout.hf_config, indent=2) + "\n")
-        written = {CONFIG_FILE} | _write_generation_config(staging, layout.config)
-        written |= _write_weights(staging, items, max_shard_bytes)
-        _carry_over_other_files(target, staging, written)
+        _write_generation_config(staging, layout.config)
+        _write_weights(staging, items, max_shard_bytes)
+        carry_over_other_files(target, staging)
     return target
 
 
@@ -710,15 +720,19 @@ def _write_safetensors(
 _CHECKPOINT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json)$")
 
 
-def _carry_over_other_files(target: Path, staging: Path, written: set[str]) -> None:
-    """Copy non-checkpoint files (tokenizer, README ...) of an existing ``target`` into ``staging``."""
+def carry_over_other_files(target: Path, staging: Path) -> None:
+    """Copy the files of an existing ``target`` that the new version does not hold (tokenizer, README, eval
+    results ...) into ``staging``, which is about to replace it: everything but what ``staging`` already has
+    and the old checkpoint files (``config.json``, ``generation_config.json``, weights and index, which are
+    rewritten or dropped with the checkpoint). Used by ``to_hf`` and ``k2lab export``."""
     if not target.is_dir():
         return
     for entry in target.iterdir():
-        if entry.name in written or entry.name == CONFIG_FILE or _CHECKPOINT_FILE.match(entry.name):
+        name = entry.name
+        if os.path.lexists(staging / name) or name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
             continue
-        if entry.name == GENERATION_CONFIG_FILE:
-            continue  # belongs to the checkpoint; rewritten (or dropped) with it
+        if _CHECKPOINT_FILE.match(name):
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, staging / entry.name, symlinks=True)
         else:
