@@ -134,7 +134,8 @@ def check_replaceable(
 ) -> None:
     """Refuse (``CheckpointError``) to write ``what`` (a directory of ``kind``) at ``target`` where that would
     lose anything else: ``target`` must be new, empty, or an earlier one (``earlier``; default
-    ``is_model_directory``), and must not be ``source`` or hold it. ``staged_directory`` replaces the whole
+    ``is_model_directory``), must not be ``source`` or hold it, and its parent must be a writable directory
+    (``check_parent``). ``staged_directory`` replaces the whole
     directory, and an export to a directory of other files, to its own run or to a parent of it deleted them
     all (and a draft trained with ``--out MODEL`` replaced the model)."""
     if source is not None and holds(target, source):
@@ -142,6 +143,7 @@ def check_replaceable(
             f"{target} holds the {source_name} {source}: writing {what} there would replace it; choose another "
             "directory"
         )
+    check_parent(target, what)
     if not target.exists():
         return
     if not target.is_dir():
@@ -182,11 +184,34 @@ def check_output_file(target: Path, what: str, inputs: Iterable[Path | None] = (
         if source is not None and target.resolve() == source.resolve():
             raise K2LabError(f"{target} is also an input ({source}): writing {what} there would replace it")
     check_writable_path(target.resolve() if target.is_symlink() else target, what)
+    check_parent(target, what)
+
+
+def check_parent(target: Path, what: str) -> None:
+    """Refuse (one-line ``K2LabError``) to write ``what`` at ``target`` before any work is done when the
+    nearest existing ancestor of ``target`` is not a directory (``-o afile/sub``) or cannot be written (a
+    read-only filesystem): the write would fail only at its end, with an OS traceback."""
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         raise K2LabError(f"cannot write {what} to {target}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise K2LabError(f"cannot write {what} to {target}: {parent} is not writable")
+
+
+@contextmanager
+def reported_write(target: Path, what: str) -> Iterator[None]:
+    """An ``OSError`` inside the block (a full disk, a read-only filesystem) as a one-line ``K2LabError``
+    naming ``target`` and the OS's reason. The staged writers (``staged_directory``, ``staged_file``) have
+    removed their temporary copy by then and left ``target`` as it was."""
+    try:
+        yield
+    except OSError as error:
+        raise K2LabError(
+            f"cannot write {what} to {target}: {error.strerror or error}; nothing was written "
+            "(an earlier one is left as it was)"
+        ) from error
 
 
 def make_directory(path: Path, what: str) -> Path:

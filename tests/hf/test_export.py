@@ -5,7 +5,9 @@ taken; the errors and the atomic write."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -287,6 +289,36 @@ def test_a_checkpoint_is_not_exported_into_its_run(tmp_path: Path, tokenizer: To
         export(ExportConfig(out=run / "hf"), run, log=quiet)  # the run as the source: the same
     assert (final / "model.safetensors").read_bytes() == before and (final / "k2lab.json").is_file()
     assert export(ExportConfig(out=tmp_path / "hf"), step, log=quiet).is_dir()
+
+
+def test_an_out_under_a_file_is_refused_before_anything_is_loaded(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    (tmp_path / "afile").write_text("x")
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the source was looked at")
+
+    monkeypatch.setattr("k2lab.hf.export.find_source", no_loading)
+    for format, out in (("hf", tmp_path / "afile" / "sub"), ("gguf", tmp_path / "afile" / "m.gguf")):
+        with pytest.raises(K2LabError, match="afile is not a directory"):
+            export(ExportConfig(out=out, format=format), model_dir, log=quiet)
+
+
+@pytest.mark.parametrize("format", ["hf", "gguf"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch, format: str
+):
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("k2lab.hf.io._write_safetensors", full)
+    monkeypatch.setattr("gguf.GGUFWriter.write_tensors_to_file", full)
+    out = tmp_path / ("model.gguf" if format == "gguf" else "hf")
+    with pytest.raises(K2LabError, match=f"cannot write the .* to {out}: No space left on device") as raised:
+        export(ExportConfig(out=out, format=format), model_dir, log=quiet)
+    assert "\n" not in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]):

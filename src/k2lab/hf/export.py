@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.fsutil import check_replaceable, check_replaceable_file, staged_directory
+from k2lab.fsutil import check_replaceable, check_replaceable_file, reported_write, staged_directory
 from k2lab.hf.chat_template import chat_template_for
 from k2lab.hf.export_source import Choice, find_source, guarded_directory
 from k2lab.hf.gguf_export import GGUF_MAGIC, write_gguf
@@ -205,12 +205,22 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     chat_format = chat_format_for(_text_config(model), special=tokenizer.special_tokens)  # chosen once
     template = chat_template_for(chat_format)  # K3's XTML for K3 models with the XTML tokens
     if config.format == "gguf":
-        return write_gguf(model, tokenizer, config.out, template, DTYPES.get(config.dtype, torch.float32))
+        with reported_write(out, "the GGUF file"):
+            return write_gguf(model, tokenizer, out, template, DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
     files = tokenizer_files(tokenizer, template, _text_config(model).max_position_embeddings)
     files[GENERATION_CONFIG_FILE] = (
         json.dumps(generation_config(tokenizer, turn_end=chat_format.turn_end), indent=2) + "\n"
     )
+    with reported_write(out, "the export"):
+        return _write_repository(model, config, out, files)
+
+
+def _write_repository(
+    model: CausalLM | VisionLanguageModel, config: ExportConfig, out: Path, files: dict[str, str]
+) -> Path:
+    """The checkpoint (``to_hf``) and the tokenizer ``files`` (name -> text), staged and swapped in at
+    ``out`` with the files added to an earlier export there."""
     with staged_directory(out) as staging:
         dtype = DTYPES.get(config.dtype)
         to_hf(
