@@ -1,9 +1,13 @@
 """staged_directory and staged_file: a directory or a file is replaced whole or not at all."""
 
+import errno
 import os
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import (
     atomic_write_text,
     check_output_file,
+    check_replaceable,
     make_directory,
     staged_directory,
     staged_file,
@@ -31,6 +36,72 @@ def test_staged_directory_replaces_on_success_and_leaves_the_target_on_error(tmp
         (staging / "new.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
     assert [p.name for p in target.iterdir()] == ["new.txt"]
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from k2lab.fsutil import staged_directory
+with staged_directory(Path(sys.argv[1])) as staging:
+    (staging / "weights").write_bytes(bytes(1000))
+    (staging / sys.argv[2]).touch()
+    time.sleep(60)
+"""
+
+
+def writer(target: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """A process in the middle of writing ``target`` through ``staged_directory``, and its staging
+    directory (which holds the file ``name``)."""
+    process = subprocess.Popen([sys.executable, "-c", WRITER, str(target), name])
+    deadline = time.monotonic() + 60
+    while not (found := list(target.parent.glob(f".{target.name}.*/{name}"))) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return process, found[0].parent
+
+
+def test_a_write_sweeps_what_killed_writes_left_and_spares_a_live_one(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    killed, _ = writer(target, "killed")
+    killed.kill()  # SIGKILL mid-write: a full-size staging copy stays
+    killed.wait()
+    for name in ("..out.abcd1234.efgh5678", ".out.old.zz9_zz9z", ".out.notes", ".out.abcd1234.efgh5678"):
+        (tmp_path / name / "out").mkdir(parents=True)  # a nested staging and an old copy are ours
+    (tmp_path / ".outx.abcd1234").mkdir()  # another target's
+    target.mkdir()
+    live, staging = writer(target, "live")  # a concurrent write to the same target
+    try:
+        with staged_directory(target) as ours:
+            (ours / "new.txt").write_text("new")
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == sorted([".out.notes", ".out.abcd1234.efgh5678", ".outx.abcd1234", staging.name, "out"])
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_filesystem_without_flock_still_writes_and_sweeps_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_locks(descriptor: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr("fcntl.flock", no_locks)
+    (tmp_path / ".out.abcd1234").mkdir()  # cannot tell whether a live writer owns it: kept
+    with staged_directory(tmp_path / "out") as staging:
+        (staging / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.abcd1234", "out"]
+
+
+def test_a_swap_killed_between_its_renames_is_recovered(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    (tmp_path / ".out.old.abcd1234" / "out").mkdir(parents=True)  # replace_directory killed mid-swap
+    (tmp_path / ".out.old.abcd1234" / "out" / "k2lab.json").write_text('{"format": "k2lab-model"}')
+    check_replaceable(target, "the model")  # sees the old copy, put back
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old.abcd1234", "out"]
+    assert [p.name for p in target.iterdir()] == ["k2lab.json"]
+    with staged_directory(target) as staging:
+        (staging / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_staged_file_renames_on_success_and_keeps_the_old_file_on_error(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -74,22 +76,132 @@ def write_synced(path: Path, data: bytes | memoryview) -> None:
 
 
 def staging_directory(target: Path) -> Path:
-    """A fresh temporary sibling of ``target`` (same filesystem, so the final rename is atomic)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    """A fresh temporary sibling of ``target`` (same filesystem, so the final rename is atomic), unlocked:
+    ``sweep_staging`` removes it once its writer is done (``staged_directory`` holds its own locked)."""
+    staging, lock = _locked_staging(target)
+    os.close(lock)
     return staging
 
 
+def _locked_staging(target: Path) -> tuple[Path, int]:
+    """``staging_directory``, locked (``_locked_directory``): also the descriptor that holds the lock."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging, lock = _locked_directory(f".{target.name}.", target.parent)
+    staging.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    return staging, lock
+
+
 def replace_directory(staging: Path, target: Path) -> None:
-    """Swap ``staging`` in at ``target`` with renames (the old directory is removed afterwards)."""
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    """Swap ``staging`` in at ``target`` with renames (the old directory is removed afterwards). Between the
+    two renames the old copy is ``.NAME.old.xxxxxxxx/NAME``, locked: a process killed there leaves it to
+    ``recover_directory``."""
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    old, lock = _locked_directory(f".{target.name}.old.", target.parent)
+    try:
         os.replace(target, old / target.name)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except BaseException:
+            os.replace(old / target.name, target)  # put the old one back
+            raise
+    finally:
         shutil.rmtree(old, ignore_errors=True)
+        os.close(lock)
+
+
+# tempfile.mkdtemp's names: the prefix, then 8 of these characters.
+_RANDOM = "[a-z0-9_]{8}"
+
+
+def _locked_directory(prefix: str, parent: Path) -> tuple[Path, int]:
+    """``mkdtemp(prefix, parent)`` with an exclusive ``flock`` held on the new directory (the descriptor is
+    returned): the mark of a live writer, which ``sweep_staging`` and ``recover_directory`` leave alone. A
+    sweep that took the directory between its creation and the lock makes a new one; where the filesystem
+    has no ``flock`` (some network ones) the directory stays unlocked, and sweeps never remove it."""
+    while True:
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a sweep holds it and is removing it
+            os.close(descriptor)
+            continue
+        except OSError:  # no flock here
+            return path, descriptor
+        if _still_at(path, descriptor):
+            return path, descriptor
+        os.close(descriptor)
+
+
+def _still_at(path: Path, descriptor: int) -> bool:
+    """Whether ``path`` is still the directory open as ``descriptor`` (not swept or renamed meanwhile)."""
+    try:
+        now, held = os.stat(path, follow_symlinks=False), os.fstat(descriptor)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+@contextmanager
+def _abandoned(path: Path) -> Iterator[bool]:
+    """Whether ``path`` (a staging or swap directory) belongs to no live writer: its lock could be taken,
+    and is held for the block."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by a live writer (or no flock here: never sure, so kept)
+        abandoned = False
     else:
-        os.replace(staging, target)
+        abandoned = _still_at(path, descriptor)
+    try:
+        yield abandoned
+    finally:
+        os.close(descriptor)
+
+
+def _leftovers(target: Path, depth: int | None = None) -> list[Path]:
+    """The directories beside ``target`` named as ``staged_directory`` names its staging and swap
+    directories for it: ``.NAME.xxxxxxxx`` and ``.NAME.old.xxxxxxxx``, and those of a staging directory in
+    turn (``..NAME.xxxxxxxx.yyyyyyyy``, one leading dot per level); ``depth`` 1: the first level only."""
+    pattern = re.compile(rf"(\.+){re.escape(target.name)}((?:\.(?:old\.)?{_RANDOM})+)")
+    found = []
+    for entry in target.parent.iterdir() if target.parent.is_dir() else ():
+        match = pattern.fullmatch(entry.name)
+        levels = len(match.group(1)) if match else 0
+        segments = len(re.findall(rf"\.(?:old\.)?{_RANDOM}", match.group(2))) if match else -1
+        if levels == segments and depth in (None, levels) and entry.is_dir() and not entry.is_symlink():
+            found.append(entry)
+    return found
+
+
+def sweep_staging(target: Path) -> None:
+    """Remove what writes of ``target`` killed mid-way left beside it (``_leftovers``: full-size staging
+    copies, old copies of a swap) and no live process holds (a concurrent write to the same target keeps
+    its lock, so its staging directory stays). ``staged_directory`` calls it after each successful write."""
+    for entry in _leftovers(target):
+        with _abandoned(entry) as abandoned:
+            if abandoned:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def recover_directory(target: Path) -> Path | None:
+    """Put back the old copy of ``target`` that a write killed between the two renames of
+    ``replace_directory`` left as ``.NAME.old.xxxxxxxx/NAME`` (``target`` itself missing); returns the
+    restored ``target``, None when there was nothing to restore."""
+    if os.path.lexists(target):
+        return None
+    for entry in _leftovers(target, depth=1):
+        with _abandoned(entry) as abandoned:
+            if abandoned and entry.name.startswith(f".{target.name}.old.") and (entry / target.name).is_dir():
+                os.replace(entry / target.name, target)
+                return target
+    return None
 
 
 #: Files that mark a directory as a model (HF format: its ``model_type``; k2lab format: its ``format``): one
@@ -138,6 +250,7 @@ def check_replaceable(
     (``check_parent``). ``staged_directory`` replaces the whole
     directory, and an export to a directory of other files, to its own run or to a parent of it deleted them
     all (and a draft trained with ``--out MODEL`` replaced the model)."""
+    recover_directory(target)  # a write of it killed mid-swap: the old copy is what is there
     if source is not None and holds(target, source):
         raise CheckpointError(
             f"{target} holds the {source_name} {source}: writing {what} there would replace it; choose another "
@@ -229,15 +342,21 @@ def make_directory(path: Path, what: str) -> Path:
 @contextmanager
 def staged_directory(target: Path) -> Iterator[Path]:
     """Write a directory atomically: yields a fresh staging sibling of ``target``; when the block ends
-    normally the staging directory replaces ``target`` (``replace_directory``), when it raises (or is
-    interrupted) the staging directory is removed and ``target`` is left as it was."""
-    staging = staging_directory(target)
+    normally the staging directory replaces ``target`` (``replace_directory``) and what killed writes of
+    ``target`` left beside it is swept (``sweep_staging``), when it raises (or is interrupted) the staging
+    directory is removed and ``target`` is left as it was. A ``target`` that a killed swap left missing is
+    first put back (``recover_directory``)."""
+    recover_directory(target)
+    staging, lock = _locked_staging(target)
     try:
         yield staging
         replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
+    sweep_staging(target)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

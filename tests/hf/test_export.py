@@ -321,6 +321,14 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_load_puts_back_an_export_a_killed_re_export_left_hidden(tmp_path: Path, model_dir: Path):
+    out = export(ExportConfig(out=tmp_path / "hf"), model_dir, log=quiet)
+    (tmp_path / ".hf.old.abcd1234").mkdir()
+    out.rename(tmp_path / ".hf.old.abcd1234" / "hf")  # killed between replace_directory's two renames
+    assert weights_equal(from_hf(out), load_model(model_dir))
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".hf.old.abcd1234", "hf"]
+
+
 def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as done:
         main(["export", str(model_dir), "--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"])

@@ -34,7 +34,7 @@ from k2lab.config import ModelConfig, format_validation_error
 from k2lab.data.corpus import load_corpus
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object
+from k2lab.fsutil import read_json_object, recover_directory
 from k2lab.model_dir import MANIFEST as MODEL_MANIFEST
 from k2lab.model_dir import check_state_dict, load_model, tied_head_key
 from k2lab.models import CausalLM, build_model
@@ -86,6 +86,7 @@ def find_source(
 ) -> ExportSource:
     """The ``ExportSource`` of a run directory, a checkpoint directory or a model directory (see above)."""
     path = Path(path)
+    recover_directory(path)  # put back the copy a write killed mid-swap left hidden beside it
     if not path.is_dir():
         raise CheckpointError(f"{path} does not exist or is not a directory")
     if (path / CHECKPOINT_MANIFEST).is_file():

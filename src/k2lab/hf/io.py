@@ -41,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import read_json_object, staged_directory
+from k2lab.fsutil import read_json_object, recover_directory, staged_directory
 from k2lab.hf import kimi_k25
 from k2lab.hf.formats import MODEL_TYPES, read_format, write_format
 from k2lab.hf.fp8 import DEFAULT_FP8_BLOCK, SCALE_SUFFIX, dequantize_fp8
@@ -111,6 +111,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     supported one (``deepseek_v3``, ``kimi_k2``, ``kimi_linear``, ``kimi_k3`` or ``kimi_k25``).
     """
     root = Path(path)
+    recover_directory(root)  # put back the copy a write killed mid-swap left hidden beside it
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     config_path = root / CONFIG_FILE
