@@ -329,6 +329,24 @@ def test_a_load_puts_back_an_export_a_killed_re_export_left_hidden(tmp_path: Pat
     assert sorted(path.name for path in tmp_path.iterdir()) == [".hf.old.abcd1234", "hf"]
 
 
+@pytest.mark.parametrize(
+    ("format", "name"), [("hf", "model.embed_tokens.weight"), ("gguf", "token_embd.weight")]
+)
+def test_weights_past_fp16s_range_are_refused_not_written_as_inf(
+    tmp_path: Path, model_dir: Path, format: str, name: str
+):
+    model = load_model(model_dir)
+    with torch.no_grad():
+        model.embed.weight[3, 5] = -1e5  # fp16's largest is 65504
+    source = save_model(model, tmp_path / "big")
+    (source / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    out = tmp_path / ("big.gguf" if format == "gguf" else "hf")
+    with pytest.raises(K2LabError, match=rf"float16 cannot hold .*{name} \(max \|value\| 100000\)"):
+        export(ExportConfig(out=out, format=format, dtype="fp16"), source, log=quiet)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["big"]
+    assert export(ExportConfig(out=out, format=format, dtype="bf16"), source, log=quiet).exists()
+
+
 def test_the_command(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as done:
         main(["export", str(model_dir), "--out", str(tmp_path / "hf"), "--max-shard-size", "100KB"])

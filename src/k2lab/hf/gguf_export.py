@@ -59,7 +59,7 @@ from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import staged_file
 from k2lab.hf import gguf_kimi_linear
-from k2lab.hf.io import model_state
+from k2lab.hf.io import check_cast_range, model_state
 from k2lab.hf.mapping import config_to_hf, hf_model_type
 from k2lab.hf.mtp import main_state
 from k2lab.models import CausalLM
@@ -265,9 +265,14 @@ def add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Tokenizer, vocab_size: int
     writer.add_chat_template(chat_template)
 
 
-def _array(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
-    """Numpy data for the writer: vectors in fp32, matrices in ``dtype`` (bf16 as raw bytes)."""
-    target = torch.float32 if tensor.dim() < 2 else dtype
+def _file_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype GGUF tensor ``name`` is written in: fp32 for vectors and what Kimi Linear keeps in fp32
+    (``gguf_kimi_linear.keeps_fp32``), else ``dtype``."""
+    return torch.float32 if tensor.dim() < 2 or gguf_kimi_linear.keeps_fp32(name) else dtype
+
+
+def _array(tensor: torch.Tensor, target: torch.dtype) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    """Numpy data for the writer: ``tensor`` in ``target`` (bf16 as raw bytes)."""
     tensor = tensor.detach().to("cpu", target).contiguous()
     if target == torch.bfloat16:
         return tensor.view(torch.uint8).numpy(), gguf.GGMLQuantizationType.BF16
@@ -289,6 +294,12 @@ def write_gguf(
     check_gguf_config(config)
     if dtype not in _FILE_TYPES:
         raise ValueError(f"GGUF tensors are fp32, fp16 or bf16, got {dtype}")
+    with torch.no_grad():
+        tensors = [
+            (name, tensor, _file_dtype(name, tensor, dtype))
+            for name, tensor in gguf_tensors(config, model_state(model))
+        ]
+    check_cast_range(tensors)  # before anything is written
     target = Path(path)
     with staged_file(target) as temporary:
         writer = gguf.GGUFWriter(temporary, gguf_arch(config))
@@ -297,11 +308,9 @@ def write_gguf(
         for key, (value, kind) in gguf_metadata(config).items():
             writer.add_key_value(key, value, kind)
         add_tokenizer(writer, tokenizer, config.vocab_size, chat_template)
-        with torch.no_grad():
-            for name, tensor in gguf_tensors(config, model_state(model)):
-                fp32 = gguf_kimi_linear.keeps_fp32(name)
-                array, raw = _array(tensor, torch.float32 if fp32 else dtype)
-                writer.add_tensor(name, array, raw_dtype=raw)
+        for name, tensor, file_dtype in tensors:
+            array, raw = _array(tensor, file_dtype)
+            writer.add_tensor(name, array, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

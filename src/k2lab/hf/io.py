@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 
 from k2lab.config import ModelConfig, format_validation_error
-from k2lab.errors import CheckpointError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import read_json_object, recover_directory, staged_directory
 from k2lab.hf import kimi_k25
 from k2lab.hf.formats import MODEL_TYPES, read_format, write_format
@@ -381,6 +381,28 @@ def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
         )
 
 
+def check_cast_range(items: Iterable[tuple[str, torch.Tensor, torch.dtype]]) -> None:
+    """Refuse (one-line ``K2LabError``) to write (name, tensor, disk dtype) ``items`` when a cast would turn a
+    finite value into inf: fp16's largest is 65504, and an export with ``--dtype fp16`` wrote the overflowing
+    weights as inf, which k2lab then refused to load as "a diverged or damaged model". Names the tensors and
+    their largest magnitude. Used by ``to_hf`` and the GGUF export before anything is written."""
+    over: list[str] = []
+    narrowest: torch.dtype | None = None
+    for name, tensor, dtype in items:
+        if not (tensor.is_floating_point() and dtype.is_floating_point) or tensor.dtype == dtype:
+            continue
+        peak = tensor.detach().abs().amax() if tensor.numel() else None
+        if peak is not None and peak.isfinite() and peak.to(dtype).isinf():  # the cast rounds as on the way
+            over.append(f"{name} (max |value| {float(peak):.6g})")
+            narrowest = dtype
+    if narrowest is not None:
+        largest = torch.finfo(narrowest).max
+        raise K2LabError(
+            f"{str(narrowest).removeprefix('torch.')} cannot hold the weights (largest finite value "
+            f"{largest:.6g}), they would be written as inf: {listing(over)}; choose another dtype (bf16, fp32)"
+        )
+
+
 def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     *lead, rows, cols = shape
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
@@ -574,6 +596,7 @@ def to_hf(
     if quantize is not None:
         tensors = quantize_checkpoint(quantize, layout.hf_config, tensors)  # adds its quantization_config
     items = [(key, tensor, _disk_dtype(key, tensor, dtype)) for key, tensor in tensors]
+    check_cast_range(items)
     layout.hf_config["torch_dtype"] = str(_disk_dtype("lm_head.weight", layout.head, dtype)).removeprefix(
         "torch."
     )
