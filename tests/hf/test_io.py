@@ -225,6 +225,19 @@ def test_sharded_roundtrip(tmp_path: Path):
         _assert_logits_close(model(ids).logits, _hf_load(target)(ids).logits)
 
 
+@pytest.mark.parametrize(("dtype", "name"), [(torch.bfloat16, "bfloat16"), (None, "float32")])
+def test_a_kimi_k25_export_names_its_dtype_in_text_config_too(
+    tmp_path: Path, dtype: torch.dtype | None, name: str
+):
+    from k2lab.presets.vision_language import load_vlm_preset
+    from k2lab.vision.vlm import build_vlm
+
+    model = build_vlm(load_vlm_preset("k25-nano"), seed=0)
+    config = json.loads((to_hf(model, tmp_path / "k25", dtype=dtype) / "config.json").read_text())
+    assert config["model_type"] == "kimi_k25"
+    assert config["torch_dtype"] == config["text_config"]["torch_dtype"] == name
+
+
 def test_to_hf_bf16_keeps_router_bias_fp32(tmp_path: Path):
     model = _scramble(build_model(load_preset("k2-nano")))
     target = to_hf(model, tmp_path / "ckpt", dtype=torch.bfloat16)

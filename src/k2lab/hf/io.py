@@ -597,9 +597,10 @@ def to_hf(
         tensors = quantize_checkpoint(quantize, layout.hf_config, tensors)  # adds its quantization_config
     items = [(key, tensor, _disk_dtype(key, tensor, dtype)) for key, tensor in tensors]
     check_cast_range(items)
-    layout.hf_config["torch_dtype"] = str(_disk_dtype("lm_head.weight", layout.head, dtype)).removeprefix(
-        "torch."
-    )
+    torch_dtype = str(_disk_dtype("lm_head.weight", layout.head, dtype)).removeprefix("torch.")
+    layout.hf_config["torch_dtype"] = torch_dtype
+    if "torch_dtype" in layout.hf_config.get("text_config", {}):  # kimi_k25's decoder config: the same
+        layout.hf_config["text_config"]["torch_dtype"] = torch_dtype
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
