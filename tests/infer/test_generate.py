@@ -219,6 +219,22 @@ def test_sampling_at_the_limits_of_fp32():
         torch.testing.assert_close(per_row, torch.nn.functional.one_hot(best, 4).float())
 
 
+@pytest.mark.parametrize("temperature", [1e-46, 5e-324])
+def test_a_temperature_below_fp32s_smallest_samples_the_argmax(temperature):
+    """A positive T that is 0 in fp32 made (z − max z) / T 0 / 0 at the maximum, NaN probabilities and a
+    refused draw ("probability tensor contains inf/nan", HTTP 500 in the server): it samples the argmax, by
+    one generator, one per row, and in the speculative path's per-row form."""
+    from k2lab.infer.speculative import processed_probs
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.999], [-3.0, -2.0, -2.5, float("-inf")]])
+    best, config = torch.tensor([1, 1]), GenerationConfig(temperature=temperature)
+    for generator in (torch.Generator().manual_seed(0), [torch.Generator(), torch.Generator()]):
+        assert torch.equal(sample_next(logits, config, generator), best)
+    one_hot = torch.nn.functional.one_hot(best, 4).float()
+    torch.testing.assert_close(sampling_probs(logits, config), one_hot)
+    torch.testing.assert_close(processed_probs(logits, torch.tensor([temperature] * 2), 1.0), one_hot)
+
+
 @pytest.mark.parametrize("preset", ["k25-nano", "k3-vl-nano"])
 def test_a_vision_language_model_never_samples_a_media_placeholder(preset):
     """Only a prompt's media can fill an image or video placeholder: sampled, the next step failed ("input_ids

@@ -123,9 +123,12 @@ def sampling_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tens
 def tempered_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """softmax(z / T) of logits z [..., V] in fp32, taken as softmax((z − max z) / T): for a tiny T (an API
     allows any T > 0, say 1e-45) z / T overflows to ±inf and the softmax to NaN, where (z − max z) / T only
-    runs to −inf below the maximum, the greedy limit. ``temperature`` broadcasts (a float, or per row)."""
+    runs to −inf below the maximum, the greedy limit. At the maximum the gap is 0 whatever T: a T below fp32's
+    smallest number (1e-46, 5e-324) is 0 there, and 0 / 0 made the softmax NaN (HTTP 500 in ``k2lab serve``).
+    ``temperature`` broadcasts (a float, or per row)."""
     z = logits.float()
-    return ((z - z.amax(dim=-1, keepdim=True)) / temperature).softmax(dim=-1)
+    gap = z - z.amax(dim=-1, keepdim=True)
+    return torch.where(gap == 0, 0.0, gap / temperature).softmax(dim=-1)
 
 
 def outside_nucleus(sorted_probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
