@@ -164,6 +164,47 @@ def test_bad_tool_choice_is_a_clear_error(setup):
         ToolCallGrammar.build(tokenizer, 300, [], "required")
 
 
+def recursive(node: dict, optional: bool = False) -> dict:
+    """A tool whose required ``a`` is ``node``, with ``#/$defs/n`` (node's reference to itself) in scope."""
+    parameters = {"$defs": {"n": node}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}}
+    return {"type": "function", "function": {"name": "f", "parameters": {**parameters, "required": ["a"]}}}
+
+
+REF = {"$ref": "#/$defs/n"}
+UNENDING = {
+    "object": {"type": "object", "properties": {"c": REF}, "required": ["c"]},
+    "array": {"type": "array", "items": REF, "minItems": 1},
+    "every branch": {"anyOf": [{"type": "object", "properties": {"c": REF}, "required": ["c"]}, {"allOf": [REF]}]},
+    "the root": {"type": "object", "properties": {"r": {"$ref": "#"}}, "required": ["r"]},
+}  # fmt: skip
+ENDING = {
+    "optional": {"type": "object", "properties": {"c": REF}},
+    "no minItems": {"type": "array", "items": REF},
+    "a way out": {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"c": REF}, "required": ["c"]}]},
+    "a nullable type": {"type": ["object", "null"], "properties": {"c": REF}, "required": ["c"]},
+    "no type": {"properties": {"c": REF}, "required": ["c"]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", list(UNENDING))
+def test_a_required_recursion_without_end_is_refused_at_build(setup, shape):
+    """A schema whose every value holds itself again compiled, and a forced call ran until llguidance's
+    fast-forward gave up mid-generation ("Too many items … ff_tokens": HTTP 500): it is refused at build,
+    the error the server answers with 400. Recursions with a way out still build and close (the same
+    required recursion's nullable, untyped or optional forms; an anyOf branch that ends)."""
+    for choice in ("required", "auto"):
+        with pytest.raises(GrammarError, match="admit no finite value: the required recursion through #"):
+            ToolCallGrammar.build(setup[0], 300, [recursive(UNENDING[shape])], choice)
+    for node in ENDING.values():
+        grammar = ToolCallGrammar.build(setup[0], 300, [recursive(node)], "required")
+        constraint = grammar.constraint()
+        for token in grammar.shortest_call:
+            constraint.mask(logits := torch.zeros(300))
+            assert torch.isfinite(logits[token])
+            constraint.advance(token)
+        assert constraint.finished_section
+
+
 def test_token_masks_pack_to_bits_and_back():
     """Bit b of byte i holds token 8i + b; a vocabulary that is not a multiple of 8 pads with zeros."""
     mask = torch.zeros(2, 11, dtype=torch.bool)

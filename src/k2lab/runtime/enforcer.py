@@ -14,7 +14,9 @@ properties, required, string / number / integer / boolean / null, enums, arrays,
 llguidance (the structured-generation library that vLLM, SGLang and llama.cpp use) from a Lark grammar
 with one inline ``%json`` schema per tool; the token mask is computed per step on CPU. Numbers are
 bounded first (``k2lab.runtime.schema_bounds``: integers within int64, ≤ 19 digits; other numbers ≤ 17
-significant digits, no exponent), so no number runs on.
+significant digits, no exponent), so no number runs on. A schema with no finite value (a required ``$ref``
+recursion with no way out) is refused at build (``require_finite_value``), as llguidance refuses the other
+unsatisfiable ones.
 
 **Budget.** A constraint built with ``max_tokens`` (``ToolCallGrammar.constraint(max_tokens)``) counts
 its own ``advance`` calls, so at each step it knows ``left``, the tokens still to be sampled (this one
@@ -52,6 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -60,7 +63,7 @@ from llguidance import LLMatcher, LLTokenizer
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 from k2lab.runtime.budget import CompletionSearch
-from k2lab.runtime.schema_bounds import bounded_numbers
+from k2lab.runtime.schema_bounds import DATA_KEYS, bounded_numbers
 
 __all__ = [
     "JSON_OPTIONS",
@@ -72,6 +75,7 @@ __all__ = [
     "lark_string",
     "ll_tokenizer",
     "pack_token_mask",
+    "require_finite_value",
     "tool_name",
     "tool_schema",
     "unpack_token_mask",
@@ -145,6 +149,97 @@ def closed_objects(schema: Any) -> Any:
     if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
+
+
+def require_finite_value(tool: Mapping[str, Any]) -> None:
+    """Refuses a tool whose parameters have no finite value: a local ``$ref`` that every value requires
+    again without end (an object whose required property, or an array whose ``minItems``, leads back to it
+    on every branch). llguidance compiles such a schema, and a forced call then ran on until its
+    fast-forward gave up mid-generation ("Too many items … ff_tokens"): a server error, not a refusal."""
+    schema = tool_schema(tool)
+    finite = _finite_refs(schema)
+    if not _finite(schema, finite):
+        unending = ", ".join(sorted(_local_refs(schema) - finite))
+        raise GrammarError(
+            f"the parameters of tool {tool_name(tool)!r} admit no finite value: the required recursion "
+            f"through {unending} never ends"
+        )
+
+
+def _finite_refs(root: Any) -> set[str]:
+    """The local ``$ref``s of ``root`` that have a finite value (the least fixed point: none known at first,
+    then every one whose schema has a finite value with the ones known so far)."""
+    refs, finite = _local_refs(root), set()
+    while grown := {ref for ref in refs - finite if _finite(_pointed(root, ref), finite)}:
+        finite |= grown
+    return finite
+
+
+def _finite(schema: Any, finite: set[str]) -> bool:
+    """Whether ``schema`` has a finite value, the local ``$ref``s in ``finite`` known to have one (no type:
+    any, so null). Only required recursion can rule one out here; llguidance judges every other conflict."""
+    if not isinstance(schema, Mapping):
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in finite:
+        return False
+    if "enum" in schema or "const" in schema:
+        return True
+    if not all(_finite(s, finite) for s in _schemas(schema.get("allOf"))):
+        return False
+    if any(
+        key in schema and not any(_finite(s, finite) for s in _schemas(schema[key]))
+        for key in ("anyOf", "oneOf")
+    ):
+        return False
+    kinds = schema.get("type", "null")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    return any(_finite_as(schema, kind, finite) for kind in kinds)
+
+
+def _finite_as(schema: Mapping[str, Any], kind: Any, finite: set[str]) -> bool:
+    """Whether ``schema`` has a finite value of type ``kind``: its required properties and items do."""
+    if kind == "object":
+        properties, extra = schema.get("properties"), schema.get("additionalProperties", True)
+        properties = properties if isinstance(properties, Mapping) else {}
+        names = [n for n in _schemas(schema.get("required")) if isinstance(n, str)]
+        return all(_finite(properties.get(name, extra), finite) for name in names)
+    if kind == "array":
+        need = schema.get("minItems", 0) if isinstance(schema.get("minItems"), int) else 0
+        prefix = _schemas(schema.get("prefixItems"))
+        rest = need <= len(prefix) or _finite(schema.get("items", True), finite)
+        return rest and all(_finite(item, finite) for item in prefix[:need])
+    return True
+
+
+def _schemas(value: Any) -> list[Any]:
+    """``value`` if it is a list (of subschemas), else none."""
+    return value if isinstance(value, list) else []
+
+
+def _local_refs(schema: Any) -> set[str]:
+    """Every ``$ref`` within the document (``#…``) in ``schema``, at any depth."""
+    if isinstance(schema, list):
+        return set().union(*map(_local_refs, schema))
+    if not isinstance(schema, Mapping):
+        return set()
+    ref = schema.get("$ref")
+    refs = {ref} if isinstance(ref, str) and ref.startswith("#") else set()
+    return refs.union(*(_local_refs(v) for k, v in schema.items() if k not in DATA_KEYS))
+
+
+def _pointed(root: Any, ref: str) -> Any:
+    """The subschema of ``root`` that a local ``$ref`` (a JSON pointer after ``#``) names; None if none."""
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def lark_string(text: str) -> str:
@@ -270,6 +365,8 @@ class ToolCallGrammar:
                 raise GrammarError(
                     f"the tools' schemas cannot be compiled into a decoding grammar: {problem}"
                 )
+            for tool in tools:
+                require_finite_value(tool)
         return cls(
             grammar,
             ll,

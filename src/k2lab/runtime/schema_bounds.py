@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DECIMAL_LIMIT", "DECIMAL_STEP", "INT_MAX", "INT_MIN", "bounded_numbers"]
+__all__ = ["DATA_KEYS", "DECIMAL_LIMIT", "DECIMAL_STEP", "INT_MAX", "INT_MIN", "bounded_numbers"]
 
 INT_MAX = 2**63 - 1
 INT_MIN = -(2**63 - 1024)
 DECIMAL_LIMIT = 10**11  # 11 integer digits + 6 decimal places = 17 significant digits
 DECIMAL_STEP = 1e-6
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 
 
 def _clamped(schema: dict[str, Any], low: float, high: float) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def bounded_numbers(schema: Any) -> Any:
         return [bounded_numbers(item) for item in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: v if k in _DATA_KEYS else bounded_numbers(v) for k, v in schema.items()}
+    out = {k: v if k in DATA_KEYS else bounded_numbers(v) for k, v in schema.items()}
     if "enum" in schema or "const" in schema:
         return out
     kind = schema.get("type")
