@@ -58,8 +58,8 @@ class PrefixCache:
     """Blocks of ``block_size`` tokens keyed by chained hash, LRU under ``capacity_bytes``.
 
     ``needs_kda``: the model has KDA layers, so a prefix ends only at a block carrying KDA states.
-    Counters: ``hits`` / ``misses`` (blocks looked up and found or not), ``hit_tokens`` (prompt tokens
-    not recomputed), ``query_tokens`` (prompt tokens looked up), ``evictions`` (blocks), ``bytes``.
+    Counters: ``hits`` / ``misses`` (blocks looked up and reused or recomputed: on a hybrid model a block
+    found past the prefix's last KDA states is a miss), ``hit_tokens`` (prompt tokens not recomputed), ``query_tokens`` (prompt tokens looked up), ``evictions`` (blocks), ``bytes``.
     """
 
     def __init__(self, capacity_bytes: int, block_size: int = 16, needs_kda: bool = False) -> None:
@@ -107,11 +107,11 @@ class PrefixCache:
             if block is None:
                 break
             chain.append(block)
-        self.hits += len(chain)
-        self.misses += usable - len(chain)
         if self.needs_kda:
             while chain and chain[-1].kda is None:
                 chain.pop()
+        self.hits += len(chain)  # reused; a block found past the last KDA states is recomputed: a miss
+        self.misses += usable - len(chain)
         self.query_tokens += len(ids)
         if not chain:
             return None
