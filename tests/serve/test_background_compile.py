@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
+from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.serve import Engine
 from k2lab.serve.background_compile import background_compiles
 from tests.conftest import randomize
@@ -72,3 +73,24 @@ def test_no_background_build_where_compile_decides(nano):
         engine = Engine(nano, 1, 0, compile=compile, background_compile=True)
         assert engine.background is None
     assert Engine(nano, 1, 0, compile="off").decode_report() == {"mode": "eager"}
+
+
+def test_the_build_runs_under_the_engine_threads_so_nothing_is_rebuilt():
+    """The caller at one thread (as ``hand_threads_to_engine`` leaves it), the engine's at two: a build thread
+    that starts before the engine's sets its two took the caller's one, and dynamo, which guards the count,
+    built every graph again at the engine's first steps. The build runs alone here, so that order is certain;
+    then the compiled step runs as in the engine's thread (its two threads, inference mode). A model of its
+    own: another test's graphs, built under the default count, would hide a rebuild."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        model = randomize(build_model(load_preset("k2-nano")))
+        engine = Engine(model, 1, 0, background_compile=True, threads=2)
+        engine.background.start()
+        wait_for(engine, "compiled")
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        torch.set_num_threads(engine.threads)
+        generate(model, [[5, 6, 7]], GenerationConfig(max_new_tokens=3, compile="on"))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing built again
+    finally:
+        torch.set_num_threads(before)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -41,6 +42,28 @@ def test_the_engine_thread_runs_with_the_threads_it_was_given():
         assert torch.get_num_threads() == before  # the caller's own setting is untouched
     finally:
         torch.set_num_threads(before)  # torch's count for threads yet to start is process-wide
+
+
+def test_the_engine_keeps_its_threads_when_a_worker_sets_one_before_its_first_step():
+    """Torch gives a thread the count some thread set last, process-wide, at its first parallel op: the
+    engine's thread set two and waited, the first chat rendered in a worker thread set one, and the engine
+    then decoded on one thread (and rebuilt every graph the background build made under two)."""
+    before = torch.get_num_threads()
+    seen, done = [], threading.Event()
+    try:
+        engine = Engine(build_model(load_preset("k2-nano")), 1, 0, compile="off", threads=2).start()
+        deadline = time.monotonic() + 30
+        while not engine._wake._waiters and time.monotonic() < deadline:  # waiting: its count is set
+            time.sleep(0.01)
+        assert asyncio.run(in_worker_thread(torch.get_num_threads)) == 1  # a worker sets one meanwhile
+        request = Request([5, 6, 7], SamplingParams(2, 0.0), lambda _: seen.append(torch.get_num_threads()))
+        request.on_finish = lambda _: done.set()
+        engine.submit(request)
+        assert done.wait(60)
+        engine.shutdown()
+        assert seen[0] == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_in_worker_thread_runs_with_one_thread_and_passes_arguments_and_errors():

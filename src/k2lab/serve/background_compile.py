@@ -20,6 +20,12 @@ missed here would be built by the engine mid-serving, stopping every request for
 its steps never end at the cache's last slot, a case with a graph of its own (``Engine``). A build that
 fails (no C++ compiler, say) leaves the engine eager; ``report`` says what happened (``/health``'s
 ``decode_step``).
+The thread builds under the engine thread's intra-op thread count (``threads``), both set with
+``k2lab.serve.threads.set_own_threads``: dynamo guards the count a graph was built under, and a build under
+another count (the caller's one, say), or an engine thread that torch reset to one, left every graph to be
+built again at the engine's first steps (measured, k2-nano, cold inductor cache: 9 recompiles; the first
+burst of chats took 14.5 s against 1.3 s after). Both threads run in inference mode: grad mode, the other
+guarded state that is a thread's own, is the same too.
 Eager serving goes on meanwhile, slower while the build shares the cores and the GIL: in one measurement
 (k2-mini, 2 threads, cold cache) 108 eager generations ran during the three builds (97 s) with the same
 tokens as without them.
@@ -36,6 +42,7 @@ import torch
 from k2lab.hardware import CompileMode, Precision
 from k2lab.infer.compiled import decode_compile_decision, decode_step
 from k2lab.infer.generate import GenerationConfig, generate
+from k2lab.serve.threads import set_own_threads
 
 __all__ = ["BackgroundCompile", "background_compiles"]
 
@@ -53,10 +60,17 @@ def background_compiles(requested: CompileMode | str, device: str) -> bool:
 
 class BackgroundCompile:
     """Builds ``model``'s compiled decode step (matrices per ``decode_weights``) for every batch size up to
-    ``max_batch`` in a daemon thread; ``step()`` is the compiled callable once every size ran, else None."""
+    ``max_batch`` in a daemon thread with ``threads`` intra-op threads, the engine thread's (None: a new
+    thread's default, as the engine's); ``step()`` is the compiled callable once every size ran, else None."""
 
-    def __init__(self, model: torch.nn.Module, decode_weights: Precision | str, max_batch: int) -> None:
-        self.model, self.decode_weights = model, decode_weights
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        decode_weights: Precision | str,
+        max_batch: int,
+        threads: int | None = None,
+    ) -> None:
+        self.model, self.decode_weights, self.threads = model, decode_weights, threads
         self.sizes = list(range(1, max_batch + 1))
         self.state = "waiting"  # waiting -> building -> compiled | failed | stopped
         self.detail = ""
@@ -88,6 +102,8 @@ class BackgroundCompile:
 
     def _build(self) -> None:
         self.state, start = "building", time.perf_counter()
+        if self.threads is not None:  # the engine's count: a graph built under another is rebuilt there
+            set_own_threads(self.threads)
         config = GenerationConfig(max_new_tokens=2, compile="on", decode_weights=self.decode_weights)
         prompt = list(range(3, 3 + DUMMY_PROMPT))
         try:

@@ -45,6 +45,7 @@ from k2lab.infer.prefix_cache import PrefixCache
 from k2lab.infer.speculative import DRAFT_TOKENS, RowSettings
 from k2lab.serve.background_compile import BackgroundCompile, background_compiles
 from k2lab.serve.speculation import Speculation, prefill_for_draft
+from k2lab.serve.threads import set_own_threads
 
 __all__ = ["PREFIX_CACHE_BYTES", "Engine", "Request", "SamplingParams"]
 
@@ -138,7 +139,7 @@ class Engine:
         self._step = decode_step(self.model, compile, decode_weights)
         device = next(self.model.parameters()).device.type
         self.background = (
-            BackgroundCompile(self.model, decode_weights, max_batch)
+            BackgroundCompile(self.model, decode_weights, max_batch, threads)
             if background_compile and background_compiles(compile, device)
             else None
         )
@@ -192,7 +193,7 @@ class Engine:
     # ---- loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
         if self.threads is not None:
-            torch.set_num_threads(self.threads)  # this thread's own OpenMP setting
+            set_own_threads(self.threads)  # this thread's own OpenMP setting
         while True:
             with self._wake:
                 while not self._stop and not self._waiting and not self._running:

@@ -14,6 +14,12 @@ So ``k2lab serve`` keeps one team: ``hand_threads_to_engine`` makes the calling 
 before it touches a tensor — it only loads the model and handles HTTP — and the engine's thread takes the
 process's threads (``Engine(threads=…)``); scoring requests (``logprobs``) run single-threaded in their
 worker thread too. A thread that exits takes its team with it (a background build's thread, say).
+
+A thread's count is set with ``set_own_threads``, not ``torch.set_num_threads`` alone: torch initialises a
+thread's count lazily, at its first parallel op, to the count that some thread set last, process-wide, and
+that undid a count set before it. The engine's thread set its count and waited for work; the first chat
+rendered in a worker thread set one; the engine's first step then initialised it to one. It decoded on one
+thread, and dynamo built every graph of the background build (made under the engine's count) again.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["hand_threads_to_engine", "in_worker_thread"]
+__all__ = ["hand_threads_to_engine", "in_worker_thread", "set_own_threads"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -34,8 +40,15 @@ def hand_threads_to_engine() -> int:
     """Torch's intra-op thread count, returned for the engine's thread, with the calling thread left at one
     (module docstring). Call it before the calling thread runs any tensor work."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_own_threads(1)
     return threads
+
+
+def set_own_threads(threads: int) -> None:
+    """The calling thread's intra-op thread count, set for good: torch's lazy initialisation of the thread's
+    count, which would overwrite it with the count some thread set last (module docstring), is run first."""
+    torch.get_num_threads()  # initialises this thread's count now, so that nothing resets the one set next
+    torch.set_num_threads(threads)
 
 
 async def in_worker_thread(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -45,5 +58,5 @@ async def in_worker_thread(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kw
 
 
 def _single_threaded(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-    torch.set_num_threads(1)
+    set_own_threads(1)
     return fn(*args, **kwargs)
