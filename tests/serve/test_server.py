@@ -446,3 +446,20 @@ def test_every_route_takes_a_json_body_whatever_its_content_type(server):
         assert response.status_code == 200, (path, response.text)
     response = httpx.post(server[0] + "/v1/completions", content=b"{not json", headers=headers)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_a_max_context_past_the_models_positions_is_refused(small_tokenizer, tmp_path, capsys, monkeypatch):
+    """A 2,117-token prompt was served on a 512-position model under --max-context 4096."""
+    from k2lab.cli import main
+    from k2lab.model_dir import save_model
+    from k2lab.serve.server import context_limit
+
+    model = build_model(load_preset("k2-nano", vocab_size=300, max_position_embeddings=512))
+    assert context_limit(None, model.config) == 512 and context_limit(300, model.config) == 300
+    save_model(model, tmp_path / "m")
+    small_tokenizer.save(tmp_path / "m" / "tokenizer.json")
+    monkeypatch.setattr("uvicorn.run", lambda app, **_: pytest.fail("served"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "-c", str(tmp_path / "m"), "--compile", "off", "--max-context", "4096"])
+    assert exit_info.value.code == 2
+    assert "past the model's max_position_embeddings (512)" in " ".join(capsys.readouterr().err.split())

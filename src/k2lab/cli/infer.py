@@ -349,7 +349,7 @@ def serve(
     from k2lab.model_dir import check_model_directory, load_model
     from k2lab.serve import Engine
     from k2lab.serve.background_compile import background_compiles
-    from k2lab.serve.server import build_app
+    from k2lab.serve.server import build_app, context_limit
     from k2lab.serve.threads import hand_threads_to_engine
 
     if not (check_model_directory(checkpoint) / "tokenizer.json").is_file():
@@ -360,6 +360,7 @@ def serve(
     if hasattr(model, "language_model"):  # images are not served yet: text through the decoder
         console.print("vision-language checkpoint: its vision tower is not served (text only)")
         model = model.language_model
+    context_limit(config.max_context, model.config)  # before the engine starts
     background = background_compiles(config.compile, next(model.parameters()).device.type)
     compile = "on" if background else config.compile  # what decoding becomes, for the choices below
     drafter = _choose_draft(checkpoint, model, None, config.speculative, compile)

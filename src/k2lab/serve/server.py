@@ -42,7 +42,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k2lab.config import ModelConfig
 from k2lab.data.tokenizer import Tokenizer
+from k2lab.errors import K2LabError
 from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
 from k2lab.runtime.chat_format import chat_format_for
 from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar
@@ -291,6 +293,19 @@ class _State:
         return text
 
 
+def context_limit(max_context: int | None, config: ModelConfig) -> int:
+    """The served prompt + completion limit: ``max_context``, at most the model's ``max_position_embeddings``
+    (its default), which a longer one would pass with positions the model was not built for (``K2LabError``;
+    an engine such as vLLM refuses it too)."""
+    positions = config.max_position_embeddings
+    if max_context is not None and max_context > positions:
+        raise K2LabError(
+            f"--max-context {max_context} is past the model's max_position_embeddings ({positions}): it would "
+            f"serve positions the model was not built for; give at most {positions}"
+        )
+    return max_context or positions
+
+
 def build_app(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -300,9 +315,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (which must be started)."""
     app = FastAPI(title="k2lab", version="1")
-    state = _State(
-        engine, tokenizer, model_name, api_key, max_context or engine.config.max_position_embeddings
-    )
+    state = _State(engine, tokenizer, model_name, api_key, context_limit(max_context, engine.config))
     app.state.k2lab = state
 
     @app.exception_handler(APIError)
