@@ -48,6 +48,12 @@ def test_cached_decode_equals_full_forward(model):
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-3, rtol=1e-4)
 
 
+def test_a_one_tap_short_conv_caches_and_decodes():
+    """linear_conv_kernel_dim = 1 (valid: gt 0) keeps no history; a cached prefill of more than one token
+    crashed copying the whole window into the empty conv state."""
+    test_cached_decode_equals_full_forward(hybrid(linear_conv_kernel_dim=1))
+
+
 def test_left_padded_batch_equals_each_alone(model):
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [99]]
     config = GenerationConfig(max_new_tokens=8)

@@ -53,6 +53,14 @@ def test_conv_history_steps():
     assert steps[0, 2].tolist() == [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
 
 
+def test_a_one_tap_conv_keeps_an_empty_history():
+    x, weight = torch.randn(2, 5, 3), torch.randn(3, 1, 1)
+    y, state = causal_short_conv(x, weight)
+    assert state.shape == (2, 3, 0)  # was (2, 3, 5): [-(W - 1):] with W = 1 is the whole window
+    torch.testing.assert_close(y, x * weight[:, 0, 0])
+    assert conv_history_steps(x, state).shape == (2, 5, 3, 0)
+
+
 def test_document_conv_equals_each_document_alone():
     """The packed-window short convolution against the plain one run on every document alone (zero history),
     in fp32 and bf16, values and gradients, with documents shorter than the kernel and a window of T < W."""

@@ -86,12 +86,14 @@ def causal_short_conv(
     history = x_bct.new_zeros(B, C, width - 1) if state is None else state.to(x.dtype)
     padded = torch.cat((history, x_bct), dim=-1)  # [B, C, W−1+T]
     y = F.conv1d(padded, weight.to(x.dtype), groups=C)
-    return y.transpose(1, 2), padded[:, :, -(width - 1) :]
+    return y.transpose(1, 2), padded[:, :, padded.shape[-1] - (width - 1) :]  # W = 1: empty, not all
 
 
 def conv_history_steps(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """The short-convolution state after every token: x [B, T, C] (inputs), state [B, C, W−1] (before the
     window) -> [B, T, C, W−1], entry t = the last W−1 inputs up to and including token t."""
+    if state.shape[-1] == 0:  # W = 1: no history to keep
+        return x.new_zeros(*x.shape, 0)
     padded = torch.cat((state.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, W−1+T]
     return padded.unfold(-1, state.shape[-1], 1)[:, :, 1:].transpose(1, 2)
 
