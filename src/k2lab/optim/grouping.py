@@ -7,6 +7,10 @@
            position grid (not matrices) (AdamW β = (0.9, 0.95)); the vision tower's linear layers go to Muon
     none   the router's ``e_score_correction_bias`` is a buffer: no gradient, moved by the load balancer
 
+KDA's ``A_log`` and ``dt_bias`` (the forget gate's decay rate and time step) take no weight decay, as the
+reference layer marks them (flash-linear-attention's ``KimiDeltaAttention``: ``_no_weight_decay``): decay
+would pull the gate's rates towards 0 wherever the gradient does not push back.
+
 With ``per_head_muon`` (K3), the query projection is orthogonalised per head block [q_nope_h; q_rope_h],
 the key/value up-projection per head and per part ([k_nope_h], [v_h]), and KDA's q/k/v projections per head.
 """
@@ -74,6 +78,9 @@ def _is_adamw_parameter(name: str, parameter: torch.Tensor) -> bool:
     )
 
 
+NO_DECAY = ("forget_gate.A_log", "forget_gate.dt_bias")  # KDA's gate parameters (module docstring)
+
+
 def _head_row_blocks(model: torch.nn.Module) -> dict[int, list[int]]:
     """Per-head row blocks for each attention q / kv up-projection weight, keyed by ``id(weight)``."""
     blocks: dict[int, list[int]] = {}
@@ -98,7 +105,7 @@ def parameter_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[di
         if not parameter.requires_grad:
             continue
         if config.name == "adamw" or _is_adamw_parameter(name, parameter):
-            key: tuple = ("adamw",)
+            key: tuple = ("adamw", name.endswith(NO_DECAY))
         else:
             key = ("muon", tuple(head_blocks.get(id(parameter), ())))
         buckets[key].append(parameter)
@@ -110,6 +117,8 @@ def parameter_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[di
             groups.append(
                 dict(params=params, kind="adamw", lr=adamw_lr, betas=config.betas, adam_eps=config.adam_eps)
             )
+            if key[1]:
+                groups[-1]["weight_decay"] = 0.0
         else:
             groups.append(dict(params=params, kind="muon", row_blocks=list(key[1]) or None))
         groups[-1]["names"] = names[key]
@@ -144,6 +153,7 @@ def print_grouping(optimizer: Muon, config: OptimizerConfig, console: Console | 
         table.add_column(column, justify="right" if column in ("tensors", "parameters", "lr") else "left")
     for group in optimizer.param_groups:
         label = group["kind"] + (" (per-head)" if group.get("row_blocks") else "")
+        label += " (no decay)" if group["weight_decay"] == 0 and config.weight_decay else ""
         examples = ", ".join(sorted({n.split(".", 2)[-1] for n in group["names"]})[:3])
         table.add_row(
             label,

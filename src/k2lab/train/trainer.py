@@ -249,7 +249,8 @@ def _fitting(what: str, state: dict) -> Iterator[None]:
         detail = next((line.strip() for line in lines if "mismatch" in line), lines[0] if lines else "")
         raise CheckpointError(
             f"the checkpoint at step {state.get('step')} does not fit this run's {what} ({detail}): resume "
-            "with the preset, model settings and optimizer the run was started with"
+            "with the preset, model settings and optimizer the run was started with (and the k2lab version that "
+            "wrote it, if a newer one groups the parameters differently)"
         ) from error
 
 
