@@ -8,8 +8,10 @@ One call per training step, after ``loss.backward()``::
 Telemetry (a flat dict the trainer logs as is):
 
     max_logit               max over layers and heads of S_max^h, before clipping
-    max_logit_clipped       the same batch's max after clipping: min(S_max^h, τ) per head (clipping scales
-                            every logit of a head by exactly γ_h, so this is exact, not an estimate)
+    max_logit_clipped       min(S_max^h, τ) over heads: the batch's max on the weights it was measured on,
+                            after clipping (γ_h scales every logit of a head exactly). The clip scales the
+                            weights after this step's Muon update, so the same batch on the final weights
+                            differs by what the update moved (the next step's max_logit shows it)
     max_logit/layer{i}      per-layer max over heads
     qk_clipped_heads        heads rescaled this step
     qk_clip_ever_frac       fraction of heads ever clipped (K2 report: 12.7% over its run)

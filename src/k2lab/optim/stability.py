@@ -2,7 +2,8 @@
 
 The model memorises one fixed random batch with a large learning rate, which drives attention logits up
 quickly. With plain Muon the per-head maximum runs past τ; with MuonClip each head is pulled back to τ
-after every update, so the next step's maximum sits near τ and the clipped maximum never exceeds it.
+after every update, so the next step's maximum sits near τ (the telemetry's clipped maximum, min(S_max, τ) on
+the weights the batch was measured on, never exceeds it; the update applied in the same step moves it a little).
 """
 
 from __future__ import annotations
