@@ -59,7 +59,8 @@ class PrefixCache:
 
     ``needs_kda``: the model has KDA layers, so a prefix ends only at a block carrying KDA states.
     Counters: ``hits`` / ``misses`` (blocks looked up and reused or recomputed: on a hybrid model a block
-    found past the prefix's last KDA states is a miss), ``hit_tokens`` (prompt tokens not recomputed), ``query_tokens`` (prompt tokens looked up), ``evictions`` (blocks), ``bytes``.
+    found past the prefix's last KDA states is a miss), ``hit_tokens`` (prompt tokens not recomputed),
+    ``query_tokens`` (prompt tokens looked up), ``evictions`` (blocks), ``bytes``.
     """
 
     def __init__(self, capacity_bytes: int, block_size: int = 16, needs_kda: bool = False) -> None:

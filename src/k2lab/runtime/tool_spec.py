@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from k2lab.errors import K2LabError
+from k2lab.runtime.schema_bounds import DATA_KEYS
 
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
@@ -76,7 +77,6 @@ INDENT = "  "
 MAX_REF_DEPTH = 8  # references inlined inside one another
 MAX_REF_EXPANSIONS = 256  # references inlined in one declaration
 REF_KEYWORDS = ("$ref", "$dynamicRef")
-DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # hold instances, not schemas
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
@@ -289,7 +289,7 @@ def _ref_problems(
     for key, value in node.items():
         if not schema_map and key in REF_KEYWORDS and isinstance(value, str):
             problems += _lookup_problem(resolver, value, f"{path}/{key}")
-        elif schema_map or key not in DATA_KEYWORDS:
+        elif schema_map or key not in DATA_KEYS:
             child_is_map = not schema_map and key in SCHEMA_MAPS
             problems += _ref_problems(value, f"{path}/{key}", resolver, specification, child_is_map)
     return problems
