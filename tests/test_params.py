@@ -103,6 +103,8 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch):
         params.check_fits_in_memory(nano, "training", copies=3)
     with pytest.raises(K2LabError, match="a stability run needs"):
         stability_run(nano, OptimizerConfig(), steps=1)
+    with pytest.raises(K2LabError, match=r"^k25-nano \(language model k2-nano\) has"):  # the preset asked for
+        params.check_fits_in_memory(nano, "training", copies=3, name="k25-nano")
     monkeypatch.setattr(params, "available_memory", lambda: None)  # unknown: no refusal
     params.check_fits_in_memory(load_preset("k2"), "training", copies=3)
 

@@ -168,15 +168,18 @@ def available_memory() -> int | None:
     return None
 
 
-def check_fits_in_memory(config: ModelConfig, what: str, copies: int = 1) -> None:
+def check_fits_in_memory(config: ModelConfig, what: str, copies: int = 1, name: str | None = None) -> None:
     """Refuse (``K2LabError``) to build ``config`` for ``what`` where ``copies`` fp32 copies of its parameters
     (weights, gradients, optimizer state) exceed the memory available: ``k2lab train --preset k2`` tried to
-    allocate terabytes and ended in the allocator's traceback."""
+    allocate terabytes and ended in the allocator's traceback. ``name``: what the user asked for (a
+    vision-language preset whose language model ``config`` is), by default ``config.name``."""
     total = count_parameters(config).total
     need, available = 4 * copies * total, available_memory()
     if available is not None and need > available:
+        shown = config.name or "this model"
+        shown = f"{name} (language model {shown})" if name and name != config.name else shown
         raise K2LabError(
-            f"{config.name or 'this model'} has {humanize(total)} parameters: {what} needs about "
+            f"{shown} has {humanize(total)} parameters: {what} needs about "
             f"{need / 1e9:,.1f} GB ({copies} fp32 cop{'y' if copies == 1 else 'ies'}) and this machine has "
             f"{available / 1e9:,.1f} GB available; the mini presets train on a CPU (`k2lab presets`)"
         )

@@ -59,7 +59,7 @@ def test_bad_checkpoints(tmp_path, setup, fragments):
 
 def test_invalid_values(tmp_path):
     assert k2lab("init", "--preset", "k2-nano", "--out", str(tmp_path / "n")).returncode == 0
-    assert_clean_error(k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "a b"), "token ids")
+    assert_clean_error(k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "a b"), "no tokenizer.json")
     assert_clean_error(k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "1", "--top-p", "2"), "top_p")
     assert_clean_error(
         k2lab("generate", "-c", str(tmp_path / "n"), "--prompt", "500"), "outside the model's vocabulary"

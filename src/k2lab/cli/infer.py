@@ -27,11 +27,12 @@ app.add_typer(draft_app, name="draft")
 
 
 def parse_token_ids(text: str) -> list[int]:
-    """'1 2 3' or '1,2,3' -> [1, 2, 3] (token ids until a tokenizer is attached)."""
+    """'1 2 3' or '1,2,3' -> [1, 2, 3] (the prompts of a checkpoint without a tokenizer.json)."""
     parts = [part for part in re.split(r"[\s,]+", text.strip()) if part]
     if not parts or not all(part.isdigit() for part in parts):
         raise K2LabError(
-            f"--prompt must be token ids separated by spaces or commas (e.g. '1 2 3'), got {text!r}"
+            "this checkpoint has no tokenizer.json, so --prompt must be token ids separated by spaces or "
+            f"commas (e.g. '1 2 3'), got {text!r}"
         )
     return [int(part) for part in parts]
 

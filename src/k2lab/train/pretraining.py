@@ -80,7 +80,7 @@ class PretrainingData(StagedData):
         tokenizer's special ids among its model overrides."""
         # before the corpus and the tokenizer: a full-size preset cannot be built on this machine
         language = language_model_config(config.preset, **config.model_overrides)  # a VLM's decoder
-        check_fits_in_memory(language, "training", copies=3)
+        check_fits_in_memory(language, "training", copies=3, name=config.preset)
         corpus = load_corpus(config.data, max_bytes=config.data_max_bytes)
         if not corpus.val:  # before the tokenizer is trained: validation would find no text
             raise K2LabError(
