@@ -1,5 +1,8 @@
+import math
+
 import pytest
 import torch
+from pydantic import ValidationError
 
 from k2lab import build_model, load_preset
 from k2lab.infer import GenerationConfig, generate
@@ -252,3 +255,11 @@ def test_a_vision_language_model_never_samples_a_media_placeholder(preset):
     for temperature in (0.0, 1.0):
         out = generate(model, [[5, 6, 7]], GenerationConfig(max_new_tokens=12, temperature=temperature))
         assert len(out[0]) == 12 and not {config.image_token_id, config.video_token_id} & set(out[0])
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_sampling_numbers_are_finite(field, value):
+    """A temperature of inf was accepted and sampled uniformly."""
+    with pytest.raises(ValidationError, match="finite number"):
+        GenerationConfig(**{field: value})

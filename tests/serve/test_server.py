@@ -260,6 +260,27 @@ def test_bad_requests_get_openai_error_bodies(server, body, status, needle):
     assert needle.lower() in error["message"].lower() and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("choice", "tools", "needle"),
+    [
+        ({"type": "function", "function": {"name": "nowhere"}}, True, "not among the tools"),
+        ("required", False, "needs at least one tool"),
+    ],
+)
+def test_a_tool_choice_the_tools_cannot_give_names_tool_choice(server, choice, tools, needle):
+    """It named param 'tools', though the tools were fine and tool_choice asked for what they lack."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"model": "nano", "messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
+    response = httpx.post(
+        server[0] + "/v1/chat/completions",
+        json=body | ({"tools": [tool]} if tools else {}),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and error["param"] == "tool_choice"
+
+
 def test_api_key_is_required(server):
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

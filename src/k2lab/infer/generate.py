@@ -28,9 +28,10 @@ from k2lab.infer.prefix_cache import PrefixCache
 
 
 class GenerationConfig(BaseModel):
-    """``temperature == 0`` is greedy decoding; ``top_p < 1`` keeps the smallest set of tokens with that mass."""
+    """``temperature == 0`` is greedy decoding; ``top_p < 1`` keeps the smallest set of tokens with that mass.
+    Numbers are finite (a temperature of inf was accepted and sampled uniformly)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_new_tokens: int = Field(default=16, gt=0)
     temperature: float = Field(default=0.0, ge=0)

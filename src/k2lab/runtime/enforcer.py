@@ -72,6 +72,7 @@ __all__ = [
     "Markup",
     "ToolCallConstraint",
     "ToolCallGrammar",
+    "ToolChoiceError",
     "lark_string",
     "ll_tokenizer",
     "pack_token_mask",
@@ -110,6 +111,11 @@ def unpack_token_mask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class GrammarError(K2LabError):
     """A tool's schema or the tool set cannot be compiled into a decoding grammar."""
+
+
+class ToolChoiceError(GrammarError):
+    """``tool_choice`` asks for what the declared tools cannot give (an undeclared function, "required"
+    without tools, an unknown mode): the request's ``tool_choice`` is at fault, not its ``tools``."""
 
 
 @lru_cache(maxsize=8)
@@ -340,16 +346,18 @@ class ToolCallGrammar:
             name = (tool_choice.get("function") or {}).get("name")
             tools = [t for t in tools if tool_name(t) == name]
             if not tools:
-                raise GrammarError(f"tool_choice names the function {name!r}, which is not among the tools")
+                raise ToolChoiceError(
+                    f"tool_choice names the function {name!r}, which is not among the tools"
+                )
             forced = True
         elif tool_choice == "required":
             if not tools:
-                raise GrammarError('tool_choice "required" needs at least one tool')
+                raise ToolChoiceError('tool_choice "required" needs at least one tool')
             forced = True
         elif tool_choice == "none":
             allowed = False
         elif tool_choice != "auto":
-            raise GrammarError(
+            raise ToolChoiceError(
                 f'tool_choice must be "auto", "none", "required" or a function, not {tool_choice!r}'
             )
         special = tokenizer.special_tokens

@@ -47,7 +47,7 @@ from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
 from k2lab.runtime.chat_format import chat_format_for
-from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar
+from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar, ToolChoiceError
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.completions import add_completion_routes
 from k2lab.serve.config import DEFAULT_MAX_TOKENS
@@ -361,7 +361,8 @@ def build_app(
         try:  # rendering and tokenizing off the event loop: a long prompt must not stall /health and streams
             completion = await in_worker_thread(_Completion, state, body)
         except (ToolSpecError, GrammarError) as error:
-            raise APIError(400, str(error), "invalid_request_error", "tools") from error
+            param = "tool_choice" if isinstance(error, ToolChoiceError) else "tools"
+            raise APIError(400, str(error), "invalid_request_error", param) from error
         if body.stream:
             return StreamingResponse(_stream(completion), media_type="text/event-stream")
         return await _complete(completion, request)
