@@ -73,3 +73,12 @@ def test_every_fresh_models_state_is_finite(preset: str, tmp_path: Path):
         else build_model(load_preset(preset))
     )
     assert load_model(save_model(model, tmp_path / "model")) is not None  # no buffer legitimately infinite
+
+
+def test_a_load_puts_back_a_model_a_killed_save_left_hidden(saved: Path):
+    """A save killed between its swap's two renames leaves the previous model as .NAME.old.xxxxxxxx/NAME:
+    from_hf and export put it back; load_model said the directory did not exist."""
+    hidden = saved.parent / f".{saved.name}.old.abcd1234"
+    hidden.mkdir()
+    saved.rename(hidden / saved.name)
+    assert load_model(saved) is not None and saved.is_dir() and not (hidden / saved.name).exists()

@@ -27,7 +27,13 @@ from safetensors.torch import load_file
 
 from k2lab.config import ModelConfig, format_validation_error
 from k2lab.errors import CheckpointError
-from k2lab.fsutil import check_format_version, read_json_object, save_tensors, staged_directory
+from k2lab.fsutil import (
+    check_format_version,
+    read_json_object,
+    recover_directory,
+    save_tensors,
+    staged_directory,
+)
 from k2lab.hf import from_hf
 from k2lab.hf.io import check_finite, listing
 from k2lab.models import CausalLM, build_model
@@ -68,8 +74,11 @@ def save_model(model: CausalLM | VisionLanguageModel, directory: str | os.PathLi
 
 def check_model_directory(directory: str | os.PathLike[str]) -> Path:
     """``directory`` as a path, or a ``CheckpointError`` when it does not exist or is a file; call it before
-    looking for a file inside (a missing directory is not a missing tokenizer.json)."""
+    looking for a file inside (a missing directory is not a missing tokenizer.json). A directory that a write
+    killed between the two renames of its swap left hidden beside it is put back first (``recover_directory``,
+    as ``from_hf`` and ``export`` do)."""
     path = Path(directory)
+    recover_directory(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():
