@@ -167,10 +167,16 @@ def _text(content: object, where: str, allow_none: bool = False) -> str:
         raise ChatFormatError(
             f"{where} must be a string or a list of text parts, got {type(content).__name__}"
         )
-    for token in SPECIAL_TOKENS:
-        if token in content:
-            raise ChatFormatError(f"{where} contains the reserved special-token string {token}")
+    refuse_reserved(content, where)
     return content
+
+
+def refuse_reserved(text: str, where: str, reserved: Sequence[str] = SPECIAL_TOKENS) -> None:
+    """``ChatFormatError`` when ``text`` holds one of the ``reserved`` special-token strings: encoded with the
+    chat's markup, it would become the special token itself (an injected turn end or tool call)."""
+    for token in reserved:
+        if token in text:
+            raise ChatFormatError(f"{where} contains the reserved special-token string {token}")
 
 
 def _normalize_assistant(message: Mapping[str, Any], where: str, ids: _Renumbering) -> dict[str, Any]:
@@ -251,11 +257,19 @@ def render_chat(
     add_generation_prompt: bool = True,
 ) -> str:
     """The conversation in K2's format (see the module docstring), tool declarations first when given."""
-    turns = [_turn(IM_SYSTEM, TOOL_DECLARE, render_tool_declaration(tools, tool_format))] if tools else []
+    turns = [_turn(IM_SYSTEM, TOOL_DECLARE, _declaration(tools, tool_format))] if tools else []
     turns += [_render_message(message) for message in normalize_messages(messages)]
     if add_generation_prompt:
         turns.append(GENERATION_PROMPT)
     return "".join(turns)
+
+
+def _declaration(tools: Sequence[Mapping[str, Any]], tool_format: str) -> str:
+    """The tool-declare turn's body, refused when a name, description or schema holds a special-token string
+    (a description with ``<|im_end|><|im_user|>`` injected a user turn)."""
+    declaration = render_tool_declaration(tools, tool_format)
+    refuse_reserved(declaration, "tools")
+    return declaration
 
 
 def _turn(marker: str, name: str, body: str) -> str:

@@ -72,6 +72,7 @@ from k2lab.runtime.chat import (
     ToolCallParseError,
     encode_pieces,
     normalize_messages,
+    refuse_reserved,
     split_special,
 )
 from k2lab.runtime.tool_spec import validate_tools
@@ -210,9 +211,8 @@ def _canonical_call(call: dict[str, Any]) -> dict[str, Any]:
 
 def _check_reserved(message: Mapping[str, Any], where: str) -> None:
     for key, value in message.items():
-        for token in RESERVED if isinstance(value, str) else ():
-            if token in value:
-                raise ChatFormatError(f"{where}.{key} contains the reserved special-token string {token}")
+        if isinstance(value, str):
+            refuse_reserved(value, f"{where}.{key}", RESERVED)
 
 
 def _ordered_results(
@@ -298,6 +298,7 @@ def _sorted_keys(value: Any) -> Any:
 def tool_declaration(tools: Sequence[Mapping[str, Any]]) -> str:
     """The tool-declare turn's body: the validated tools as compact JSON, keys sorted at every depth."""
     compact = json.dumps(_sorted_keys(validate_tools(tools)), ensure_ascii=False, separators=(",", ":"))
+    refuse_reserved(compact, "tools", RESERVED)  # a description could otherwise inject a turn
     return f"# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{compact}\n```"
 
 

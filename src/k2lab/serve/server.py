@@ -160,8 +160,9 @@ class _Completion:
         fmt = app_state.chat_format
         try:
             prompt_text = fmt.render_chat(body.messages, tools=tools, tool_choice=body.tool_choice)
-        except ChatFormatError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from error
+        except ChatFormatError as error:  # a message, or the tool declarations ("tools contains ...")
+            param = "tools" if str(error).startswith("tools ") else "messages"
+            raise APIError(400, str(error), "invalid_request_error", param) from error
         check_unicode(prompt_text, "messages")
         self.prompt = app_state.tokenizer.encode(prompt_text)
         budget = _budget(body, len(self.prompt), app_state.max_context)
