@@ -111,6 +111,19 @@ def test_split_is_deterministic_disjoint_and_by_file(tmp_path, corpus):
     assert load_corpus(copy, val_fraction=0.1).fingerprint != corpus.fingerprint
 
 
+def test_jsonl_strings_may_hold_raw_line_separators(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+0085 and form feeds raw; splitlines() cut the records."""
+    texts = ["a\u2028b", "c\u0085d", "e\x0cf"]
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\n"
+    )
+    (tmp_path / "b.txt").write_text("plain text")
+    loaded = load_corpus(tmp_path, val_fraction=0.5)
+    assert {d.path: d.text for d in loaded.train + loaded.val if d.path.startswith("a")} == {
+        f"a.jsonl:{i}": t for i, t in enumerate(texts, start=1)
+    }
+
+
 def test_jsonl_records_are_documents_of_one_split(tmp_path):
     lines = [json.dumps({"text": f"record {i}", "id": i}) for i in range(3)]
     (tmp_path / "a.jsonl").write_text("\n".join([lines[0], "", lines[1], lines[2]]) + "\n")
@@ -394,6 +407,16 @@ def test_a_resume_mismatch_says_which_value_is_the_checkpoints():
     saved = PackedBatches(docs("ab", "cd", "ef"), CharTokenizer(), batch_size=1, seq_len=2).state_dict()
     with pytest.raises(K2LabError, match="the checkpoint's data stream has num_docs 3, this run's has 2;"):
         PackedBatches(docs("ab", "cd"), CharTokenizer(), batch_size=1, seq_len=2).load_state_dict(saved)
+
+
+def test_a_state_past_its_document_is_refused_not_read_forever():
+    """A tokenizer that changed under the same file (same vocabulary size) gave fewer tokens per document; the
+    saved offset then lay past the document's end, and the next batch never came (an empty slice, forever)."""
+    stream = PackedBatches(docs("abcdef", "gh"), CharTokenizer(), batch_size=1, seq_len=2)
+    next(stream)
+    state = stream.state_dict() | {"offset": 50}
+    with pytest.raises(K2LabError, match="points at token 50 of document 0, which has 7 tokens now"):
+        PackedBatches(docs("abcdef", "gh"), CharTokenizer(), batch_size=1, seq_len=2).load_state_dict(state)
 
 
 def test_validation_batches_are_fixed_and_unshuffled():

@@ -192,7 +192,9 @@ def parse_documents(relative: str, text: str, root: Path) -> list[Document]:
     if not relative.endswith(".jsonl"):
         return [Document(relative, text)]
     documents = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON lines end at \n only: str.splitlines also splits at U+2028, U+0085 or a form feed, which JSON
+    # strings may hold raw (json.dumps(..., ensure_ascii=False) writes them), and broke valid records
+    for number, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             record = parse_record(line, root / relative, number)
             if record:

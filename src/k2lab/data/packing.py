@@ -145,7 +145,14 @@ class PackedBatches:
         """Continue from ``state``; a state from another stream is a ``K2LabError`` naming the mismatch."""
         keys = ("version", "seed", "shuffle", "seq_len", "num_docs", "documents")
         check_resumed_state("data stream", self.state_dict(), state, keys)
-        self.epoch, self.index, self.offset = int(state["epoch"]), int(state["index"]), int(state["offset"])
+        epoch, index, offset = int(state["epoch"]), int(state["index"]), int(state["offset"])
+        length = len(self._tokens()[self._document(epoch, index)]) if 0 <= index < len(self.docs) else 0
+        if epoch < 0 or not 0 <= offset < length:  # a corpus or tokenizer changed under the same names
+            raise K2LabError(
+                f"the data state points at token {offset} of document {index}, which has {length} tokens now: "
+                "the corpus or the tokenizer changed since the checkpoint; resume with the ones it was made with"
+            )
+        self.epoch, self.index, self.offset = epoch, index, offset
         self.batches = int(state["batches"])
 
     def _next_window(self) -> tuple[np.ndarray, np.ndarray]:
