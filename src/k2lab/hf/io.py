@@ -656,24 +656,22 @@ def _disk_dtype(key: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> to
     return dtype
 
 
-def _write_generation_config(staging: Path, config: ModelConfig) -> set[str]:
-    """``generation_config.json`` with the config's bos / eos / pad ids, when it has any; the files written."""
+def _write_generation_config(staging: Path, config: ModelConfig) -> None:
+    """``generation_config.json`` with the config's bos / eos / pad ids, when it has any."""
     generation = {
         key: getattr(config, key)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id")
         if getattr(config, key) is not None
     }
-    if not generation:
-        return set()
-    (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
-    return {GENERATION_CONFIG_FILE}
+    if generation:
+        (staging / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _write_weights(
     staging: Path, items: Sequence[tuple[str, torch.Tensor, torch.dtype]], max_shard_bytes: int | None
-) -> set[str]:
+) -> None:
     """The (name, tensor, disk dtype) ``items`` as one ``model.safetensors``, or as shards of at most
-    ``max_shard_bytes`` with ``model.safetensors.index.json``; the files written."""
+    ``max_shard_bytes`` with ``model.safetensors.index.json``."""
     sizes = [tensor.numel() * disk_dtype.itemsize for _, tensor, disk_dtype in items]
     shards = _pack_shards(sizes, max_shard_bytes)
     names = (
@@ -686,11 +684,9 @@ def _write_weights(
         shard = [items[i] for i in members]
         _write_safetensors(staging / name, shard, metadata={"format": "pt"})
         weight_map.update({key: name for key, _, _ in shard})
-    if len(shards) == 1:
-        return set(names)
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return {*names, INDEX_FILE}
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _pack_shards(sizes: Sequence[int], max_shard_bytes: int | None) -> list[list[int]]:
