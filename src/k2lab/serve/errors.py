@@ -7,11 +7,10 @@ import json
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["APIError", "check_model", "check_unicode", "error_body", "parse_body", "validation_message"]
+__all__ = ["APIError", "check_model", "check_unicode", "error_body", "parse_body"]
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -73,11 +72,11 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        message, param = validation_message(error)
+        message, param = _validation_message(error)
         raise APIError(400, message, param=param) from error
 
 
-def validation_message(error: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(error: ValidationError) -> tuple[str, str | None]:
     """(message, param) of a request's first validation error; param is the field's path (``messages.0.role``)
     without pydantic's tags for the member of a union it tried (``tool_choice.literal[...]``, ``stop.str``)."""
     first = error.errors()[0]

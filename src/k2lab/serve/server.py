@@ -37,7 +37,6 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -59,7 +58,6 @@ from k2lab.serve.errors import (
     check_unicode,
     error_body,
     parse_body,
-    validation_message,
 )
 from k2lab.serve.threads import in_worker_thread
 
@@ -322,11 +320,6 @@ def build_app(
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(error)
-        return error_body(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
