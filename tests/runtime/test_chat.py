@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from k2lab.data.corpus import load_corpus
-from k2lab.data.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.runtime.chat import (
     GENERATION_PROMPT,
@@ -595,3 +596,27 @@ def test_a_tool_declaration_holding_a_special_token_string_is_refused(tool_forma
         render_chat(
             [{"role": "user", "content": "hi"}], [{"type": "function", "function": function}], tool_format
         )
+
+
+def with_reserved_token(tokenizer: Tokenizer, token: str = "<|reserved_token_7|>") -> Tokenizer:
+    """A copy of ``tokenizer`` with one more special token that no chat format writes, as imported tokenizers
+    carry (Kimi K2's has 256 reserved ones)."""
+    backend = tokenizers.Tokenizer.from_str(tokenizer.backend.to_str())
+    backend.add_special_tokens([token])
+    return Tokenizer(backend)
+
+
+def test_a_foreign_special_token_string_in_a_message_stays_text(tokenizer):
+    """A message holding an imported tokenizer's reserved special-token string encoded it as that special id
+    (the text was split at every special token); only the format's markup is special now."""
+    extended = with_reserved_token(tokenizer)
+    reserved = extended.special_tokens["<|reserved_token_7|>"]
+    messages = [
+        {"role": "user", "content": "a <|reserved_token_7|> b"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    encoding = encode_chat(extended, messages)
+    assert reserved not in encoding.ids
+    assert extended.decode(encoding.ids) == render_chat(messages, add_generation_prompt=False)
+    plain = encode_chat(tokenizer, messages)  # the reserved string costs its text's tokens, markup unchanged
+    assert encoding.ids == plain.ids and encoding.assistant_mask == plain.assistant_mask

@@ -26,7 +26,7 @@ from k2lab.runtime.chat_k3 import (
     with_k3_tokens,
 )
 from k2lab.runtime.chat_k3_parse import parse_assistant_k3, parse_chat_k3
-from tests.runtime.test_chat import CONVERSATION, FRAGMENTS, NAMES, WEATHER, call
+from tests.runtime.test_chat import CONVERSATION, FRAGMENTS, NAMES, WEATHER, call, with_reserved_token
 
 mlx_k3 = pytest.importorskip("mlx_lm.tool_parsers.kimi_k3")
 
@@ -274,6 +274,20 @@ def test_encode_chat_k3_ids_and_assistant_mask(small_tokenizer):
     assert not any(fmt.encode_chat(tokenizer, CONVERSATION[:2], add_generation_prompt=True).assistant_mask)
     with pytest.raises(K2LabError, match="lacks K3's chat tokens"):
         fmt.encode_chat(small_tokenizer, CONVERSATION)
+
+
+def test_a_foreign_special_token_string_in_a_k3_message_stays_text(small_tokenizer):
+    """As for K2 (test_chat): only K3's markup is encoded as special ids, not an imported reserved token."""
+    tokenizer = with_k3_tokens(small_tokenizer)
+    extended = with_reserved_token(tokenizer)
+    messages = [
+        {"role": "user", "content": "a <|reserved_token_7|> b"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    encoding = K3ChatFormat().encode_chat(extended, messages)
+    assert extended.special_tokens["<|reserved_token_7|>"] not in encoding.ids
+    assert extended.decode(encoding.ids) == render_chat_k3(messages, add_generation_prompt=False)
+    assert encoding.ids == K3ChatFormat().encode_chat(tokenizer, messages).ids
 
 
 def test_a_tool_declaration_holding_a_special_token_string_is_refused():

@@ -76,6 +76,9 @@ CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = (
     "<|tool_call_end|>",
 )
 THINK_BEGIN, THINK_END = "<think>", "</think>"
+# The strings K2's chat format writes as markup: encode_chat encodes these (where the tokenizer has them as
+# special tokens) as special ids, and any other text as text.
+MARKUP = (*SPECIAL_TOKENS, THINK_BEGIN, THINK_END)
 GENERATION_PROMPT = f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
 RETURN_PREFIX = "## Return of "
 TOOL_DECLARE = "tool_declare"
@@ -484,9 +487,11 @@ def encode_chat(
 
     The mask is True for the tokens of each assistant turn's body (thinking, content, tool-call section)
     and its closing ``<|im_end|>``; False for headers (``<|im_assistant|>assistant<|im_middle|>``), other
-    turns and the generation prompt. The ids equal ``tokenizer.encode(text)``: the text is split at
-    special-token strings, which the tokenizer splits at too. Messages are rendered without a generation
-    prompt by default (training data).
+    turns and the generation prompt. The text is split at the chat format's markup tokens (``MARKUP``), each
+    encoded as its special id, and the rest is encoded as text: for K2lab's own tokenizers the ids equal
+    ``tokenizer.encode(text)``; an imported tokenizer's other special tokens (reserved ids) written in a
+    message stay text instead of becoming those ids. Messages are rendered without a generation prompt by
+    default (training data).
     """
     text = (
         conversation
@@ -499,18 +504,28 @@ def encode_chat(
     ]
     if missing:
         raise K2LabError(f"the tokenizer lacks K2's chat tokens {', '.join(missing)}")
-    return encode_pieces(tokenizer, list(_pieces(text, special)))
+    markup = markup_tokens(tokenizer, MARKUP)
+    return encode_pieces(tokenizer, list(_pieces(text, markup)), markup)
 
 
-def encode_pieces(tokenizer: Tokenizer, pieces: Sequence[tuple[str, bool]]) -> ChatEncoding:
-    """Ids of text pieces (each a special-token string or plain text, as ``split_special`` cuts them) and
-    each piece's mask flag repeated over its ids; plain text is encoded with special tokens off."""
+def markup_tokens(tokenizer: Tokenizer, markup: Iterable[str]) -> dict[str, int]:
+    """The ids of the tokenizer's special tokens among ``markup`` (the strings a chat format writes as
+    markup): only these are encoded as special ids, so a special-token string of an imported tokenizer
+    that no format writes (e.g. a reserved token) stays text when a message holds it."""
     special = tokenizer.special_tokens
-    texts = iter(tokenizer.encode_batch([p for p, _ in pieces if p not in special], allow_special=False))
+    return {token: special[token] for token in markup if token in special}
+
+
+def encode_pieces(
+    tokenizer: Tokenizer, pieces: Sequence[tuple[str, bool]], markup: Mapping[str, int]
+) -> ChatEncoding:
+    """Ids of text pieces (each a ``markup`` token or plain text, as ``split_special`` cuts them) and each
+    piece's mask flag repeated over its ids; plain text is encoded with special tokens off."""
+    texts = iter(tokenizer.encode_batch([p for p, _ in pieces if p not in markup], allow_special=False))
     ids: list[int] = []
     mask: list[bool] = []
     for piece, flag in pieces:
-        piece_ids = [special[piece]] if piece in special else next(texts)
+        piece_ids = [markup[piece]] if piece in markup else next(texts)
         ids += piece_ids
         mask += [flag] * len(piece_ids)
     return ChatEncoding(ids, mask)
@@ -522,10 +537,10 @@ def split_special(text: str, special: Iterable[str]) -> list[str]:
     return [piece for piece in pattern.split(text) if piece]
 
 
-def _pieces(text: str, special: Mapping[str, int]) -> Iterable[tuple[str, bool]]:
-    """Text split at special tokens, each piece with whether it belongs to an assistant turn's body."""
+def _pieces(text: str, markup: Mapping[str, int]) -> Iterable[tuple[str, bool]]:
+    """Text split at markup tokens, each piece with whether it belongs to an assistant turn's body."""
     header, in_assistant = False, False  # header: between <|im_assistant|> and <|im_middle|>
-    for piece in split_special(text, special):
+    for piece in split_special(text, markup):
         if piece == IM_ASSISTANT:
             header = True
         elif piece == IM_MIDDLE and header:

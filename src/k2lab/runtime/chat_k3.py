@@ -71,6 +71,7 @@ from k2lab.runtime.chat import (
     ChatFormatError,
     ToolCallParseError,
     encode_pieces,
+    markup_tokens,
     normalize_messages,
     refuse_reserved,
     split_special,
@@ -341,16 +342,16 @@ def encode_chat_k3(
 
     The mask is True from the end of each assistant turn's generation prompt (``<|open|>message
     role="assistant"<|sep|>`` and the channel it opens) through its ``<|end_of_msg|>``: what the model
-    produces after that prompt. The ids equal ``tokenizer.encode(text)`` (the text is split at the special
-    tokens, as the tokenizer splits it).
+    produces after that prompt. The text is split at the format's markup tokens (``RESERVED``) only, as in
+    ``encode_chat``: an imported tokenizer's other special-token strings in a message stay text.
     """
     text = (
         conversation
         if isinstance(conversation, str)
         else render_chat_k3(conversation, tools, add_generation_prompt, thinking)
     )
-    special = tokenizer.special_tokens
-    missing = [token for token in K3_TOKENS if token not in special]
+    markup = markup_tokens(tokenizer, RESERVED)
+    missing = [token for token in K3_TOKENS if token not in markup]
     if missing:
         raise K2LabError(f"the tokenizer lacks K3's chat tokens {', '.join(missing)} (see with_k3_tokens)")
     prompt = generation_prompt(thinking)
@@ -359,10 +360,10 @@ def encode_chat_k3(
         end = text.find(END_OF_MSG, start)
         spans.append((start, len(text) if end < 0 else end + len(END_OF_MSG)))
     pieces, position = [], 0
-    for piece in split_special(text, special):
+    for piece in split_special(text, markup):
         pieces.append((piece, any(a <= position < b for a, b in spans)))
         position += len(piece)
-    return encode_pieces(tokenizer, pieces)
+    return encode_pieces(tokenizer, pieces, markup)
 
 
 # ------------------------------------------------------------------------------------------- attributes
