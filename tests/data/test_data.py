@@ -447,3 +447,12 @@ def test_unigram_baseline_matches_hand_computation():
 def test_unigram_baseline_on_a_trained_tokenizer_is_below_uniform(corpus, tokenizer):
     baseline = unigram_baseline(corpus, tokenizer)
     assert 0 < baseline < math.log(tokenizer.vocab_size)
+
+
+def test_a_lone_surrogate_is_a_clear_error(tokenizer):
+    """JSON's unpaired "\\ud800" (an SFT file, a request) or undecodable argv bytes give a str that is no
+    Unicode text: the backend refused it with a bare TypeError."""
+    with pytest.raises(K2LabError, match=r"the text contains \\ud800 at character 1, a lone surrogate"):
+        tokenizer.encode("a\ud800b")
+    with pytest.raises(K2LabError, match=r"text 1 contains \\udcff"):
+        tokenizer.encode_batch(["fine", "x\udcff"])

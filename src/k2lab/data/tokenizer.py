@@ -67,6 +67,17 @@ ROLE_NAMES = {
 }
 
 
+def refuse_surrogates(text: str, where: str) -> None:
+    """``K2LabError`` naming the first lone surrogate in ``text``: a Python ``str`` but no Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start : error.end].encode("utf-8", "backslashreplace").decode()
+        raise K2LabError(
+            f"{where} contains {bad} at character {error.start}, a lone surrogate, which is not valid Unicode"
+        ) from None
+
+
 class Tokenizer:
     """A thin wrapper over ``tokenizers.Tokenizer``: ids in, ids out, no special tokens added implicitly.
 
@@ -103,10 +114,15 @@ class Tokenizer:
         return self.encode_batch([text], allow_special)[0]
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = True) -> list[list[int]]:
-        """Token ids of each text, encoded in parallel by the Rust backend."""
+        """Token ids of each text, encoded in parallel by the Rust backend. ``K2LabError`` for a text that is
+        no Unicode text (a lone UTF-16 surrogate, as ``json.loads('"\\ud800"')`` or undecodable bytes in
+        ``sys.argv`` give), which the backend would refuse with a bare ``TypeError``."""
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            refuse_surrogates(text, f"text {i}" if len(texts) > 1 else "the text")
         self.backend.encode_special_tokens = not allow_special
         try:
-            return [e.ids for e in self.backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
         finally:
             self.backend.encode_special_tokens = False
 

@@ -10,6 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from k2lab.data.tokenizer import refuse_surrogates
+from k2lab.errors import K2LabError
+
 __all__ = ["APIError", "check_model", "check_unicode", "error_body", "parse_body"]
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -50,14 +53,11 @@ def check_model(served: str, asked: str | None) -> None:
 
 def check_unicode(text: str, param: str) -> None:
     """400 for text the tokenizer cannot take: a lone UTF-16 surrogate (JSON's ``"\\ud800"`` unpaired) is a
-    Python ``str`` but no Unicode text, and would fail inside the tokenizer as a 500."""
+    Python ``str`` but no Unicode text (``refuse_surrogates``)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        bad = text[error.start : error.end].encode("utf-8", "backslashreplace").decode()
-        raise APIError(
-            400, f"Text in {param} contains {bad}, a lone surrogate, which is not valid Unicode.", param=param
-        ) from None
+        refuse_surrogates(text, f"Text in {param}")
+    except K2LabError as error:
+        raise APIError(400, f"{error}.", param=param) from None
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
