@@ -307,14 +307,14 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
 
     threads = torch.get_num_threads()
 
-    def run(app, **_):
+    def run(app, sock):
         engines.append(app.state.k2lab.engine)
         seen.append(engines[-1].speculation)
         # the main thread runs torch single-threaded, the engine's thread takes the threads (serve.threads)
         assert torch.get_num_threads() == 1 and engines[-1].threads == threads
         torch.set_num_threads(threads)  # this test's process goes on with its own setting
 
-    monkeypatch.setattr("uvicorn.run", run)
+    monkeypatch.setattr("k2lab.serve.listen.serve_on", run)
     monkeypatch.setattr("k2lab.serve.background_compile.BackgroundCompile.start", lambda self: self)
     for name, layers in (("mtp", 1), ("plain", 0)):
         model = build_model(load_preset("k2-nano", vocab_size=300, num_nextn_predict_layers=layers))
@@ -326,7 +326,7 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
             [*compiled, "--speculative"], [])  # fmt: skip
     for flags in runs:
         with pytest.raises(SystemExit) as exit_info:
-            main(["serve", "-c", str(tmp_path / "mtp"), *flags])
+            main(["serve", "-c", str(tmp_path / "mtp"), "--port", "0", *flags])
         assert exit_info.value.code == 0
     assert [s and s.k for s in seen] == [DRAFT_TOKENS, 2, None, None, DRAFT_TOKENS, None]
     assert [s and s.sampled_drafts for s in seen] == [False, False, None, None, True, None]  # --speculative
@@ -338,5 +338,5 @@ def test_serve_command_speculates_when_the_model_has_a_draft(tmp_path, small_tok
     assert "speculative decoding off: compiled decoding on CPU is faster" in printed
     assert "decode weights: " in printed  # the compiled step's choice and its reason
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "-c", str(tmp_path / "plain"), "--speculative"])
+        main(["serve", "-c", str(tmp_path / "plain"), "--port", "0", "--speculative"])
     assert exit_info.value.code == 2 and len(seen) == 6

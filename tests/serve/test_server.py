@@ -479,9 +479,9 @@ def test_a_max_context_past_the_models_positions_is_refused(small_tokenizer, tmp
     assert context_limit(None, model.config) == 512 and context_limit(300, model.config) == 300
     save_model(model, tmp_path / "m")
     small_tokenizer.save(tmp_path / "m" / "tokenizer.json")
-    monkeypatch.setattr("uvicorn.run", lambda app, **_: pytest.fail("served"))
+    monkeypatch.setattr("k2lab.serve.listen.serve_on", lambda app, sock: pytest.fail("served"))
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "-c", str(tmp_path / "m"), "--compile", "off", "--max-context", "4096"])
+        main(["serve", "-c", str(tmp_path / "m"), "--compile", "off", "--max-context", "4096", "--port", "0"])
     assert exit_info.value.code == 2
     assert "past the model's max_position_embeddings (512)" in " ".join(capsys.readouterr().err.split())
 
@@ -496,3 +496,23 @@ def test_a_tool_description_holding_a_special_token_string_is_a_400_on_tools(ser
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert "reserved special-token string" in error["message"] and error["param"] == "tools"
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(small_tokenizer, tmp_path, capsys, monkeypatch):
+    """The server printed "serving ... on :PORT" after loading the model, then uvicorn failed to bind."""
+    import socket
+
+    from k2lab.cli import main
+    from k2lab.model_dir import save_model
+
+    save_model(build_model(load_preset("k2-nano", vocab_size=300)), tmp_path / "m")
+    small_tokenizer.save(tmp_path / "m" / "tokenizer.json")
+    monkeypatch.setattr("k2lab.model_dir.load_model", lambda *_: pytest.fail("loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "-c", str(tmp_path / "m"), "--port", str(taken.getsockname()[1])])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "cannot serve on 127.0.0.1:" in " ".join(captured.err.split()) and "serving" not in captured.out

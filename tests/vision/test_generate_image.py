@@ -85,8 +85,8 @@ def test_transparency_reaches_the_processor_and_lands_on_white(vlm_dir, small_to
 
 
 def test_serve_says_the_vision_tower_is_not_served(vlm_dir, capsys, monkeypatch):
-    monkeypatch.setattr("uvicorn.run", lambda app, **_: None)
+    monkeypatch.setattr("k2lab.serve.listen.serve_on", lambda app, sock: None)
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "-c", str(vlm_dir), "--compile", "off"])
+        main(["serve", "-c", str(vlm_dir), "--compile", "off", "--port", "0"])
     assert exit_info.value.code == 0
     assert "its vision tower is not served (text only)" in capsys.readouterr().out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -344,17 +345,25 @@ def serve(
     """Serve a checkpoint over an OpenAI-compatible API: /v1/models, /v1/chat/completions (streaming, tool
     calls constrained to the declared JSON Schemas), /health. Text only: a vision-language checkpoint is
     served through its language model, and image parts are refused."""
-    import uvicorn
-
-    from k2lab.data import load_tokenizer
-    from k2lab.model_dir import check_model_directory, load_model
-    from k2lab.serve import Engine
-    from k2lab.serve.background_compile import background_compiles
-    from k2lab.serve.server import build_app, context_limit
-    from k2lab.serve.threads import hand_threads_to_engine
+    from k2lab.model_dir import check_model_directory
+    from k2lab.serve.listen import bind
 
     if not (check_model_directory(checkpoint) / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: the server renders chats to text and back")
+    with bind(config.host, config.port) as sock:  # a port in use fails now, before the model loads
+        _serve(config, checkpoint, api_key, sock)
+
+
+def _serve(config: ServeConfig, checkpoint: Path, api_key: str | None, sock: socket.socket) -> None:
+    """Load the model, start the engine and serve on ``sock`` until interrupted."""
+    from k2lab.data import load_tokenizer
+    from k2lab.model_dir import load_model
+    from k2lab.serve import Engine
+    from k2lab.serve.background_compile import background_compiles
+    from k2lab.serve.listen import serve_on
+    from k2lab.serve.server import build_app, context_limit
+    from k2lab.serve.threads import hand_threads_to_engine
+
     threads = hand_threads_to_engine()  # one OpenMP team, the engine's
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_model(checkpoint)
@@ -387,11 +396,10 @@ def serve(
     if engine.speculation is not None and not engine.speculation.sampled_drafts:
         why = engine.speculation.sampled_reason
         console.print(f"sampled requests (temperature > 0) decode plainly: {why}", soft_wrap=True)
-    console.print(
-        f"serving {name} on http://{config.host}:{config.port}/v1 (max batch {config.max_batch}{spec})"
-    )
+    port = sock.getsockname()[1]  # the one taken for --port 0
+    console.print(f"serving {name} on http://{config.host}:{port}/v1 (max batch {config.max_batch}{spec})")
     try:
-        uvicorn.run(app_, host=config.host, port=config.port, log_level="warning")
+        serve_on(app_, sock)
     finally:
         engine.shutdown()
         if engine.background is not None and engine.background.building():

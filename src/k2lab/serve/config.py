@@ -23,7 +23,7 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field(default="127.0.0.1", description="Interface to bind (loopback by default).")
-    port: int = Field(default=8000, gt=0, lt=65536, description="TCP port.")
+    port: int = Field(default=8000, ge=0, lt=65536, description="TCP port (0: a free one, printed).")
     model_name: str | None = Field(
         default=None, description="Model id clients ask for (None: the directory name)."
     )
