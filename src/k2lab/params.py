@@ -28,7 +28,8 @@ PUBLISHED: dict[str, dict[str, object]] = {
         "active": 104.2e9,
         "note": "Kimi K3 report: 2.78T total / 104.2B activated. Gap: the report does not publish K3's "
         "KDA heads, MLA kv_lora / v width or vocabulary; we assume K2's (96×128, 512, 128, 163,840). "
-        "Our active 105.36B counts the whole 1.17B embedding table, 103.02B without it",
+        "Our active 105.36B counts both 1.17B vocabulary tables (embedding and output head); without the "
+        "input embedding (a lookup) it is 104.19B, the report's figure; without both, 103.02B",
     },
     "kimi-linear-48b-a3b": {
         "total": 48e9,
