@@ -13,7 +13,10 @@ directory or the new one) holds:
 * ``generation_config.json``: ``bos_token_id``, ``pad_token_id``, ``eos_token_id`` = [end of sequence, the end
   of a chat turn] (the ids ``k2lab serve`` stops at: ``<|im_end|>`` for K2's format, ``<|end_of_msg|>`` for
   K3's) and the sampling
-  defaults of ``k2lab generate`` (``GenerationConfig``: temperature 0 = ``do_sample`` false).
+  defaults of ``k2lab generate`` (``GenerationConfig``: temperature 0 = ``do_sample`` false);
+* for a kimi_k25 vision-language model, the processor files of ``k2lab.hf.processor_files``
+  (``processor_config.json``, ``preprocessor_config.json``, ``video_preprocessor_config.json``), from which
+  ``transformers.AutoProcessor.from_pretrained`` builds ``Kimi_K25Processor``, preprocessing as k2lab does.
 
 Every layout loads with ``k2lab.hf.from_hf``; the engines that load it depend on the layout ``to_hf`` picks
 (``k2lab.hf.formats`` / ``k2lab.hf.vlm_formats``):
@@ -50,6 +53,7 @@ from k2lab.hf.chat_template import chat_template_for
 from k2lab.hf.export_source import Choice, find_source, guarded_directory
 from k2lab.hf.gguf_export import GGUF_MAGIC, write_gguf
 from k2lab.hf.io import CONFIG_FILE, GENERATION_CONFIG_FILE, HF_MODEL_TYPES, carry_over_other_files, to_hf
+from k2lab.hf.processor_files import processor_files_for
 from k2lab.hf.quantize import Quantize
 from k2lab.hf.tokenizer_files import tokenizer_files
 from k2lab.infer.generate import GenerationConfig
@@ -212,6 +216,7 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     files[GENERATION_CONFIG_FILE] = (
         json.dumps(generation_config(tokenizer, turn_end=chat_format.turn_end), indent=2) + "\n"
     )
+    files.update(processor_files_for(model, log))  # kimi_k25: what AutoProcessor reads
     with reported_write(out, "the export"):
         return _write_repository(model, config, out, files)
 
