@@ -152,3 +152,19 @@ def test_auto_processor_preprocesses_videos_like_k2lab(k25_export: Path, ours: P
     assert torch.equal(theirs["video_grid_thw"], mine.video_grid_thw)
     assert theirs["num_chunks_per_video"].tolist() == mine.volumes_per_video == [3, 2]
     assert (theirs["pixel_values_videos"] - mine.pixel_values_videos).abs().max().item() <= PIXEL_TOL
+
+
+def test_a_text_export_over_a_vision_language_one_drops_its_processor_files(
+    k25_export: Path, model_dir: Path, tmp_path: Path
+):
+    """Files of an earlier export that the new one does not write are carried over (a README, eval results);
+    the processor files describe the old model's preprocessing, so a text model written over it drops them."""
+    import shutil
+
+    out = tmp_path / "hf"
+    shutil.copytree(k25_export, out)
+    (out / "NOTES.md").write_text("mine\n")
+    export(ExportConfig(out=out), model_dir, log=lambda line: None)
+    assert (out / "NOTES.md").read_text() == "mine\n"
+    for name in (PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE):
+        assert not (out / name).exists(), name

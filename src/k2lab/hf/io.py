@@ -67,6 +67,8 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+# A kimi_k25 export's processor files (k2lab.hf.processor_files): rewritten with the checkpoint, never carried
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -745,12 +747,13 @@ def carry_over_other_files(target: Path, staging: Path) -> None:
     """Copy the files of an existing ``target`` that the new version does not hold (tokenizer, README, eval
     results ...) into ``staging``, which is about to replace it: everything but what ``staging`` already has
     and the old checkpoint files (``config.json``, ``generation_config.json``, weights and index, which are
-    rewritten or dropped with the checkpoint). Used by ``to_hf`` and ``k2lab export``."""
+    rewritten or dropped with the checkpoint, as are a vision-language export's processor files: a text model
+    written over one must not keep them). Used by ``to_hf`` and ``k2lab export``."""
     if not target.is_dir():
         return
     for entry in target.iterdir():
         name = entry.name
-        if os.path.lexists(staging / name) or name in (CONFIG_FILE, GENERATION_CONFIG_FILE):
+        if os.path.lexists(staging / name) or name in (CONFIG_FILE, GENERATION_CONFIG_FILE, *PROCESSOR_FILES):
             continue
         if _CHECKPOINT_FILE.match(name):
             continue

@@ -21,6 +21,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from k2lab.hf.io import PROCESSOR_FILES
 from k2lab.hf.vlm_formats import KIMI_K25_VLM, write_vlm_format
 from k2lab.models import CausalLM
 from k2lab.vision.processor import ProcessorConfig
@@ -34,9 +35,7 @@ __all__ = [
     "processor_files_for",
 ]
 
-PROCESSOR_FILE = "processor_config.json"
-IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
-VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE = PROCESSOR_FILES
 PROCESSOR_CLASS = "Kimi_K25Processor"
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, transformers' PILImageResampling.BICUBIC
 
