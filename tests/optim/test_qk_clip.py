@@ -143,6 +143,26 @@ def test_a_layer_no_forward_ran_is_unmeasured_and_left_unclipped():
         optimizer.step()  # no forward since
 
 
+def test_mla_only_in_the_mtp_block_reads_minus_infinity_when_a_forward_skips_it():
+    """An all-KDA main stack whose only MLA layer is the MTP block: a step whose forward skips MTP raised
+    "no max logits recorded" although recording was on. Every layer reads −∞ (nothing measured, nothing
+    clipped); with recording never turned on it still raises."""
+    from k2lab.models import build_model
+    from k2lab.optim.muonclip import MuonClip
+
+    config = load_preset("k3-nano", mla_layers=[], num_nextn_predict_layers=1)
+    model = build_model(config)
+    optimizer = MuonClip(model, OptimizerConfig(lr=1e-2), verbose=False)
+    ids = torch.randint(0, config.vocab_size, (2, 7))
+    model(ids, labels=ids).loss.backward()  # the main model only: the MTP block does not run
+    assert [maxima.tolist() for maxima in optimizer.qk_clip.recorded_maxima()] == [
+        [float("-inf")] * config.num_attention_heads
+    ]
+    optimizer.qk_clip.record(False)
+    with pytest.raises(RuntimeError, match="no max logits recorded"):
+        optimizer.qk_clip.recorded_maxima()
+
+
 def test_clip_leaves_values_rope_key_and_down_projections_alone():
     model = nano_variant()
     attn = model.layers[0].attn

@@ -89,6 +89,10 @@ class QKClip:
             self.layer_indices = [i for i, layer in enumerate(decoder_layers) if layer.attn in self.layers]
         else:
             self.layer_indices = list(range(len(self.layers)))
+        # the MLA layers every forward runs (not an MTP block, which a forward of the main model skips)
+        main = getattr(model, "layers", None)
+        main_attns = {id(layer.attn) for layer in main} if main is not None else {id(a) for a in self.layers}
+        self.always_run = [attn for attn in self.layers if id(attn) in main_attns]
         self.ever_clipped = [torch.zeros(a.n_heads, dtype=torch.bool) for a in self.layers]
 
     def record(self, enabled: bool = True) -> None:
@@ -101,10 +105,14 @@ class QKClip:
         MAX-reduced over data-parallel ranks. Reading clears them for the next step.
 
         A layer no forward ran since (an MTP block while RL scores the main model only) reads −∞: nothing
-        was measured, so nothing is clipped; with no layer recorded at all, recording was never turned on.
+        was measured, so nothing is clipped. With no layer recorded at all, recording was never turned on or
+        no forward ran: a ``RuntimeError``, unless recording is on and every MLA layer is an MTP block (an
+        all-KDA main stack), whose forwards without MTP measure nothing: all −∞.
         """
         if self.layers and all(attn.max_logits is None for attn in self.layers):
-            raise RuntimeError("no max logits recorded: call QKClip.record() before the forward pass")
+            recording = any(attn.record_max_logits for attn in self.layers)
+            if self.always_run or not recording:
+                raise RuntimeError("no max logits recorded: call QKClip.record() before the forward pass")
         maxima = []
         for attn in self.layers:
             unmeasured = attn.max_logits is None
