@@ -205,6 +205,26 @@ def test_a_k3_family_model_learns_k3_markup(setup):
     assert tokenizer.decode(data.train_units[0].ids.tolist()).startswith("<|open|>message role=")
 
 
+def test_sft_takes_the_training_rules_of_the_checkpoints_family(setup, tmp_path):
+    """SFT's model is its checkpoint's, not the recipe's preset: a K3-family checkpoint fine-tunes with
+    Quantile Balancing and Per-Head Muon, a K2 one with the sign rule and whole-matrix Muon, and a rule the
+    recipe sets wins."""
+    tokenizer = train_tokenizer(load_corpus(setup["corpus"]), 300, use_cache=False, family="k3")
+    config = load_preset("k3-nano", vocab_size=tokenizer.vocab_size, max_position_embeddings=2048)
+    save_model(build_model(config, seed=0), tmp_path / "k3")
+    tokenizer.save(tmp_path / "k3" / "tokenizer.json")
+    sets = {"sft.data": str(setup["data"]), "sft.ptx_ratio": 0, "steps": 1, "seq_len": 2000}
+
+    def rules(checkpoint: Path, **extra: object) -> tuple[str, bool]:
+        recipe = load_sft_config(setup["recipe"], **sets, **{"sft.init_checkpoint": str(checkpoint)}, **extra)
+        settled = SFTData.from_config(recipe).config
+        return settled.balance.bias_rule, settled.optimizer.per_head_muon
+
+    assert rules(tmp_path / "k3") == ("quantile", True)
+    assert rules(setup["ckpt"]) == ("deepseek", False)
+    assert rules(tmp_path / "k3", **{"optimizer.per_head_muon": False}) == ("quantile", False)
+
+
 def test_ptx_rows_at_the_configured_ratio_and_resumable_stream(setup):
     tokenizer = load_tokenizer(setup["ckpt"])
     units = encode_conversations(load_conversations(setup["data"]), tokenizer, SEQ_LEN)

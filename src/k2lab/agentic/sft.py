@@ -62,6 +62,7 @@ from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import context_error
 from k2lab.train.data import Log, StagedData
+from k2lab.train.family_settings import resolve_family_settings
 from k2lab.vision.mixture import vision_rows_at
 from k2lab.vision.vlm import VisionLanguageModel
 
@@ -375,14 +376,17 @@ class SFTData(StagedData):
 
     @classmethod
     def from_config(cls, config: TrainConfig, log: Log = print) -> SFTData:
-        """The checkpoint's tokenizer and model and the SFT data of ``config.sft``; ``config`` gets ``steps``
-        derived from ``sft.epochs`` when that is set."""
+        """The checkpoint's tokenizer and model and the SFT data of ``config.sft``; ``config`` gets the
+        family settings of the checkpoint's model (``k2lab.train.family_settings``) and ``steps`` derived
+        from ``sft.epochs`` when that is set."""
         sft = config.sft
         assert sft is not None
         tokenizer, model = load_sft_checkpoint(Path(sft.init_checkpoint).expanduser())
         error = context_error(config.stages(), model.config.max_position_embeddings, sft.init_checkpoint)
         if error is not None:
             raise SFTDataError(error)
+        config = config.model_copy()  # the bias rule and Per-Head Muon of the checkpoint's family
+        resolve_family_settings(config, model.config, f"checkpoint {sft.init_checkpoint}")
         data = cls(config, tokenizer, model)
         if sft.epochs is not None:
             data.config = config.model_copy(update={"steps": data.steps_for(sft.epochs)})

@@ -15,6 +15,7 @@ from k2lab.errors import K2LabError
 from k2lab.optim.stability import StabilityConfig, stability_run
 from k2lab.presets import load_preset
 from k2lab.train.config import SFT_DEFAULTS, TrainConfig, load_sft_config, load_train_config
+from k2lab.train.family_settings import FAMILY_SETTINGS
 
 # the options `train` and `sft` share (help and defaults from TrainConfig's fields)
 RUN_OPTIONS = {
@@ -39,7 +40,10 @@ ResumeOption = Annotated[bool, typer.Option("--resume", help="Continue from the 
         ),
         "compile_step": Opt("compile", "--compile"),
         "device": Opt("device"),
+        "bias_rule": Opt("balance.bias_rule"),
+        "per_head_muon": Opt("optimizer.per_head_muon", "--per-head-muon/--whole-matrix-muon"),
     },
+    defaults={s.path: s.help for s in FAMILY_SETTINGS},  # shown in --help; TrainConfig decides them
 )
 def train(
     config: TrainConfig,

@@ -52,7 +52,11 @@ class OptimizerConfig(BaseModel):
         default="auto",
         description="Newton–Schulz dtype: auto = bf16 where the hardware runs it natively (k2lab.hardware).",
     )
-    per_head_muon: bool = False
+    per_head_muon: bool = Field(
+        default=False,
+        description="K3's Per-Head Muon: Newton–Schulz per head block of the Q/K/V projections (in a "
+        "TrainConfig, unset: by the model family, k2lab.train.family_settings).",
+    )
     qk_clip_tau: float = Field(default=100.0, gt=0, description="QK-Clip threshold τ.")
     qk_clip_alpha: float = Field(default=0.5, ge=0, le=1)
 

@@ -22,14 +22,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from k2lab.config import ModelConfig
+from k2lab.config import ConfigError, ModelConfig
 from k2lab.hardware import CompileMode, DeviceChoice, Precision
 from k2lab.optim.grouping import OptimizerConfig
-from k2lab.presets import available_presets, get_preset
+from k2lab.presets import available_presets, get_preset, language_model_config
 from k2lab.recipes import is_set, load_config, read_recipe, unset_defaults
 from k2lab.train.curriculum import CurriculumStage, context_error, validate_stages
+from k2lab.train.family_settings import resolve_family_settings
 from k2lab.train.schedule import ScheduleConfig
 from k2lab.train.sections import SFTConfig, VisionDataConfig
 
@@ -40,7 +41,11 @@ class BalanceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bias_rule: Literal["deepseek", "quantile", "none"] = "deepseek"
+    bias_rule: Literal["deepseek", "quantile", "none"] = Field(
+        default="deepseek",
+        description="Router-bias balancing rule (in a TrainConfig, unset: by the model family, "
+        "k2lab.train.family_settings).",
+    )
     gamma: float = Field(default=1e-3, ge=0)
     sequence_loss_alpha: float = Field(default=0.0, ge=0)
 
@@ -111,6 +116,19 @@ class TrainConfig(BaseModel):
         description="Agentic SFT (``[sft]``): start from a checkpoint (its model and tokenizer; ``preset``, "
         "``tokenizer`` and ``vocab_size`` unused) and train on chat trajectories, ``data`` the PTX corpus.",
     )
+    _family_reasons: dict[str, str] = PrivateAttr(default_factory=dict)  # k2lab.train.family_settings
+
+    @model_validator(mode="after")
+    def _family_settings(self) -> TrainConfig:
+        """K3's bias rule and Per-Head Muon for a K3-family preset where the recipe leaves them unset
+        (``k2lab.train.family_settings``); SFT's come from its checkpoint, decided when that is loaded."""
+        if self.sft is None:
+            try:  # the model the run builds; overrides that do not validate are reported where it is built
+                model = language_model_config(self.preset, **self.model_overrides)
+            except ConfigError:
+                model = language_model_config(self.preset)
+            resolve_family_settings(self, model, f"preset {self.preset!r}")
+        return self
 
     @model_validator(mode="after")
     def _vision_defaults(self) -> TrainConfig:

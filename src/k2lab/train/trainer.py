@@ -10,7 +10,8 @@ One optimizer step:
                                           (+ λ · MTP loss with MTP modules, k2lab.train.mtp_loss); backward
     clip the global gradient norm; lr ← peak · schedule(step)
     MuonClip.step()  -> Muon/AdamW update, then per-head QK-Clip on the step's max logits
-    router bias ← DeepSeek-V3 sign rule on the step's expert loads
+    router bias ← the bias rule on the step's expert loads (DeepSeek-V3 sign rule, or K3's Quantile
+                  Balancing on the step's scores: the default for K3-family models, k2lab.train.family_settings)
     log metrics; validate every ``eval_every``; checkpoint every ``save_every``
 
 Everything that decides the next step (weights, optimizer, data position, RNG) is in the checkpoint, so a
@@ -49,6 +50,7 @@ from k2lab.train.config import TrainConfig
 from k2lab.train.dashboard import plot_dashboard
 from k2lab.train.data import TrainingData, language_model
 from k2lab.train.divergence import check_finite_step
+from k2lab.train.family_settings import chosen_values, describe_choices, family_reasons, keep_saved_choices
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
@@ -308,10 +310,8 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
     """Train ``data.model`` on ``data`` per ``data.config`` (from its latest checkpoint when ``resume``);
     writes the run directory ``config.out`` and returns the summary. ``run_training`` is the entry that
     checks the run directory, seeds and builds the data first."""
-    config, run_dir = data.config, Path(data.config.out)
+    run_dir = Path(data.config.out)
     console.print(data.describe())
-    model = distributed.shard_model(data.model)
-    trainer = Trainer(config, model, data.train_batches(), data.val_batches(), run_dir)
     loaded = None
     if resume:
         loaded = load_latest_checkpoint(
@@ -321,8 +321,13 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
         check_no_orphan_results(run_dir)
         if resume:
             console.print(f"no checkpoint in {run_dir} yet: starting at step 0", markup=False)
-    else:
-        check_resumed_settings(loaded[1].get("train_config"), config.model_dump(mode="json"), run_dir)
+    else:  # before the optimizer is built: Per-Head Muon groups its parameters differently
+        data.config = keep_saved_choices(data.config, loaded[1].get("train_config"))
+        check_resumed_settings(loaded[1].get("train_config"), data.config.model_dump(mode="json"), run_dir)
+    config = data.config
+    model = distributed.shard_model(data.model)
+    trainer = Trainer(config, model, data.train_batches(), data.val_batches(), run_dir)
+    if loaded is not None:
         restore_training_state(trainer, data, loaded[1])
         console.print(f"resumed {run_dir} at step {trainer.step}")
     if trainer.step > config.steps:
@@ -341,6 +346,8 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
     metrics = distributed.on_main(lambda: MetricsLogger(run_dir, resume_step=trainer.step))
     for path, choice in trainer.precision.items():
         console.print(f"precision of {path.replace('_', '-')}: {choice.describe()}", markup=False)
+    for line in describe_choices(config):
+        console.print(line, markup=False)
     console.print(f"device: {distributed.device()} (device = {config.device!r})")
     console.print(f"compiled training step: {'on' if trainer.compiled else 'off'} ({trainer.compile_reason})")
     return finish_run(trainer, data, train_loop(trainer, data, metrics))
@@ -426,6 +433,8 @@ def finish_run(trainer: Trainer, data: TrainingData, val_loss: float) -> dict[st
     summary: dict = {"val_loss": val_loss, "steps": trainer.step}
     summary["precision"] = {path: choice.name for path, choice in trainer.precision.items()}
     summary["precision_reason"] = {path: choice.reason for path, choice in trainer.precision.items()}
+    summary["family_settings"] = chosen_values(config)
+    summary["family_settings_reason"] = family_reasons(config)
     summary["compiled"] = trainer.compiled
     summary.update(data.summary())
     model = distributed.gather_model(trainer.model, data.fresh_model)
