@@ -95,3 +95,26 @@ def test_backward_reaches_every_parameter(nano):
     missing = [n for n, p in nano.named_parameters() if p.grad is None]
     # a routed expert that no token picked has no gradient; everything else must
     assert all(".experts." in n for n in missing)
+
+
+def test_inputs_forward_cannot_take_are_named():
+    """Wrong shapes and dtypes failed 13 frames deep (MLA's unpacking, rope's broadcast, a reshape)."""
+    model = build_model(load_preset("k2-nano", vocab_size=64))
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    cases = [
+        (dict(input_ids=ids[0]), r"input_ids must be \[B, T\] token ids, got shape \(5,\)"),
+        (dict(input_ids=ids[None]), r"input_ids must be \[B, T\] token ids, got shape \(1, 2, 5\)"),
+        (
+            dict(input_ids=ids.float()),
+            r"input_ids must be integer token ids \(torch.long\), got torch.float32",
+        ),
+        (dict(input_ids=ids[:, :0]), r"no tokens \(T = 0\)"),
+        (dict(input_ids=ids, attention_mask=torch.ones(2, 4)), r"attention_mask must be \[B, T\] = \[2, 5\]"),
+        (dict(input_ids=ids, labels=ids[:, :3]), r"labels must be \[B, T\] = \[2, 5\]"),
+        (dict(inputs_embeds=torch.zeros(2, 5)), r"inputs_embeds must be \[B, T, D\]"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model(**kwargs)
+    with pytest.raises(TypeError, match=r"build_model\(load_preset\('k2-mini'\)\)"):
+        build_model("k2-mini")  # type: ignore[arg-type]

@@ -146,6 +146,7 @@ class CausalLM(nn.Module):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, D]")
         if labels is not None and (cache is not None or logits_mask is not None):
             raise ValueError("labels give a training loss: pass them without cache and logits_mask")
+        check_inputs(input_ids, inputs_embeds, attention_mask, labels)
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = h.shape[:2]
         inputs = self.layer_inputs(B, T, h.device, attention_mask, position_ids, cache, segment_ids)
@@ -291,8 +292,42 @@ def _positions(valid: torch.Tensor | None, B: int, T: int, device: torch.device)
     return (valid.long().cumsum(1) - 1).clamp(min=0)
 
 
+def check_inputs(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+) -> None:
+    """``ValueError`` naming the argument for inputs ``forward`` cannot take (shapes and dtypes only, no
+    host sync): input_ids [B, T] integer ids, inputs_embeds [B, T, D], T ≥ 1, a 2-D attention_mask and
+    labels of the same [B, T]. Ids outside the vocabulary are left to the embedding's IndexError."""
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T] token ids, got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids (torch.long), got {input_ids.dtype}")
+        shape = tuple(input_ids.shape)
+    else:
+        assert inputs_embeds is not None
+        if inputs_embeds.dim() != 3:
+            raise ValueError(f"inputs_embeds must be [B, T, D], got shape {tuple(inputs_embeds.shape)}")
+        shape = tuple(inputs_embeds.shape[:2])
+    if shape[1] == 0:
+        raise ValueError("the inputs hold no tokens (T = 0)")
+    for name, tensor in (("attention_mask", attention_mask), ("labels", labels)):
+        if tensor is not None and tensor.dim() == 2 and tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{name} must be [B, T] = {list(shape)} like the inputs, got {list(tensor.shape)}"
+            )
+    if labels is not None and labels.dim() != 2:
+        raise ValueError(f"labels must be [B, T] = {list(shape)} like the inputs, got {list(labels.shape)}")
+
+
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int | None = 0) -> CausalLM:
     """Construct and initialise a model. On the meta device nothing is allocated or initialised."""
+    if not isinstance(config, ModelConfig):
+        hint = f" (a preset name: build_model(load_preset({config!r})))" if isinstance(config, str) else ""
+        raise TypeError(f"build_model takes a ModelConfig, got {type(config).__name__}{hint}")
     with constructing_on(device):
         model = CausalLM(config)
     if torch.device(device).type != "meta":
