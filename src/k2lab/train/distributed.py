@@ -7,10 +7,11 @@ training is one plain process on ``local_device`` (the GPU where torch sees one,
 ``device = "cpu"``): the model and every batch are moved there, and the reductions are the identity.
 
 Data parallelism is exact with respect to one process with the same *global* batch ``B``: every rank
-runs the same deterministic batch iterator and keeps rows ``[r·B/W, (r+1)·B/W)`` (``local_rows``), its
-loss is the mean over its rows and FSDP2 averages the gradients over ranks, so the averaged gradient is
-the one-process gradient of the whole batch (up to float summation order). Scalars reported per step
-are averaged over ranks (``all_reduce_mean``).
+runs the same deterministic batch iterator and keeps rows ``[r·B/W, (r+1)·B/W)`` (``local_rows``), it
+backpropagates its token-weighted share of the micro-batch's mean loss (``k2lab.train.token_mean``: ranks
+may hold different numbers of scored tokens, as SFT rows do) and FSDP2 averages the gradients over ranks,
+so the averaged gradient is the one-process gradient of the whole batch (up to float summation order).
+Scalars reported per step are averaged over ranks (``all_reduce_mean``).
 
 Checkpoints hold full (unsharded) tensors only: ``full_state_dict`` / ``full_optimizer_state_dict``
 gather every DTensor (a collective: call them on every rank), rank 0 writes, and

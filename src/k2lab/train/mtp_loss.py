@@ -35,11 +35,13 @@ from k2lab.ops.linear_cross_entropy import (  # the main loss's
 @dataclass
 class MTPLoss:
     """``loss``: mean over depths of the depth CE (a scalar with gradient); ``top1``: depth-1 agreement
-    (a detached scalar); ``targets``: how many depth-1 targets were scored."""
+    (a detached scalar); ``targets``: how many depth-1 targets were scored; ``depths``: each depth's CE
+    [K] (``loss`` is their mean; data-parallel ranks weight each by its own target count)."""
 
     loss: torch.Tensor
     top1: torch.Tensor
     targets: int
+    depths: torch.Tensor
 
 
 def depth_pairs(logits: torch.Tensor, labels: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +70,8 @@ def mtp_loss(depth_logits: list[torch.Tensor], labels: torch.Tensor) -> MTPLoss:
         scored = targets != IGNORE_INDEX
         hits = (flat_logits.argmax(-1) == targets) & scored
         top1 = hits.sum() / scored.sum().clamp(min=1)
-    return MTPLoss(torch.stack(losses).mean(), top1, int(scored.sum()))
+    stacked = torch.stack(losses)
+    return MTPLoss(stacked.mean(), top1, int(scored.sum()), stacked)
 
 
 def fused_mtp_loss(depth_hidden: list[torch.Tensor], weight: torch.Tensor, labels: torch.Tensor) -> MTPLoss:
@@ -85,4 +88,5 @@ def fused_mtp_loss(depth_hidden: list[torch.Tensor], weight: torch.Tensor, label
         else:
             loss = linear_cross_entropy(rows, weight, scored)
         losses.append(loss)
-    return MTPLoss(torch.stack(losses).mean(), top1, targets)
+    stacked = torch.stack(losses)
+    return MTPLoss(stacked.mean(), top1, targets, stacked)

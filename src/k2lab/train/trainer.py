@@ -8,6 +8,8 @@ One optimizer step:
 
     for each of grad_accum micro-batches: loss = CE(model(x), y)/grad_accum (+ balance loss)
                                           (+ λ · MTP loss with MTP modules, k2lab.train.mtp_loss); backward
+        (data-parallel ranks backpropagate their token-weighted share of the micro-batch's mean,
+        k2lab.train.token_mean, so the averaged gradient is one process's)
     clip the global gradient norm; lr ← peak · schedule(step)
     MuonClip.step()  -> Muon/AdamW update, then per-head QK-Clip on the step's max logits
     router bias ← the bias rule on the step's expert loads (DeepSeek-V3 sign rule, or K3's Quantile
@@ -58,6 +60,7 @@ from k2lab.train.resume import SUMMARY_FILE, check_no_orphan_results, check_resu
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from k2lab.train.run_directory import claim_run_directory
 from k2lab.train.schedule import lr_multiplier
+from k2lab.train.token_mean import batch_means, global_token_means
 
 console = Console()
 
@@ -144,6 +147,7 @@ class Trainer:
             batch = next(self.batches)
             labels = batch.labels
             loss, aux, mtp = self.loss_of(batch)
+            loss, mtp = global_token_means(loss, mtp, labels)  # ranks' token-weighted shares; alone as is
             objective = loss + aux if mtp is None else loss + aux + config.mtp_loss_weight * mtp.loss
             (objective / config.grad_accum).backward()
             total_loss += loss.item() / config.grad_accum
@@ -184,7 +188,9 @@ class Trainer:
     def validation_loss(self) -> float:
         self.model.eval()
         with max_logits_paused(self.model):
-            losses = [self.loss_of(batch)[0].item() for batch in self.val_batches]  # main model only
+            losses = [self.loss_of(batch)[0] for batch in self.val_batches]  # main model only
+        # each batch's mean over its target tokens, token-weighted over the ranks' rows
+        losses = batch_means(losses, [batch.labels for batch in self.val_batches])
         return distributed.all_reduce_mean(sum(losses) / max(len(losses), 1))
 
     def metrics(
