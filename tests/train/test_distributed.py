@@ -205,3 +205,36 @@ def test_one_process_device_follows_the_recipe_and_ends_with_the_session(monkeyp
     with pytest.raises(RuntimeError, match="boom"), distributed.session("auto"):
         raise RuntimeError("boom")
     assert distributed.device() == torch.device("cpu")
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """torchrun's environment for rank 0 of 2; starting the process group records its backend and stops."""
+    started = []
+
+    def init_process_group(backend):
+        started.append(backend)
+        raise RuntimeError("process group started")
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    return started
+
+
+def test_several_processes_follow_the_recipes_device(two_ranks, monkeypatch):
+    """`--device cuda` under torchrun on a CPU-only host trained on the CPU; it is refused as in one process."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(K2LabError, match="device = 'cuda' but .* sees no CUDA device"):
+        distributed.setup("cuda")
+    assert two_ranks == []  # refused before the group starts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for requested, backend in (
+        ("cpu", "gloo"),
+        ("auto", "cpu:gloo,cuda:nccl"),
+        ("cuda", "cpu:gloo,cuda:nccl"),
+    ):
+        with pytest.raises(RuntimeError, match="process group started"):
+            distributed.setup(requested)
+        assert two_ranks.pop() == backend

@@ -2,7 +2,8 @@
 
 ``torchrun --nproc_per_node W -m k2lab train ...`` runs ``W`` processes; ``setup()`` reads torchrun's
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and starts a process group (gloo on CPU; NCCL for CUDA tensors
-plus gloo for CPU ones when CUDA is available). Without those variables (or with ``WORLD_SIZE=1``)
+plus gloo for CPU ones when CUDA is available and the recipe does not say ``device = "cpu"``; ``"cuda"``
+without a CUDA device is refused, as in one process). Without those variables (or with ``WORLD_SIZE=1``)
 training is one plain process on ``local_device`` (the GPU where torch sees one, unless the recipe says
 ``device = "cpu"``): the model and every batch are moved there, and the reductions are the identity.
 
@@ -65,7 +66,8 @@ def setup(requested: DeviceChoice = "auto") -> bool:
     if launched_world_size() <= 1 or not dist.is_available():
         _STATE["local"] = local_device(requested)
         return False
-    if torch.cuda.is_available():
+    check_cuda(requested)  # before the group starts: each rank refuses alone
+    if torch.cuda.is_available() and requested != "cpu":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         # NCCL for the model's CUDA tensors, gloo for the small CPU ones (expert loads, scalars)
@@ -79,14 +81,20 @@ def setup(requested: DeviceChoice = "auto") -> bool:
 
 def local_device(requested: DeviceChoice = "auto") -> torch.device:
     """Where one process trains: the current CUDA device for ``cuda``, and for ``auto`` where torch sees
-    one; else the CPU. Several ranks ignore it: each takes its local GPU under NCCL (``setup``)."""
+    one; else the CPU. Several ranks (``setup``) each take their local GPU under NCCL for ``auto`` and
+    ``cuda`` where torch sees one, the CPU under gloo otherwise."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
+    check_cuda(requested)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_cuda(requested: DeviceChoice) -> None:
+    """``device = 'cuda'`` where torch sees no CUDA device is a ``K2LabError`` (one process or several)."""
+    if requested == "cuda" and not torch.cuda.is_available():
         raise K2LabError(
             f"device = 'cuda' but this torch ({torch.__version__}) sees no CUDA device; use 'auto' or 'cpu'"
         )
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _pick_device() -> torch.device:
