@@ -238,3 +238,13 @@ def test_several_processes_follow_the_recipes_device(two_ranks, monkeypatch):
         with pytest.raises(RuntimeError, match="process group started"):
             distributed.setup(requested)
         assert two_ranks.pop() == backend
+
+
+def test_vision_language_runs_are_refused_under_several_processes(two_ranks, tiny_corpus, tmp_path):
+    """A vision-language preset under torchrun crashed in shard_model (no decoder ``layers``); it is refused
+    before the process group starts or the run directory is made."""
+    out = tmp_path / "vl"
+    config = load_train_config(None, preset="k25-nano", vocab_size=300, data=str(tiny_corpus), out=str(out))
+    with pytest.raises(K2LabError, match="joint vision-text batches are not split .* WORLD_SIZE=2"):
+        run_training(config)
+    assert two_ranks == [] and not out.exists()

@@ -3,7 +3,8 @@
 ``torchrun --nproc_per_node W -m k2lab train ...`` runs ``W`` processes; ``setup()`` reads torchrun's
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and starts a process group (gloo on CPU; NCCL for CUDA tensors
 plus gloo for CPU ones when CUDA is available and the recipe does not say ``device = "cpu"``; ``"cuda"``
-without a CUDA device is refused, as in one process). Without those variables (or with ``WORLD_SIZE=1``)
+without a CUDA device is refused, as in one process). Joint vision-text runs are refused under a launcher of
+several processes (``check_text_only``). Without those variables (or with ``WORLD_SIZE=1``)
 training is one plain process on ``local_device`` (the GPU where torch sees one, unless the recipe says
 ``device = "cpu"``): the model and every batch are moved there, and the reductions are the identity.
 
@@ -94,6 +95,17 @@ def check_cuda(requested: DeviceChoice) -> None:
     if requested == "cuda" and not torch.cuda.is_available():
         raise K2LabError(
             f"device = 'cuda' but this torch ({torch.__version__}) sees no CUDA device; use 'auto' or 'cpu'"
+        )
+
+
+def check_text_only(vision_language: bool) -> None:
+    """Refuse joint vision-text training under a launcher of several processes before the run starts
+    (``K2LabError``): its batches are not split across data-parallel ranks yet (``local_batch``), nor is the
+    vision-language model sharded (``shard_model``)."""
+    if vision_language and launched_world_size() > 1:
+        raise K2LabError(
+            "joint vision-text batches are not split across data-parallel ranks yet; train this "
+            f"vision-language recipe in one process (this launch has WORLD_SIZE={launched_world_size()})"
         )
 
 

@@ -285,6 +285,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     # agentic and vision packages, which build on this one)
     from k2lab.train.sources import build_training_data  # lazy: a layer above the trainer
 
+    distributed.check_text_only(config.vision is not None)  # before a process group or the run directory
     with distributed.session(config.device):
         console.quiet = not distributed.is_main()
         # before the corpus and the model: a run directory that cannot be made, or not without loss, fails first
