@@ -264,7 +264,8 @@ class CausalLM(nn.Module):
         state = BlockAttnResState(h, self.config.attnres_block_size)
         for i, layer in enumerate(self.layers):
             state.start_layer(i)
-            layer.forward_attnres(state, inputs, None if cache is None else cache.layer(i))
+            # through __call__ (FSDP2's hooks), and the result kept: under FSDP2 the layer adds to a copy
+            state.partial = layer(state, inputs, None if cache is None else cache.layer(i))
         return self.final_res.read(state)
 
     def set_rope_scaling(self, rope_scaling: YarnScaling | None) -> None:

@@ -9,8 +9,10 @@ KDA hybrid's MTP block is its MLA kind), the MoE by the same ``is_moe_layer`` ru
 layout), and plain residuals even under Block AttnRes (the MTP block runs on its own stream; vLLM's K3 MTP
 builds its block with ``attn_res_block_size = None`` likewise).
 
-``forward_attnres`` is the released K3 layer (mlx-lm / vLLM ``kimi_k3``): AttnRes read -> ``input_layernorm``
--> attention, added to the partial block sum; AttnRes read -> ``post_attention_layernorm`` -> MLP, added too.
+Called with a ``BlockAttnResState`` instead of h, a layer is the released K3 layer (mlx-lm / vLLM ``kimi_k3``):
+AttnRes read -> ``input_layernorm`` -> attention, added to the partial block sum; AttnRes read ->
+``post_attention_layernorm`` -> MLP, added too. Both forms go through ``__call__`` and return a tensor, so
+FSDP2's per-layer hooks (gather the shards before forward and backward) fire for both.
 """
 
 from __future__ import annotations
@@ -70,15 +72,23 @@ class DecoderLayer(nn.Module):
         return self.attn(x, inputs.cos, inputs.sin, inputs.mask, cache)
 
     def forward(
-        self, h: torch.Tensor, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
+        self,
+        h: torch.Tensor | BlockAttnResState,
+        inputs: LayerInputs,
+        cache: LatentKV | RecurrentState | None = None,
     ) -> torch.Tensor:
-        """h [B, T, D] -> [B, T, D]."""
+        """h [B, T, D] -> [B, T, D]; a ``BlockAttnResState`` h -> its partial block sum [B, T, D] after this
+        layer (``_forward_attnres``)."""
+        if isinstance(h, BlockAttnResState):
+            return self._forward_attnres(h, inputs, cache)
         h = h + self.mix(self.attn_norm(h), inputs, cache)
         return h + self.mlp(self.mlp_norm(h))
 
-    def forward_attnres(
-        self, state: BlockAttnResState, inputs: LayerInputs, cache: LatentKV | RecurrentState | None = None
-    ) -> None:
-        """Block AttnRes form: read the depth sources before each sub-layer, add its output to the partial sum."""
+    def _forward_attnres(
+        self, state: BlockAttnResState, inputs: LayerInputs, cache: LatentKV | RecurrentState | None
+    ) -> torch.Tensor:
+        """Block AttnRes form: read the depth sources before each sub-layer, add its output to the partial sum
+        (returned, [B, T, D])."""
         state.add(self.mix(self.attn_norm(self.attn_res.read(state)), inputs, cache))
         state.add(self.mlp(self.mlp_norm(self.mlp_res.read(state))))
+        return state.partial

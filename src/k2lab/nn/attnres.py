@@ -36,6 +36,7 @@ the current block's partial sum too.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -193,6 +194,7 @@ class AttnRes(nn.Module):
         return self(state.sources(), state.inverse_rms(self.key_norm.eps))
 
 
+@dataclass(eq=False)
 class BlockAttnResState:
     """The depth-wise sources of Block AttnRes during one forward pass (no parameters).
 
@@ -206,20 +208,31 @@ class BlockAttnResState:
             f = layer.mlp(layer.mlp_norm(layer.mlp_res.read(state)))
             state.add(f)
         logits = lm_head(norm(final_res.read(state)))
+
+    A dataclass so that FSDP2, given it as a layer's input, finds its tensors and hooks them: the layer's
+    gradients are then reduced, and its gathered weights freed, as soon as its backward is done. FSDP2 passes
+    the layer a copy holding the hooked tensors, so the caller takes the layer's result (the partial sum).
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.blocks: list[torch.Tensor] = [embedding]  # embedding, then completed block sums
-        self.partial: torch.Tensor | None = None
-        self._block_rms: dict[float, list[torch.Tensor]] = {}  # per ε: r of each completed block
+    embedding: torch.Tensor  # [..., D]
+    block_size: int
+    completed: list[torch.Tensor] = field(default_factory=list)  # completed block sums, [..., D] each
+    partial: torch.Tensor | None = None
+    block_rms: dict[float, list[torch.Tensor]] = field(default_factory=dict)  # per ε: r of each of blocks
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        """[embedding, completed block sums …]."""
+        return [self.embedding, *self.completed]
 
     def start_layer(self, layer_idx: int) -> None:
         """Call before layer ``layer_idx``'s attention: at a block boundary the partial sum becomes a block."""
         if layer_idx > 0 and layer_idx % self.block_size == 0 and self.partial is not None:
-            self.blocks.append(self.partial)
+            self.completed.append(self.partial)
             self.partial = None
 
     def add(self, output: torch.Tensor) -> None:
@@ -228,16 +241,16 @@ class BlockAttnResState:
         The sum is kept in the embedding's dtype (the residual-stream dtype: fp32 under bf16 autocast), as
         ``h + f(h)`` would be in a plain residual stream.
         """
-        output = output.to(self.blocks[0].dtype)
+        output = output.to(self.embedding.dtype)
         self.partial = output if self.partial is None else self.partial + output
 
     def sources(self) -> list[torch.Tensor]:
         """[embedding, completed blocks …, partial (if not empty)], each [..., D]."""
-        return [*self.blocks] if self.partial is None else [*self.blocks, self.partial]
+        return self.blocks if self.partial is None else [*self.blocks, self.partial]
 
     def inverse_rms(self, eps: float) -> list[torch.Tensor]:
         """``source_inverse_rms`` of each of ``sources()``: kept for the embedding and completed blocks (read
         by every later sub-layer), computed afresh for the partial sum (it changes after every read)."""
-        kept = self._block_rms.setdefault(eps, [])
+        kept = self.block_rms.setdefault(eps, [])
         kept.extend(source_inverse_rms(block, eps) for block in self.blocks[len(kept) :])
         return kept if self.partial is None else [*kept, source_inverse_rms(self.partial, eps)]
