@@ -17,8 +17,9 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.agentic.episodes.env import Episode
-from k2lab.agentic.episodes.rollout import LocalPolicy, run_episode
+from k2lab.agentic.episodes.rollout import LocalPolicy, PolicyOutputError, run_episode
 from k2lab.cli import main
+from k2lab.posttrain import scoring
 from k2lab.swarm.orchestrator import ShardWorker, SwarmEnv, critical_steps, swarm_metrics, tokenizer_counter
 from k2lab.swarm.parl import (
     CompactOrchestrator,
@@ -26,13 +27,14 @@ from k2lab.swarm.parl import (
     ParlConfig,
     ParlTrainer,
     _action_message,
+    _call,
     lambda_at,
     make_env,
     parl_reward,
     r_finish,
     r_parallel,
 )
-from k2lab.swarm.tasks import make_task, split_seeds, verify_answer
+from k2lab.swarm.tasks import make_task, parse_facts, split_seeds, verify_answer
 from tests.conftest import randomize, serving
 
 
@@ -185,6 +187,72 @@ def test_reward_terms_and_annealing_schedule():
     assert isinstance(episode, Episode)
 
 
+class Script:
+    """A scripted orchestrator: turn t sends the tool calls ``turns[t](product)`` (None: a truncated turn),
+    then answers with the sum of the facts it has seen."""
+
+    def __init__(self, turns):
+        self.turns = turns
+
+    def respond(self, messages, tools, *, seed=0):
+        t = sum(m["role"] == "assistant" for m in messages)
+        question = next(m["content"] for m in messages if m["role"] == "user")
+        product = question.split("product ")[1].split()[0].strip(".,")
+        if t >= len(self.turns):
+            facts = parse_facts(" ".join(m.get("content") or "" for m in messages if m["role"] == "tool"))
+            return {"role": "assistant", "content": f"The total is {sum(facts.values())}"}, [1]
+        if self.turns[t] is None:
+            raise PolicyOutputError("truncated", [1, 2, 3])
+        calls = [_call(tool, f"c{t}_{i}", **kw) for i, (tool, kw) in enumerate(self.turns[t](product))]
+        return {"role": "assistant", "content": None, "tool_calls": calls}, [1]
+
+
+def create(*names):
+    return lambda product: [
+        ("create_subagent", dict(name=n, system_prompt="x", tools=["query_shard"])) for n in names
+    ]
+
+
+def query(shard):
+    return lambda product: [("query_shard", dict(shard=shard, key=product))]
+
+
+def assign(**shards):
+    return lambda product: [
+        ("assign_task", dict(agent=n, task=f"key={product} shards={s}")) for n, s in shards.items()
+    ]
+
+
+def test_subagents_created_but_never_assigned_earn_no_r_parallel():
+    """K2.5: r_finish "prevents meaningless fan-out that farms a parallelism metric": creating four
+    sub-agents and then working alone is serial work, rewarded as serial, below three assigned sub-agents."""
+    env = SwarmEnv(max_turns=8, sub_max_steps=5, min_shards=5, max_shards=5)
+    shards = [f"s{i:02d}" for i in range(5)]
+    play = lambda turns: parl_reward(run_episode(env, Script(turns), 7).episode, 0.5, 0.5, 4)  # noqa: E731
+    farmed = play([create("a", "b", "c", "d"), *map(query, shards)])
+    serial = play(list(map(query, shards)))
+    fanned = play([create("a", "b", "c"), assign(a="s00,s01", b="s02", c="s03,s04")])
+    assert farmed == serial == {"r_perf": 1.0, "r_parallel": 0.0, "r_finish": 1.0, "reward": 1.5}
+    assert fanned == {"r_perf": 1.0, "r_parallel": 0.75, "r_finish": 1.0, "reward": 1.875}
+
+
+def test_compact_orchestrator_uses_every_subagent_it_creates():
+    """The ablation's policy assigns each sub-agent it creates, so counting used rather than created
+    sub-agents leaves its r_parallel (and the ablation's numbers) unchanged."""
+    config = ParlConfig(solo_prior=0.0)
+    orchestrator, env = CompactOrchestrator.from_config(config), make_env(config)
+    rows = [swarm_metrics(run_episode(env, orchestrator, 2 * s, sample_seed=s).episode) for s in range(12)]
+    assert sum(r["subagents"] for r in rows) > 12
+    assert all(r["subagents_used"] == r["subagents"] for r in rows)
+
+
+def test_orchestrator_turn_that_never_reaches_the_env_is_a_critical_step():
+    env = SwarmEnv(max_turns=4, min_shards=5, max_shards=5)
+    episode = run_episode(env, Script([query("s00"), None]), 7).episode
+    assert episode.outcome.reason == "truncated" and episode.turns == 2
+    assert swarm_metrics(episode)["critical_steps"] == 2
+
+
 def tiny_config(**kw):
     return ParlConfig(iterations=4, groups_per_iteration=2, group_size=4, eval_every=2, eval_tasks=4,
                       checkpoint_every=1, **kw)  # fmt: skip
@@ -264,6 +332,33 @@ def test_lm_orchestrator_trains_while_subagents_stay_frozen(small_tokenizer, tmp
     assert any(m["loss"] is not None for m in history)  # the orchestrator's own tokens were trained on
     assert all(torch.equal(frozen[k], v) for k, v in worker_model.state_dict().items())
     assert not any(p.requires_grad for p in worker_model.parameters())
+
+
+def test_lm_orchestrator_scores_under_the_enforcer_masks_as_rl_does(small_tokenizer, tmp_path, monkeypatch):
+    """The LM orchestrator samples under the tool-call enforcer, so PARL's log π is renormalised over the
+    allowed tokens: the trainer scores with ``LocalPolicy.turn_masks`` (RL's ``enforcer_masks``)."""
+    torch.manual_seed(0)
+    orchestrator = LMOrchestrator(nano_model(), small_tokenizer, max_new_tokens=8)
+    config = ParlConfig(iterations=1, groups_per_iteration=1, group_size=2, max_turns=2, eval_every=5,
+                        eval_tasks=1, updates_per_iteration=1, max_shards=6)  # fmt: skip
+    trainer = ParlTrainer(orchestrator, make_env(config), config, tmp_path)
+    calls = []
+    real = scoring.turn_logprobs
+
+    def spy(model, turns, batch=8, allowed=None, full=False):
+        calls.append((list(turns), allowed))
+        return real(model, turns, batch, allowed, full)
+
+    monkeypatch.setattr("k2lab.swarm.parl.turn_logprobs", spy)
+    group = trainer._roll_group(0, 0)
+    trainer._update([group], [[1.0, 0.0]], 0)
+    assert len(calls) == 2 and calls[0][1] is calls[1][1]  # π_old, then one update, the same masks
+    turns, allowed = calls[0]
+    expected = orchestrator.policy.turn_masks([(r, t) for r in group for t in r.turns if t.completion_ids])
+    assert allowed is not None and any(m is not None for m in allowed)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(allowed, expected, strict=True))
+    masked, free = real(orchestrator.model, turns, 8, allowed), real(orchestrator.model, turns, 8)
+    assert not all(torch.allclose(a, b) for a, b in zip(masked, free, strict=True))
 
 
 def test_lm_subagents_run_in_the_swarm(small_tokenizer):

@@ -134,20 +134,25 @@ class SubAgentRun:
 
 
 def swarm_metrics(episode: Episode) -> dict[str, Any]:
-    """CriticalSteps, total tokens / tool calls (orchestrator + sub-agents), sub-agents created, subtasks
-    assigned / finished / unfinished of an episode played in ``SwarmEnv``. Orchestrator tokens include the
-    ids of a last turn that never reached the environment (truncated / malformed output): the growth of
+    """CriticalSteps, total tokens / tool calls (orchestrator + sub-agents), sub-agents created and used
+    (ran on at least one assigned task: ≥ 1 step), subtasks assigned / finished / unfinished of an episode
+    played in ``SwarmEnv``. A last orchestrator turn that never reached the environment (truncated /
+    malformed output: ``run_episode`` counts it in ``episode.turns`` without calling ``step``) is one more
+    stage {"main": 1, "subs": []} of CriticalSteps, and its ids count as orchestrator tokens: the growth of
     ``episode.completion_tokens`` since the last ``step``."""
     state, runs = episode.state, episode.state.get("runs", [])
     finished = sum(1 for r in runs if r["finished"])
     failed_turn = max(0, episode.completion_tokens - state.get("completion_seen", 0))
     orchestrator = state.get("orchestrator_tokens", 0) + failed_turn
+    stages = state.get("stages", [])
+    unstepped = max(0, episode.turns - len(stages))  # S_main = 1 each, no sub-agent launched
     return {
-        "critical_steps": critical_steps(state.get("stages", [])),
+        "critical_steps": critical_steps(stages) + unstepped,
         "total_tokens": orchestrator + sum(r["tokens"] for r in runs),
         "orchestrator_tokens": orchestrator,
         "tool_calls": episode.tool_calls + sum(r["tool_calls"] for r in runs),
         "subagents": len(state.get("subagents", {})),
+        "subagents_used": len({r["name"] for r in runs if r["steps"] > 0}),
         "assigned": len(runs),
         "finished": finished,
         "unfinished": len(runs) - finished,

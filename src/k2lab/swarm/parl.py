@@ -4,8 +4,11 @@ Reward of a finished episode y of task x at training iteration i::
 
     r_PARL(x, y) = λ1(i) · r_parallel + λ2(i) · r_finish + r_perf(x, y)
 
-    r_parallel = min(1, subagents_created / target)         (against serial collapse)
+    r_parallel = min(1, subagents_used / target)            (against serial collapse)
     r_finish   = finished_subtasks / assigned_subtasks       (against spurious fan-out; 1 with none assigned)
+
+where a sub-agent is *used* when it ran on at least one assigned task (``swarm_metrics``'s
+``subagents_used``); one that is created and never given a task is not parallel work (``r_parallel``).
     r_perf     = 1[final answer exact]                       (the task's verifier)
 
     λk(i) = λk(0) · max(0, 1 − i / (anneal_fraction · iterations))      (linear annealing to 0)
@@ -24,7 +27,9 @@ mode with ``requires_grad=False``.
 Two orchestrators share the trainer:
 
 * ``LMOrchestrator`` — the language-model path: a ``LocalPolicy`` over a ``CausalLM`` calls the tools in K2's
-  chat format; its turns' completion ids are trained on (tested end-to-end on a tiny random model).
+  chat format; its turns' completion ids are trained on (tested end-to-end on a tiny random model), with
+  log π the model renormalised over the tokens the tool-call enforcer allowed (the policy that sampled, as
+  in RL; the masks are replayed once per iteration).
 * ``CompactOrchestrator`` — the compact path **used by ``k2lab ablate parl``**: a factorised categorical
   policy over discrete orchestration actions, with state = (turn t, bucket of shards still missing) and
   actions "query one shard myself" or "fan out (w, c)": create w sub-agents and give each c of the missing
@@ -117,7 +122,18 @@ def lambda_at(iteration: int, start: float, iterations: int, anneal_fraction: fl
 
 
 def r_parallel(subagents: int, target: int) -> float:
-    """min(1, subagents / target)."""
+    """min(1, subagents / target), ``subagents`` = sub-agents that ran on an assigned task.
+
+    K2.5: "r_parallel prevents serial collapse, where the orchestrator always works alone" and r_finish
+    "prevents meaningless fan-out that farms a parallelism metric without completing useful subtasks". An
+    orchestrator that creates sub-agents but never assigns them a task still works alone, so counting
+    created sub-agents would let it farm r_parallel at no cost (r_finish is 1 when nothing is assigned).
+    Counting only sub-agents that received a task keeps each term to the failure the spec names: the
+    parallelism measured is work actually handed out, and r_finish judges whether that work was finished.
+    (Scoring an unused sub-agent as an unfinished subtask instead would make r_finish also punish the
+    orchestrator's bookkeeping, not just unfinished work.) The compact orchestrator assigns every
+    sub-agent it creates, so its rewards are the same under either count.
+    """
     return min(1.0, subagents / target)
 
 
@@ -136,7 +152,7 @@ def parl_reward(episode: Episode, lambda1: float, lambda2: float, target: int) -
     m = swarm_metrics(episode)
     terms = {
         "r_perf": float(m["success"]),
-        "r_parallel": r_parallel(m["subagents"], target),
+        "r_parallel": r_parallel(m["subagents_used"], target),
         "r_finish": r_finish(m["finished"], m["assigned"]),
     }
     terms["reward"] = lambda1 * terms["r_parallel"] + lambda2 * terms["r_finish"] + terms["r_perf"]
@@ -158,9 +174,21 @@ class LMOrchestrator:
     def parameters(self) -> Any:
         return self.model.parameters()
 
-    def turn_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
-        """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1), 8 turns per forward."""
-        return turn_logprobs(self.model, turns, 8)
+    def turn_logprobs(
+        self, turns: Sequence[Turn], allowed: Sequence[torch.Tensor | None] | None = None
+    ) -> list[torch.Tensor]:
+        """log π(y_t | prompt, y_<t) of each turn's completion ids (temperature 1), 8 turns per forward:
+        [len(completion)] per turn, renormalised over the ``allowed`` tokens (``enforcer_masks``) when given,
+        log π(y_t) = z_t[y_t] − log Σ_{v∈A_t} exp z_t[v]."""
+        return turn_logprobs(self.model, turns, 8, allowed)
+
+    def enforcer_masks(self, pairs: Sequence[tuple[Rollout, Turn]]) -> list[torch.Tensor | None]:
+        """The tool-call enforcer's allowed tokens at each completion position of each (rollout, turn)
+        (``LocalPolicy.turn_masks``; packed uint8 [len(completion), ⌈V/8⌉] or None). The policy samples
+        under the enforcer, so log π is the model renormalised over these tokens, as in RL
+        (``k2lab.agentic.rl.trainer``): scored over the whole vocabulary, forced tokens the model puts little
+        mass on would carry most of the gradient and push mass onto tokens that can never be sampled."""
+        return self.policy.turn_masks(pairs)
 
     def state_dict(self) -> dict[str, Any]:
         return self.model.state_dict()
@@ -252,8 +280,12 @@ class CompactOrchestrator(torch.nn.Module):
         turn = sum(m["role"] == "assistant" for m in messages)
         return _action_message(self.actions[action], product, missing, turn), [action]
 
-    def turn_logprobs(self, turns: Sequence[Turn]) -> list[torch.Tensor]:
-        """log π_θ(a | s) per turn (prompt id s, completion id a)."""
+    def enforcer_masks(self, pairs: Sequence[tuple[Rollout, Turn]]) -> None:
+        """No enforcer: every action can be sampled."""
+        return None
+
+    def turn_logprobs(self, turns: Sequence[Turn], allowed: None = None) -> list[torch.Tensor]:
+        """log π_θ(a | s) per turn (prompt id s, completion id a); ``allowed`` is always None."""
         log_probs = self.action_log_probs()
         return [log_probs[t.prompt_ids[0], t.completion_ids] for t in turns]
 
@@ -402,14 +434,15 @@ class ParlTrainer(IterativeTrainer):
         if not items:
             return None
         turns = [t for _, _, t in items]
+        allowed = self.orchestrator.enforcer_masks([(groups[g][j], t) for g, j, t in items])
         with torch.no_grad():
-            old = [x.detach() for x in self.orchestrator.turn_logprobs(turns)]
+            old = [x.detach() for x in self.orchestrator.turn_logprobs(turns, allowed)]
         targets = [torch.tensor(r, dtype=torch.float32) for r in rewards]
         loss = torch.zeros(())
         for _ in range(self.config.updates_per_iteration):
             ratios = [torch.zeros(len(r)) for r in rewards]
             for (g, j, _), new, before in zip(
-                items, self.orchestrator.turn_logprobs(turns), old, strict=True
+                items, self.orchestrator.turn_logprobs(turns, allowed), old, strict=True
             ):
                 log_ratio = sequence_log_ratio(new, before, torch.ones_like(before, dtype=torch.bool))
                 ratios[g] = ratios[g].index_add(0, torch.tensor([j]), log_ratio[None])
