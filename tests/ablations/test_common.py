@@ -1,4 +1,5 @@
-"""``train_or_reuse`` and ``train_runs``: a study replaces only directories that hold its own runs."""
+"""``train_or_reuse`` and ``train_runs``: a study replaces only directories that hold its own runs; its output
+directory (``--out``) is checked before anything runs."""
 
 from pathlib import Path
 
@@ -70,3 +71,15 @@ def test_the_balancing_study_keeps_a_foreign_folder(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert "not a k2lab run directory" in err and "Traceback" not in err
     assert notes.read_text() == "precious"
+
+
+@pytest.mark.parametrize("study", ["parl", "balancing", "optimizer", "vision-injection"])
+def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys, study):
+    """``--out afile`` was a FileExistsError (NotADirectoryError for parl) traceback."""
+    (tmp_path / "afile").write_text("keep")
+    assert (
+        run_cli("ablate", study, "--out", tmp_path / "afile", *(["--quick"] if study == "parl" else [])) == 2
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert "afile exists and is not a directory" in err and "Traceback" not in err
+    assert (tmp_path / "afile").read_text() == "keep"

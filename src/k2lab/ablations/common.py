@@ -32,7 +32,7 @@ from rich.console import Console
 
 from k2lab.ablations.report import Report
 from k2lab.errors import K2LabError
-from k2lab.fsutil import atomic_write_text
+from k2lab.fsutil import atomic_write_text, make_directory
 from k2lab.presets import get_preset
 from k2lab.recipes import read_recipe, set_dotted, validate_config
 from k2lab.train.config import TrainConfig
@@ -222,14 +222,21 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
     return summary, False
 
 
-def check_run_directory(run_dir: Path) -> None:
-    """Refuse (one-line ``K2LabError``) a run directory that ``train_or_reuse`` would wipe although it is not
-    a run: it must be new, empty, a run of a study (``RUN_MARKER``) or an earlier k2lab run
-    (``refuse_foreign``). Wiping any existing directory deleted a folder of notes at ``OUT/runs/none``."""
+def check_run_directory(run_dir: Path, marker: str = RUN_MARKER) -> None:
+    """Refuse (one-line ``K2LabError``) a run directory that a study would wipe although it is not a run: it
+    must be new, empty, a run of the study (it holds ``marker``: ``RUN_MARKER``, or ``parl_config.json`` for
+    ``ablate parl``) or an earlier k2lab run (``refuse_foreign``). Wiping any existing directory deleted a
+    folder of notes at ``OUT/runs/none``."""
     if run_dir.exists() and not run_dir.is_dir():
         raise K2LabError(f"{run_dir} exists and is not a directory; the study trains a run there")
     consequence = "the study replaces the directories of its runs, so move it away or choose another --out"
-    refuse_foreign(run_dir, consequence, (RUN_MARKER,))
+    refuse_foreign(run_dir, consequence, (marker,))
+
+
+def make_output_directory(out: str | os.PathLike[str]) -> Path:
+    """Make a study's output directory (``--out``) and return it; a file in its place or a path that cannot
+    be made is a one-line ``K2LabError`` (``make_directory``), not a traceback."""
+    return make_directory(Path(out), "the study's output directory (--out)")
 
 
 def drop_weights(run_dir: Path) -> None:
@@ -290,8 +297,7 @@ def _train_in_workers(
     done: Callable[[int, dict, bool], None],
 ) -> None:
     """``plan`` on ``ablation.jobs`` spawned worker processes, filling ``outcomes`` as runs finish."""
-    logs = Path(ablation.out) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = make_directory(Path(ablation.out) / "logs", "the study's log directory")
     console.print(
         f"{len(plan)} runs on {ablation.jobs} worker processes × {per_run} torch threads; "
         f"per-run output in {logs}/"
@@ -340,7 +346,7 @@ class StudyRun:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        Path(self.ablation.out).mkdir(parents=True, exist_ok=True)
+        make_output_directory(self.ablation.out)
 
     def train(
         self,

@@ -33,9 +33,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rich.console import Console
 
-from k2lab.ablations.common import ordered_subset
+from k2lab.ablations.common import check_run_directory, make_output_directory, ordered_subset
 from k2lab.ablations.report import Report, fmt, new_figure
-from k2lab.fsutil import atomic_write_text, save_figure_atomically
+from k2lab.fsutil import atomic_write_text, make_directory, save_figure_atomically
 from k2lab.swarm.parl import CompactOrchestrator, ParlConfig, ParlTrainer, evaluate, make_env
 from k2lab.swarm.tasks import split_seeds
 
@@ -47,6 +47,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "no_finish": {"lambda_finish": 0.0},
     "single_agent": {"single_agent": True, "lambda_parallel": 0.0, "lambda_finish": 0.0},
 }
+PARL_MARKER = "parl_config.json"  # a run of this study: the ParlConfig it trains (resumed when unchanged)
 EVAL_KEYS = (
     "success",
     "wide_success",
@@ -96,7 +97,10 @@ def run_parl_ablation(settings: ParlAblationSettings, console: Console | None = 
     """Train (or reuse) every arm × seed, write OUT/parl.{md,json,png}; returns the results."""
     console = console or Console()
     arms = ordered_subset(settings.arms, tuple(ARMS), "arms")
-    out, start, available = Path(settings.out), time.perf_counter(), torch.get_num_threads()
+    out, start, available = make_output_directory(settings.out), time.perf_counter(), torch.get_num_threads()
+    for arm in arms:  # before training anything: a directory the study may not replace
+        for seed in settings.seeds:
+            check_run_directory(_run_dir(out, arm, seed), PARL_MARKER)
     torch.set_num_threads(settings.threads)
     try:
         runs = {arm: [_run_arm(settings, arm, seed, out, console) for seed in settings.seeds] for arm in arms}
@@ -115,12 +119,13 @@ def run_parl_ablation(settings: ParlAblationSettings, console: Console | None = 
 
 def _run_arm(settings: ParlAblationSettings, arm: str, seed: int, out: Path, console: Console) -> list[dict]:
     config = ParlConfig.model_validate({**settings.base.model_dump(), **ARMS[arm], "seed": seed})
-    run_dir = out / "runs" / arm / f"seed{seed}"
-    marker = run_dir / "parl_config.json"
+    run_dir = _run_dir(out, arm, seed)
+    marker = run_dir / PARL_MARKER
     recipe = json.dumps(config.model_dump(mode="json"), sort_keys=True)
     if run_dir.exists() and (not marker.is_file() or marker.read_text() != recipe):
+        check_run_directory(run_dir, PARL_MARKER)  # a run of the study (or empty), never anything else
         shutil.rmtree(run_dir)  # a different recipe: the directory belongs to the ablation
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(run_dir, "the run directory")
     atomic_write_text(marker, recipe)
     trainer = ParlTrainer(CompactOrchestrator.from_config(config), make_env(config), config, run_dir)
     console.print(
@@ -130,6 +135,11 @@ def _run_arm(settings: ParlAblationSettings, arm: str, seed: int, out: Path, con
     )
     trainer.run()
     return trainer.history()
+
+
+def _run_dir(out: Path, arm: str, seed: int) -> Path:
+    """Where one arm × seed trains: ``OUT/runs/ARM/seedS``."""
+    return out / "runs" / arm / f"seed{seed}"
 
 
 def _summarise(rows: list[list[dict]], settings: ParlAblationSettings) -> dict[str, Any]:
