@@ -15,7 +15,9 @@ n(m) = ⌊(m − s₀G + 1)·B·r⌋ − ⌊(m − s₀G)·B·r⌋ visual rows f
 (``k2lab.vision.mixture.vision_rows_at``), so an arm spends V = Σₘ n(m) = ⌊(S − s₀)·G·B·r⌋ rows on vision
 and its visual fraction of the budget is V / (S·G·B). Every row holds T token slots, so this is also the
 visual share of the token budget. ``visual_rows`` counts V exactly; the ablation refuses a recipe whose
-arms differ by more than one row (take S a multiple of 10 and S·B a multiple of 10).
+arms differ by even one row, or spend none: with S a multiple of 10 every arm spends exactly S·G·B / 10 rows
+at any batch size, and the arms start vision at exactly 0 %, 50 % and 80 % of the steps. The reports give
+the start step actually used and its fraction s₀ / S (with 15 steps the mid arm starts at step 7, 47 %).
 
 Reported per arm: the final text validation loss (the same held-out text batches for every arm), its
 curve over the steps, and the held-out visual scores per task kind (mean K2.5 visual reward in [0, 1],
@@ -120,10 +122,11 @@ class VisionInjectionConfig(AblationSettings):
         if self.base.vision is None:
             raise ValueError(f"preset {self.base.preset!r} is not a vision-language preset (e.g. k25-mini)")
         rows = {arm: visual_rows(arm_config(self, arm)) for arm in self.arms}
-        if max(rows.values()) - min(rows.values()) > 1:
+        if len(set(rows.values())) > 1 or 0 in rows.values():
             raise ValueError(
-                f"the arms would spend different visual budgets (visual rows {rows}); take steps a multiple "
-                "of 10 and steps × batch_size a multiple of 10"
+                f"the arms would spend {'no' if 0 in rows.values() else 'different'} visual budgets "
+                f"(visual rows {rows} with {self.base.steps} steps); take steps a multiple of 10: every arm then "
+                "spends exactly a tenth of its rows on vision, at any batch size"
             )
         if self.jobs is None:
             self.jobs = len(self.arms)
@@ -163,6 +166,7 @@ def summarize_arm(arm: str, config: TrainConfig, summary: dict, reused: bool) ->
         "start": config.vision.start,
         "ratio": config.vision.ratio,
         "start_step": config.vision.start_step(config.steps),
+        "start_fraction": config.vision.start_step(config.steps) / config.steps,
         "visual_rows": rows,
         "total_rows": total_rows(config),
         "visual_fraction": rows / total_rows(config),
@@ -220,7 +224,7 @@ def analyse(ablation: VisionInjectionConfig, runs: list[dict[str, Any]]) -> dict
         },
         "runs": runs,
         "kinds": kinds,
-        "same_visual_rows": max(rows) - min(rows) <= 1,
+        "same_visual_rows": len(set(rows)) == 1,
     }
 
 
@@ -243,7 +247,7 @@ def tables(results: dict[str, Any], short: bool = False) -> list[tuple[str, list
     budget = [
         [
             LABELS[run["arm"]],
-            f"{run['start_step']} ({run['start']:.0%})",
+            f"{run['start_step']} ({run['start_fraction']:.0%})",
             f"{run['visual_rows']} ({run['visual_fraction']:.2%})",
             fmt(run["val_loss"], ".4f"),
             fmt(run["visual_scores"].get("mean")),
@@ -335,7 +339,7 @@ def print_summary(results: dict[str, Any], console: Console) -> None:
         heading = f"vision injection, {s['preset']}, {s['steps']} steps: {title}" if index == 0 else title
         console.print(rich_table(heading, header, rows))
     if not results["same_visual_rows"]:
-        console.print("[yellow]warning:[/] the arms' visual budgets differ by more than one row")
+        console.print("[yellow]warning:[/] the arms' visual budgets differ")
 
 
 REPORT = Report("vision_injection", markdown_report, plot_vision_injection, print_summary)
