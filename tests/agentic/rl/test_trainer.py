@@ -243,6 +243,29 @@ def test_rubric_critic_win_rates_and_refresh(small_tokenizer):
     assert critic.prefer_a("What is 2+3?", "5", "describe") > 0.5
 
 
+def test_failed_open_ended_rollouts_get_no_critic_reward(small_tokenizer, tmp_path):
+    """Failures fail their trajectory (reward 0): the critic's win rates are taken among the members that
+    answered; a truncated one got ≈ 0.5 when its empty text was judged beside them."""
+    from k2lab.agentic.rl.envs import OpenQAEnv
+    from k2lab.agentic.rl.trainer import Group
+
+    config = RLConfig(group_size=4, envs=["open_qa"], critic="self", budget_penalty=0)
+    trainer = RLTrainer(nano_model(), small_tokenizer, config, tmp_path, critic_model=nano_model())
+    env, members = OpenQAEnv(), []
+    for text in ("Paris is the capital of France.", "The capital is Paris.", None, ""):
+        episode = env.reset(5)
+        if text is None:
+            episode.finish(False, "truncated", reward=0.0)
+        else:
+            env.step(episode, {"role": "assistant", "content": text})
+        members.append(Rollout(episode))
+    rewards, _ = trainer._score(Group("0-0", 5, members))
+    assert rewards[2:] == [0.0, 0.0]  # truncated, empty answer
+    assert sum(rewards[:2]) == pytest.approx(1.0) and all(0 < r < 1 for r in rewards[:2])  # Σ w_j = K/2
+    lone = Group("0-1", 5, [members[0], members[2]])
+    assert trainer._score(lone)[0] == [0.5, 0.0]
+
+
 def test_a_k3_critic_judges_in_k3s_format(small_tokenizer):
     """A K3-family critic with the XTML tokens reads the rubric prompt in K3's markup, as its rollouts and SFT
     render, and answers in the response channel (thinking off), so "A" / "B" is its next token."""

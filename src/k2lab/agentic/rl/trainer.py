@@ -13,8 +13,8 @@ Each iteration i:
        r_j = R_env(y_j) − λ · min(1, max(0, n_j − B) / B)        (budget penalty; B = episode.token_budget,
                                                                  n_j = completion tokens, 0 without B)
 
-   where R_env is the verifier's reward, or, for open-ended prompts, the rubric critic's win rate within
-   the group (``k2lab.agentic.rl.critic``).
+   where R_env is the verifier's reward, or, for open-ended prompts, the rubric critic's win rate among
+   the group's members that answered (``k2lab.agentic.rl.critic``); a failed member keeps R_env = 0.
 4. The K1.5 objective (K2 inherits it), per group, with π_old the weights at the start of the iteration:
 
        L(θ) = (1/K) Σ_j ( r_j − r̄ − τ · log(π_θ(y_j|x) / π_old(y_j|x)) )²,     r̄ = (1/K) Σ_j r_j
@@ -365,11 +365,25 @@ class RLTrainer(IterativeTrainer):
         episodes = [m.episode for m in group.members]
         base = [float(e.reward or 0.0) for e in episodes]
         if self.critic is not None and all(e.state.get("open_ended") for e in episodes):
-            base = self.critic.win_rates(_question(group.members[0]), [_answer(m) for m in group.members])
+            base = self._critic_rewards(group)
         penalties = [
             budget_penalty(e.completion_tokens, e.token_budget, self.config.budget_penalty) for e in episodes
         ]
         return [b - p for b, p in zip(base, penalties, strict=True)], penalties
+
+    def _critic_rewards(self, group: Group) -> list[float]:
+        """R_env of an open-ended group: the critic's win rate w_j among the members that answered
+        (``outcome.success``), 0 for the failed ones (truncated, malformed, empty, ...), whose text is no
+        answer to judge."""
+        assert self.critic is not None
+        answered = [j for j, m in enumerate(group.members) if m.episode.outcome and m.episode.outcome.success]
+        rates = self.critic.win_rates(
+            _question(group.members[0]), [_answer(group.members[j]) for j in answered]
+        )
+        base = [0.0] * len(group.members)
+        for j, rate in zip(answered, rates, strict=True):
+            base[j] = rate
+        return base
 
     def _refresh_critic(
         self, groups: Sequence[Group], scored: Sequence[tuple[list[float], list[float]]]
