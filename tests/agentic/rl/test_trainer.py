@@ -28,8 +28,9 @@ from k2lab.agentic.episodes.rollout import (
 )
 from k2lab.agentic.rl.critic import Preference, RubricCritic
 from k2lab.agentic.rl.envs import ArithmeticEnv
-from k2lab.agentic.rl.trainer import RLConfig, RLTrainer, temperature_at
+from k2lab.agentic.rl.trainer import RLConfig, RLTrainer, rl_sources, temperature_at
 from k2lab.cli import main
+from k2lab.errors import CheckpointError
 from k2lab.model_dir import load_model, save_model
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs, turn_rows
@@ -366,6 +367,41 @@ def test_rl_run_writes_metrics_checkpoints_and_resumes_after_sigkill(policy_dir,
         resumed.state_dict().items(), uninterrupted.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_resuming_from_another_checkpoint_is_refused(policy_dir, small_tokenizer, tmp_path):
+    """`rl -c policy --out R` then `rl -c other --out R` resumed the first run's weights with the other
+    tokenizer (and copied it into R/model); the source checkpoint, its tokenizer and the critic's source
+    are now settings a resumed run must share."""
+    import shutil
+
+    from k2lab.agentic.rl.trainer import run_rl
+
+    config = RLConfig(iterations=1, group_size=2, groups_per_iteration=1, envs=["arithmetic"],
+                      max_new_tokens=2, updates_per_iteration=1)  # fmt: skip
+    run_rl(policy_dir, tmp_path / "run", config, threads=1)
+    other = shutil.copytree(policy_dir, tmp_path / "other")
+    with pytest.raises(CheckpointError, match=r"other settings \(source_checkpoint: '.*policy.*' then"):
+        run_rl(other, tmp_path / "run", config.model_copy(update={"iterations": 2}), threads=1)
+    (other / "tokenizer.json").write_text(json.dumps(json.loads((other / "tokenizer.json").read_text())))
+    sources = rl_sources(policy_dir, "self")
+    assert rl_sources(other, "self")["source_tokenizer_sha256"] != sources["source_tokenizer_sha256"]
+    assert sources["critic_checkpoint"] == sources["source_checkpoint"] == str(policy_dir.resolve())
+    assert rl_sources(policy_dir, "none")["critic_checkpoint"] is None
+
+
+def test_a_run_saved_without_sources_still_resumes(small_tokenizer, tmp_path):
+    """Checkpoints written before the sources were recorded hold none: unknown, not a difference."""
+    config = RLConfig(envs=["arithmetic"])
+    RLTrainer(nano_model(), small_tokenizer, config, tmp_path).save_checkpoint()
+    sources = {"source_checkpoint": "/x", "source_tokenizer_sha256": "ab", "critic_checkpoint": None}
+    resumed = RLTrainer(nano_model(), small_tokenizer, config, tmp_path, sources=sources)
+    assert resumed.settings() == config.model_dump(mode="json") | sources
+    resumed.save_checkpoint()
+    with pytest.raises(CheckpointError, match="source_checkpoint: '/x' then, '/y' now"):
+        RLTrainer(
+            nano_model(), small_tokenizer, config, tmp_path, sources=sources | {"source_checkpoint": "/y"}
+        )
 
 
 def test_partial_rollouts_span_iterations_and_survive_resume(policy_dir, small_tokenizer, tmp_path):

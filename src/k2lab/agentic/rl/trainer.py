@@ -83,6 +83,7 @@ from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 from k2lab.train.run_checkpoints import list_checkpoints
 from k2lab.train.run_directory import claim_run_directory
+from k2lab.train.state_file import file_sha256
 
 __all__ = [
     "Group",
@@ -90,6 +91,7 @@ __all__ = [
     "RLTrainer",
     "iteration_report",
     "plot_metrics",
+    "rl_sources",
     "run_rl",
     "temperature_at",
 ]
@@ -227,7 +229,9 @@ class RLTrainer(IterativeTrainer):
 
     ``env`` defaults to ``EnvMixture`` of ``config.envs``; ``critic_model`` enables rubric rewards for
     open-ended environments. Checkpoints hold the model, optimizer, pending partial rollouts, PTX position
-    and critic (``k2lab.posttrain.base`` for the loop, resume and cadence).
+    and critic (``k2lab.posttrain.base`` for the loop, resume and cadence). ``sources`` (``run_rl``: where
+    the policy, its tokenizer and the critic came from, ``rl_sources``) join the settings a resumed run
+    must share.
     """
 
     config: RLConfig
@@ -241,8 +245,9 @@ class RLTrainer(IterativeTrainer):
         env: Environment | None = None,
         critic_model: torch.nn.Module | None = None,
         policy: Policy | None = None,
+        sources: dict[str, str | None] | None = None,
     ) -> None:
-        self.model, self.tokenizer = model.eval(), tokenizer
+        self.model, self.tokenizer, self.sources = model.eval(), tokenizer, dict(sources or {})
         super().__init__(config, out_dir)
         weights = config.env_weights or [1.0] * len(config.envs)
         if len(weights) != len(config.envs):
@@ -275,6 +280,11 @@ class RLTrainer(IterativeTrainer):
         return PackedBatches(
             docs, self.tokenizer, config.ptx_batch_size, config.ptx_seq_len, seed=config.seed
         )
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the checkpoint: the config and the ``sources``. A
+        checkpoint saved without a source (before they were recorded) is not refused for it."""
+        return self.config.model_dump(mode="json") | self.sources
 
     def state_parts(self) -> dict[str, Any]:
         return {
@@ -584,7 +594,9 @@ def run_rl(
 ) -> list[dict[str, Any]]:
     """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
     ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
-    False refuses to run over them instead). ``env`` replaces the mixture of ``config.envs``."""
+    False refuses to run over them instead), refused when the config or the ``rl_sources`` differ (another
+    --checkpoint would splice its tokenizer onto the old run's weights). ``env`` replaces the mixture of
+    ``config.envs``."""
     checkpoint, out = check_model_directory(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
@@ -603,11 +615,25 @@ def run_rl(
         critic_model = load_model(checkpoint).eval()
     elif config.critic != "none":
         critic_model = load_model(config.critic).eval()
-    trainer = RLTrainer(model, tokenizer, config, out, env=env, critic_model=critic_model)
+    sources = rl_sources(checkpoint, config.critic)
+    trainer = RLTrainer(model, tokenizer, config, out, env=env, critic_model=critic_model, sources=sources)
     history = trainer.run(on_iteration=on_iteration)
     save_model(model, out / "model")
     tokenizer.save(out / "model" / "tokenizer.json")
     return history
+
+
+def rl_sources(checkpoint: Path, critic: str) -> dict[str, str | None]:
+    """Where a run's policy and critic come from, compared on resume: the resolved policy checkpoint, the
+    SHA-256 of its tokenizer.json, and the critic's resolved checkpoint (the policy's for "self", None for
+    "none")."""
+    policy = str(checkpoint.resolve())
+    critic_source = {"self": policy, "none": None}.get(critic, str(Path(critic).resolve()))
+    return {
+        "source_checkpoint": policy,
+        "source_tokenizer_sha256": file_sha256(checkpoint / "tokenizer.json"),
+        "critic_checkpoint": critic_source,
+    }
 
 
 def iteration_report(metrics: dict[str, Any], total: int) -> str:
