@@ -620,3 +620,19 @@ def test_a_temperature_that_is_not_finite_is_refused(field):
     """An infinite sampling temperature passed gt=0 and sampled uniform noise."""
     with pytest.raises(ValueError, match="finite number"):
         RLConfig(**{field: math.inf})
+
+
+def test_a_floor_above_the_start_temperature_is_refused():
+    """--temperature-floor 2 with T_0 = 1 sampled at 2.0 from the first iteration: the "decay" went up."""
+    with pytest.raises(ValueError, match="temperature_floor=2.0 is above temperature_start=1.0"):
+        RLConfig(temperature_floor=2.0)
+    assert (
+        RLConfig(temperature_start=0.5, temperature_floor=0.5).temperature_floor == 0.5
+    )  # equal: a constant T
+
+
+@pytest.mark.parametrize("field", ["tau", "budget_penalty", "ptx_weight"])
+def test_a_loss_weight_that_is_not_finite_is_refused(field):
+    """--tau inf ended in "training diverged ... lower the learning rate"."""
+    with pytest.raises(ValueError, match=f"{field}\n  Input should be a finite number"):
+        RLConfig(**{field: math.inf})

@@ -126,16 +126,20 @@ class RLConfig(BaseModel):
     )
     temperature_floor: float = Field(default=0.3, ge=0, allow_inf_nan=False, description="Temperature floor.")
     temperature_decay: float = Field(default=0.9, gt=0, le=1, description="γ in T_i = max(floor, T_0 γ^i).")
-    tau: float = Field(default=0.5, gt=0, description="τ of the K1.5 objective.")
+    tau: float = Field(default=0.5, gt=0, allow_inf_nan=False, description="τ of the K1.5 objective.")
     offpolicy_clip: float | None = Field(
         default=None, gt=0, description="K2.5 token-level clip δ on |log π_θ − log π_old|."
     )
-    budget_penalty: float = Field(default=0.1, ge=0, description="λ of the token-budget penalty.")
+    budget_penalty: float = Field(
+        default=0.1, ge=0, allow_inf_nan=False, description="λ of the token-budget penalty."
+    )
     updates_per_iteration: int = Field(default=2, ge=1, description="Optimizer steps per iteration.")
     ptx_data: str | None = Field(
         default=None, description="PTX corpus directory (unset: the embedded corpus, when ptx_weight > 0)."
     )
-    ptx_weight: float = Field(default=0.0, ge=0, description="α of the PTX loss (0: off).")
+    ptx_weight: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False, description="α of the PTX loss (0: off)."
+    )
     ptx_batch_size: int = Field(default=2, ge=1)
     ptx_seq_len: int = Field(default=64, ge=2)
     critic: str = Field(
@@ -160,6 +164,17 @@ class RLConfig(BaseModel):
         description="Local rollouts: a row that ends its turn leaves the batched decode (GenerationConfig).",
     )
     seed: int = Field(default=0, description="Run seed (tasks and sampling).")
+
+    @model_validator(mode="after")
+    def _floor_not_above_start(self) -> RLConfig:
+        if self.temperature_floor > self.temperature_start:
+            raise ValueError(
+                f"temperature_floor={self.temperature_floor} is above temperature_start="
+                f"{self.temperature_start}: T_i = max(floor, T_0 · γ^i) would sample at the floor from the first "
+                "iteration on instead of decaying from T_0; give a floor at most the start temperature "
+                "(--temperature-floor, or --set temperature_floor=...)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ptx_data_needs_a_weight(self) -> RLConfig:
