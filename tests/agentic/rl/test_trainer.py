@@ -627,6 +627,9 @@ def test_a_floor_above_the_start_temperature_is_refused():
     with pytest.raises(ValueError, match="temperature_floor=2.0 is above temperature_start=1.0"):
         RLConfig(temperature_floor=2.0)
     assert (
+        RLConfig(temperature_start=0.2).temperature_floor == 0.2
+    )  # the default 0.3 floor follows a low start
+    assert (
         RLConfig(temperature_start=0.5, temperature_floor=0.5).temperature_floor == 0.5
     )  # equal: a constant T
 

@@ -167,7 +167,12 @@ class RLConfig(BaseModel):
 
     @model_validator(mode="after")
     def _floor_not_above_start(self) -> RLConfig:
+        """A floor above T_0 would sample at the floor from the first iteration (the "decay" going up): the
+        default floor under a low start becomes the start (a constant T_0); a floor given above it is refused."""
         if self.temperature_floor > self.temperature_start:
+            if "temperature_floor" not in self.model_fields_set:
+                self.temperature_floor = self.temperature_start
+                return self
             raise ValueError(
                 f"temperature_floor={self.temperature_floor} is above temperature_start="
                 f"{self.temperature_start}: T_i = max(floor, T_0 · γ^i) would sample at the floor from the first "
