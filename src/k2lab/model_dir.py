@@ -16,6 +16,7 @@ DeepseekV3/Kimi-K2 Hugging Face directory (``config.json`` + safetensors) throug
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -127,6 +128,30 @@ def _load_own(path: Path, dtype: torch.dtype) -> CausalLM | VisionLanguageModel:
     materialize(model)
     model.load_state_dict(state, strict=tied_head_key(model) is None)
     return cast_model(model, dtype)
+
+
+FINGERPRINT_SAMPLE = 1 << 20  # bytes read from each end of a weights file
+
+
+def checkpoint_fingerprint(directory: str | os.PathLike[str]) -> str:
+    """SHA-256 naming a checkpoint directory's contents wherever it lies (a run moved or copied keeps it): its
+    top-level ``.json`` files whole (config, manifest, tokenizer) and of each ``.safetensors`` file its size and
+    first and last ``FINGERPRINT_SAMPLE`` bytes (the header and weights at both ends; bounded reading at any
+    model size: weights trained further differ there)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).iterdir()):
+        if not path.is_file() or path.suffix not in (".json", ".safetensors"):
+            continue
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            if path.suffix == ".json":
+                digest.update(handle.read())
+                continue
+            size = os.fstat(handle.fileno()).st_size
+            digest.update(str(size).encode() + handle.read(FINGERPRINT_SAMPLE))
+            handle.seek(max(size - FINGERPRINT_SAMPLE, 0))
+            digest.update(handle.read(FINGERPRINT_SAMPLE))
+    return digest.hexdigest()
 
 
 def check_manifest_version(manifest: dict, source: Path) -> None:

@@ -31,7 +31,7 @@ from k2lab.agentic.rl.envs import ArithmeticEnv
 from k2lab.agentic.rl.trainer import RLConfig, RLTrainer, rl_sources, temperature_at
 from k2lab.cli import main
 from k2lab.errors import CheckpointError
-from k2lab.model_dir import load_model, save_model
+from k2lab.model_dir import checkpoint_fingerprint, load_model, save_model
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs, turn_rows
 from k2lab.runtime.chat import SECTION_BEGIN, encode_chat, normalize_messages, render_assistant_body
@@ -380,27 +380,42 @@ def test_resuming_from_another_checkpoint_is_refused(policy_dir, small_tokenizer
     config = RLConfig(iterations=1, group_size=2, groups_per_iteration=1, envs=["arithmetic"],
                       max_new_tokens=2, updates_per_iteration=1)  # fmt: skip
     run_rl(policy_dir, tmp_path / "run", config, threads=1)
+    moved = shutil.copytree(policy_dir, tmp_path / "moved")  # the same checkpoint elsewhere resumes
+    run_rl(moved, tmp_path / "run", config.model_copy(update={"iterations": 2}), threads=1)
     other = shutil.copytree(policy_dir, tmp_path / "other")
-    with pytest.raises(CheckpointError, match=r"other settings \(source_checkpoint: '.*policy.*' then"):
-        run_rl(other, tmp_path / "run", config.model_copy(update={"iterations": 2}), threads=1)
     (other / "tokenizer.json").write_text(json.dumps(json.loads((other / "tokenizer.json").read_text())))
+    with pytest.raises(
+        CheckpointError, match=r"other settings \(source_checkpoint_fingerprint: '[0-9a-f]+' then"
+    ):
+        run_rl(other, tmp_path / "run", config.model_copy(update={"iterations": 3}), threads=1)
     sources = rl_sources(policy_dir, "self")
-    assert rl_sources(other, "self")["source_tokenizer_sha256"] != sources["source_tokenizer_sha256"]
-    assert sources["critic_checkpoint"] == sources["source_checkpoint"] == str(policy_dir.resolve())
-    assert rl_sources(policy_dir, "none")["critic_checkpoint"] is None
+    assert sources == rl_sources(moved, "self") and sources["critic_checkpoint_fingerprint"] == "self"
+    assert rl_sources(policy_dir, "none")["critic_checkpoint_fingerprint"] is None
+    assert rl_sources(policy_dir, str(other))["critic_checkpoint_fingerprint"] == checkpoint_fingerprint(
+        other
+    )
+    before, model = checkpoint_fingerprint(moved), load_model(moved)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    save_model(model, moved)  # weights trained further, the same config and tokenizer
+    assert checkpoint_fingerprint(moved) != before
 
 
 def test_a_run_saved_without_sources_still_resumes(small_tokenizer, tmp_path):
     """Checkpoints written before the sources were recorded hold none: unknown, not a difference."""
     config = RLConfig(envs=["arithmetic"])
     RLTrainer(nano_model(), small_tokenizer, config, tmp_path).save_checkpoint()
-    sources = {"source_checkpoint": "/x", "source_tokenizer_sha256": "ab", "critic_checkpoint": None}
+    sources = {"source_checkpoint_fingerprint": "ab", "critic_checkpoint_fingerprint": None}
     resumed = RLTrainer(nano_model(), small_tokenizer, config, tmp_path, sources=sources)
     assert resumed.settings() == config.model_dump(mode="json") | sources
     resumed.save_checkpoint()
-    with pytest.raises(CheckpointError, match="source_checkpoint: '/x' then, '/y' now"):
+    with pytest.raises(CheckpointError, match="source_checkpoint_fingerprint: 'ab' then, 'cd' now"):
         RLTrainer(
-            nano_model(), small_tokenizer, config, tmp_path, sources=sources | {"source_checkpoint": "/y"}
+            nano_model(),
+            small_tokenizer,
+            config,
+            tmp_path,
+            sources=sources | {"source_checkpoint_fingerprint": "cd"},
         )
 
 

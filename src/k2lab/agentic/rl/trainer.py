@@ -73,7 +73,7 @@ from k2lab.agentic.rl.envs import EnvMixture, build_env
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
-from k2lab.model_dir import check_model_directory, load_model, save_model
+from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
@@ -83,7 +83,6 @@ from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 from k2lab.train.run_checkpoints import list_checkpoints
 from k2lab.train.run_directory import claim_run_directory
-from k2lab.train.state_file import file_sha256
 
 __all__ = [
     "Group",
@@ -249,9 +248,8 @@ class RLTrainer(IterativeTrainer):
 
     ``env`` defaults to ``EnvMixture`` of ``config.envs``; ``critic_model`` enables rubric rewards for
     open-ended environments. Checkpoints hold the model, optimizer, pending partial rollouts, PTX position
-    and critic (``k2lab.posttrain.base`` for the loop, resume and cadence). ``sources`` (``run_rl``: where
-    the policy, its tokenizer and the critic came from, ``rl_sources``) join the settings a resumed run
-    must share.
+    and critic (``k2lab.posttrain.base`` for the loop, resume and cadence). ``sources`` (``run_rl``: what
+    the policy and the critic are, ``rl_sources``) join the settings a resumed run must share.
     """
 
     config: RLConfig
@@ -615,7 +613,7 @@ def run_rl(
     """``k2lab rl``: load ``checkpoint`` (a model directory with tokenizer.json), train, save the policy to
     ``OUT/model`` (with the tokenizer). Resumes from ``OUT/checkpoints`` when there are any (``resume``
     False refuses to run over them instead), refused when the config or the ``rl_sources`` differ (another
-    --checkpoint would splice its tokenizer onto the old run's weights). ``env`` replaces the mixture of
+    --checkpoint would splice its tokenizer onto the old run's weights; a moved or copied one is the same). ``env`` replaces the mixture of
     ``config.envs``."""
     checkpoint, out = check_model_directory(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
@@ -644,15 +642,15 @@ def run_rl(
 
 
 def rl_sources(checkpoint: Path, critic: str) -> dict[str, str | None]:
-    """Where a run's policy and critic come from, compared on resume: the resolved policy checkpoint, the
-    SHA-256 of its tokenizer.json, and the critic's resolved checkpoint (the policy's for "self", None for
-    "none")."""
-    policy = str(checkpoint.resolve())
-    critic_source = {"self": policy, "none": None}.get(critic, str(Path(critic).resolve()))
+    """What a run's policy and critic are, compared on resume: the content fingerprint of the policy
+    checkpoint (``checkpoint_fingerprint``: weights, config, tokenizer; the same after the run is moved or
+    copied) and of the critic's ("self" for the policy, None for "none")."""
+    critic_source = (
+        critic if critic == "self" else None if critic == "none" else checkpoint_fingerprint(Path(critic))
+    )
     return {
-        "source_checkpoint": policy,
-        "source_tokenizer_sha256": file_sha256(checkpoint / "tokenizer.json"),
-        "critic_checkpoint": critic_source,
+        "source_checkpoint_fingerprint": checkpoint_fingerprint(checkpoint),
+        "critic_checkpoint_fingerprint": critic_source,
     }
 
 
