@@ -28,6 +28,31 @@ def test_an_earlier_run_is_claimed_again(tmp_path):
         (old / "metrics.jsonl").write_text("{}\n")
         (old / "checkpoints").mkdir() if legacy == "checkpoints" else (old / legacy).write_text("{}")
         assert claim_run_directory(old, "train") == old
+        assert not (old / RUN_MARKER).exists()  # its command is unknown: a marker could misname it
+
+
+@pytest.mark.parametrize(
+    ("earlier", "command", "names"),
+    [
+        ("train", "mopd mopd", "`k2lab train` run; `k2lab mopd distill` writes"),
+        ("train", "rl", "`k2lab train` run; `k2lab rl` writes"),
+        ("rl", "mopd mopd", "`k2lab rl` run; `k2lab mopd distill` writes"),
+        ("mopd mopd", "rl", "`k2lab mopd distill` run; `k2lab rl` writes"),
+        ("train", "sft", "`k2lab train` run; `k2lab sft` writes"),
+    ],
+)
+def test_a_run_of_another_command_is_refused_untouched(tmp_path, earlier, command, names):
+    """``mopd distill`` into a ``train`` run cut its metrics.jsonl to the train checkpoint's step and wrote
+    mopd.json there; ``rl`` into it failed with a KeyError traceback."""
+    run = claim_run_directory(tmp_path / "run", earlier)
+    (run / "metrics.jsonl").write_text('{"step": 6}\n')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    with pytest.raises(K2LabError, match=f"{names} its own: pick a new --out"):
+        claim_run_directory(run, command, write=False)
+    with pytest.raises(K2LabError, match="pick a new --out"):
+        claim_run_directory(run, command)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert claim_run_directory(run, earlier) == run  # the same command resumes it
 
 
 def test_a_directory_of_other_files_is_refused_untouched(tmp_path):

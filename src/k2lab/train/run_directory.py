@@ -5,8 +5,11 @@ samples into ``--out``. Before any of that, ``claim_run_directory`` makes sure d
 directory must be new, empty or an earlier run (it holds ``RUN_MARKER``, or, for runs from before the marker,
 ``checkpoints/`` or ``summary.json``), and it must not be or hold a directory the run reads (``-c`` model,
 experts, critic): an RL run into its own source run replaced the model it was loading. A claimed directory gets
-``RUN_MARKER`` (which command made it, when) at once, so a run that fails before its first checkpoint can be
-run again into the same place. An existing directory the run cannot write (a read-only file system, no write
+``RUN_MARKER`` (which command made it, when) at once (a run from before the marker is left unmarked: its
+command is unknown, and its checkpoint's kind is checked on resuming, ``check_checkpoint_kind``), so a run that fails before its first checkpoint can be
+run again into the same place; an earlier run of another command (a ``train`` run as the ``--out`` of ``mopd
+distill``) is refused before anything in it is touched: the other command cut its metrics to its own
+checkpoint's counter, or failed on it with a traceback. An existing directory the run cannot write (a read-only file system, no write
 permission) is refused before any work, and so is a path the file system rejects (a name over 255 bytes): one
 line each. A claimed directory stays locked (``flock``) while its process lives: a second run into it is
 refused. Claiming an earlier run removes the hidden temporaries a kill left behind in it mid-way through an
@@ -32,6 +35,8 @@ __all__ = ["RUN_MARKER", "claim_run_directory", "is_run_directory", "refuse_fore
 RUN_MARKER = "run.json"
 LEGACY_MARKERS = ("checkpoints", "summary.json")  # what every run held before RUN_MARKER existed
 _HELD: dict[Path, int] = {}  # run directories this process claimed: their locked descriptors
+# how each command names itself in RUN_MARKER, as the user types it (``run_mopd``'s mode "sft": its baseline)
+_COMMAND_NAMES = {"mopd mopd": "mopd distill", "mopd sft": "mopd report (its SFT baseline)"}
 # a staged_file temporary: ".{target name}.{tempfile's 8 random characters}{suffix: '' or the target's .png}"
 _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}(?P<suffix>(\.png)?)$")
 
@@ -59,14 +64,16 @@ def claim_run_directory(
             refuse_foreign(
                 run_dir, "a run writes model/, metrics.jsonl and more there, so choose a new or empty --out"
             )
+            _refuse_other_command(run_dir, command)
             _refuse_unwritable(run_dir)
+        earlier = run_dir.is_dir() and is_run_directory(run_dir)  # RUN_MARKER, or a run from before it
     make_directory(run_dir, "the run directory")
     checked()
     if write:
         with _reported(run_dir):
             _lock(run_dir)  # before touching anything: another live run may be writing there
             _remove_temporaries(run_dir)
-            if not (run_dir / RUN_MARKER).is_file():
+            if not earlier:  # an unmarked earlier run's command is unknown: marking it could misname it
                 marker = {"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 atomic_write_text(run_dir / RUN_MARKER, json.dumps(marker) + "\n")
     return run_dir
@@ -133,6 +140,21 @@ def refuse_foreign(run_dir: Path, consequence: str, markers: tuple[str, ...] = (
     ):
         raise K2LabError(
             f"{run_dir} holds other files ({shown}) and is not a k2lab run directory; {consequence}"
+        )
+
+
+def _refuse_other_command(run_dir: Path, command: str) -> None:
+    """Refuse (one line) an earlier run whose ``RUN_MARKER`` names another command than ``command``: each
+    command resumes only its own checkpoints and metrics. A marker that cannot be read or names no command
+    passes (nothing to compare)."""
+    try:
+        earlier = json.loads((run_dir / RUN_MARKER).read_text()).get("command")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, AttributeError):
+        return
+    if isinstance(earlier, str) and earlier != command:
+        raise K2LabError(
+            f"{run_dir} is a `k2lab {_COMMAND_NAMES.get(earlier, earlier)}` run; "
+            f"`k2lab {_COMMAND_NAMES.get(command, command)}` writes its own: pick a new --out"
         )
 
 
