@@ -90,6 +90,25 @@ def test_resume_state_refuses_other_settings_before_touching_the_metrics(tmp_pat
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # iteration 2 is redone
 
 
+@pytest.mark.parametrize(
+    ("state", "counter", "kind"),
+    [
+        ({"step": 6, "train_config": {"steps": 6}}, "step", "a `k2lab train`/`sft` run's"),
+        ({"step": 6, "train_config": {"steps": 6}}, "iteration", "a `k2lab train`/`sft` run's"),
+        ({"step": 2, "config": {}}, "iteration", "not counting iterations"),
+    ],
+)
+def test_resume_state_refuses_a_checkpoint_of_another_kind_untouched(tmp_path: Path, state, counter, kind):
+    """An RL run resumed a train run's checkpoint with a KeyError traceback ('iteration'); MOPD took its
+    ``step`` for its own and cut the train run's metrics.jsonl at it (a run from before run.json)."""
+    save_training_checkpoint(tmp_path, 6, state)
+    lines = "".join(json.dumps({"step": i}) + "\n" for i in range(1, 7))
+    (tmp_path / "metrics.jsonl").write_text(lines)
+    with pytest.raises(CheckpointError, match=f"latest checkpoint in .* is {kind}"):
+        resume_state(tmp_path, "metrics.jsonl", counter, {"steps": 6})
+    assert (tmp_path / "metrics.jsonl").read_text() == lines
+
+
 def test_no_checkpoint_is_none(tmp_path: Path) -> None:
     assert load_latest_checkpoint(tmp_path) is None
 

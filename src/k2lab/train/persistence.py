@@ -28,6 +28,7 @@ from k2lab.train.run_checkpoints import load_latest_checkpoint
 __all__ = [
     "RESUMABLE_CHANGES",
     "capture_rng_state",
+    "check_checkpoint_kind",
     "check_resumed_config",
     "derive_seed",
     "restore_rng_state",
@@ -99,7 +100,7 @@ def resume_state(
 
     With ``config`` (the run's ``model_dump(mode="json")`` settings, saved under ``state["config"]``) a
     checkpoint written with different settings is refused before anything is touched
-    (``check_resumed_config``). Metrics lines at or after the checkpoint's counter are dropped (they are
+    (``check_resumed_config``), and so is one of another kind of run (``check_checkpoint_kind``). Metrics lines at or after the checkpoint's counter are dropped (they are
     about to be redone); with no checkpoint the metrics file is removed and None returned. The caller
     restores its own objects from the state (``state[counter]`` is where it continues).
     """
@@ -109,6 +110,7 @@ def resume_state(
         path.unlink(missing_ok=True)
         return None
     state = latest[1]
+    check_checkpoint_kind(state, counter, run_dir)
     if config is not None:
         check_resumed_config(state.get("config"), config, run_dir)
     if path.is_file():
@@ -116,6 +118,22 @@ def resume_state(
         kept = [x for x in lines if json.loads(x)[counter] < int(state[counter])]
         path.write_text("".join(x + "\n" for x in kept))
     return state
+
+
+def check_checkpoint_kind(state: dict[str, Any], counter: str, run_dir: Path | str) -> None:
+    """Raise ``CheckpointError`` when ``state`` is not a checkpoint of a loop counting ``counter``: it has no
+    such count (an RL run counts iterations, MOPD steps), or it is a ``k2lab train``/``sft`` checkpoint
+    (``train_config``), whose ``step`` MOPD took for its own and cut the run's metrics at."""
+    if counter in state and "train_config" not in state:
+        return
+    kind = (
+        "a `k2lab train`/`sft` run's"
+        if "train_config" in state
+        else f"not counting {counter}s: another run's"
+    )
+    raise CheckpointError(
+        f"the latest checkpoint in {run_dir} is {kind}, not this command's; choose a new output directory"
+    )
 
 
 def check_resumed_config(

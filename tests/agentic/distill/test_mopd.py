@@ -30,10 +30,13 @@ from k2lab.agentic.distill.mopd import (
     sft_loss,
 )
 from k2lab.agentic.episodes.rollout import LocalPolicy
-from k2lab.agentic.rl.trainer import RLConfig
+from k2lab.agentic.rl.trainer import RLConfig, run_rl
 from k2lab.cli import main
 from k2lab.errors import K2LabError
 from k2lab.model_dir import load_model, save_model
+from k2lab.train.persistence import capture_rng_state
+from k2lab.train.run_checkpoints import save_training_checkpoint
+from k2lab.train.run_directory import claim_run_directory
 from tests.conftest import randomize
 
 TINY_BUDGETS = {"low": 2, "high": 4, "max": 6}
@@ -304,6 +307,30 @@ def test_resuming_distillation_from_another_student_or_experts_is_refused(sft_di
         run_mopd(experts, student, out, config)
     assert (out / "mopd.json").read_text() == before
     assert len(run_mopd(experts, sft_dir, out, longer)) == 1  # the same inputs resume
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_train_run_as_the_out_of_distill_or_rl_is_refused_untouched(
+    sft_dir, small_tokenizer, tmp_path, marked
+):
+    """``mopd distill --out`` a ``k2lab train`` run dropped its last metrics line (the train checkpoint's step
+    taken for its own) and wrote mopd.json there; ``rl --out`` it failed with a KeyError traceback. Now both
+    are refused: by run.json's command, or (a run from before run.json) by the checkpoint's kind."""
+    specs = [ExpertSpec("arithmetic", "low", 3)]
+    experts, run = tmp_path / "experts", tmp_path / "train-run"
+    write_experts(experts, small_tokenizer, specs)
+    claim_run_directory(run, "train")
+    save_training_checkpoint(run, 6, {"step": 6, "train_config": {"steps": 6}, "rng": capture_rng_state()})
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    if not marked:
+        (run / "run.json").unlink()
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    refusal = "`k2lab train` run; .* pick a new --out" if marked else "is a `k2lab train`/`sft` run's"
+    with pytest.raises(K2LabError, match=refusal):
+        run_mopd(experts, sft_dir, run, MOPDConfig(steps=8, prompts_per_step=1))
+    with pytest.raises(K2LabError, match=refusal):
+        run_rl(sft_dir, run, RLConfig(iterations=8))
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 def test_teachers_of_another_tokenizer_or_vocabulary_are_refused_before_any_work(
