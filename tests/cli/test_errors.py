@@ -248,3 +248,18 @@ def test_serve_and_rl_say_a_missing_checkpoint_does_not_exist(tmp_path):
     missing = str(tmp_path / "nowhere")
     assert_clean_error(k2lab("serve", "-c", missing), "checkpoint directory", "does not exist")
     assert_clean_error(k2lab("rl", "-c", missing, "--out", str(tmp_path / "run")), "does not exist")
+
+
+def test_one_process_commands_are_refused_under_torchrun(monkeypatch, capsys):
+    """Under torchrun every rank ran `k2lab rl` (or mopd, serve, ablate ...) whole, into one run directory."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for argv in (["rl", "-c", "x", "--out", "y"], ["serve", "-c", "x"], ["ablate", "parl", "--quick"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        message = " ".join(capsys.readouterr().err.split())
+        assert f"`k2lab {argv[0]}` runs in one process: under torchrun (WORLD_SIZE=2)" in message
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])  # no command: the help
+    assert exit_info.value.code == 0

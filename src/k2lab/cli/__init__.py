@@ -37,11 +37,29 @@ flow_command_summaries(app)
 __all__ = ["app", "main"]
 
 
+DATA_PARALLEL_COMMANDS = ("train", "sft")  # the commands torchrun scales out (k2lab.train.distributed)
+
+
+def refuse_under_torchrun(argv: list[str]) -> None:
+    """``K2LabError`` for a command other than ``DATA_PARALLEL_COMMANDS`` launched in several processes: each
+    would run the whole job (``rl`` N times into one run directory, ``serve`` N servers on one port)."""
+    from k2lab.train.distributed import launched_world_size
+
+    world = launched_world_size()
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if world > 1 and command is not None and command not in DATA_PARALLEL_COMMANDS:
+        raise K2LabError(
+            f"`k2lab {command}` runs in one process: under torchrun (WORLD_SIZE={world}) every process would "
+            "run the whole job; only `k2lab train` and `k2lab sft` are data-parallel. Run it without torchrun."
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, turning user errors into one paragraph and exit code 2."""
     err = Console(stderr=True)
     keep_freed_memory()  # freed tensors stay mapped for the next step (k2lab.allocator)
     try:
+        refuse_under_torchrun(sys.argv[1:] if argv is None else argv)
         app(args=argv)  # click reports usage errors itself (exit code 2)
     except K2LabError as error:
         err.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
