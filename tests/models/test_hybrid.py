@@ -61,6 +61,33 @@ def test_left_padded_batch_equals_each_alone(model):
     assert batched == [generate(model, [p], config)[0] for p in prompts]
 
 
+PAD_PATTERNS = {"left": [0, 0, 1, 1, 1], "right": [1, 1, 1, 0, 0], "holes": [1, 0, 1, 0, 1]}
+
+
+@pytest.mark.parametrize("pattern", PAD_PATTERNS)
+@pytest.mark.parametrize("cached", [3, 0], ids=["after-cache", "from-empty"])
+@pytest.mark.parametrize("layers", ["hybrid", "kda-only"])
+def test_padded_chunk_equals_its_real_tokens_alone(pattern, cached, layers):
+    """Pads anywhere in a chunk leave every KDA state as if they were absent: the logits of the real
+    tokens, the states after the chunk and the next step's logits equal those of the unpadded chunk. A pad
+    used to decay the recurrent state (g from dt_bias) and shift the short convolution's history (0.6 in the
+    logits after a cached prefix, left padding)."""
+    model = hybrid() if layers == "hybrid" else hybrid(mla_layers=[])
+    ids = torch.randint(3, 128, (2, cached + 4))
+    valid = torch.tensor([PAD_PATTERNS[pattern]] * 2, dtype=torch.bool)
+    padded_ids = torch.zeros(2, 5, dtype=torch.long).masked_scatter(valid, ids[:, cached : cached + 3])
+    runs = []
+    for chunk, mask in ((ids[:, cached : cached + 3], None), (padded_ids, valid)):
+        cache = LatentCache(model.config, batch_size=2, max_length=16)
+        if cached:
+            model(ids[:, :cached], cache=cache)
+        logits = model(chunk, attention_mask=mask, cache=cache).logits
+        logits = logits if mask is None else logits[mask].view(2, 3, -1)
+        states = [t for s in cache.kda_states.values() for t in (s.conv, s.recurrent)]
+        runs.append((logits, states, model(ids[:, -1:], cache=cache).logits))
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-4, rtol=1e-4)
+
+
 def test_kda_decode_memory_is_constant_in_context():
     config = load_preset("k3-nano")
     short, long = (LatentCache(config, 1, length) for length in (16, 4096))

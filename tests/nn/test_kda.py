@@ -44,6 +44,32 @@ def test_window_states_equal_step_by_step_decode():
     assert torch.allclose(recurrent_steps, torch.stack(states, 1), atol=1e-5)
 
 
+def test_pads_in_a_verify_window_or_a_step_keep_the_states():
+    """A speculative verify window with pads (``record_steps``) reports, at each real token, the states of
+    the window without its pads and, at a pad, the state before it; a one-token step of a pad changes
+    nothing (the single-token path of the short convolution)."""
+    torch.manual_seed(0)
+    config = load_preset("k3-nano")
+    layer = KimiDeltaAttention(config).eval()
+    layer.forget_gate.reset_decay()
+    B, H, K = 2, config.linear_num_heads, config.linear_head_dim
+    C, W = 3 * H * K, config.linear_conv_kernel_dim
+    start = KDAState(torch.randn(B, C, W - 1), torch.randn(B, H, K, K))
+    x = torch.randn(B, 3, config.hidden_size)
+    valid = torch.tensor([[0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    padded_x = torch.randn(B, 6, config.hidden_size).masked_scatter(valid[..., None], x)
+    alone, padded = (Recorder(start.conv.clone(), start.recurrent.clone()) for _ in range(2))
+    reference = layer(x, state=alone)
+    torch.testing.assert_close(layer(padded_x, valid, padded)[valid].view_as(reference), reference)
+    before = valid.long().cumsum(1) - 1  # the real token each position's state follows (-1: none yet)
+    for steps, first, reached in zip(padded.steps, (start.conv, start.recurrent), alone.steps, strict=True):
+        expected = torch.cat((first[:, None], reached), 1)[torch.arange(B)[:, None], before + 1]
+        torch.testing.assert_close(steps, expected)
+    step = KDAState(start.conv.clone(), start.recurrent.clone())
+    layer(x[:, :1], torch.zeros(B, 1, dtype=torch.bool), step)
+    assert torch.equal(step.conv, start.conv) and torch.equal(step.recurrent, start.recurrent)
+
+
 def test_conv_history_steps():
     x = torch.arange(2 * 3 * 1.0).view(1, 3, 2)  # [B, T, C]: token t has values (2t, 2t+1)
     state = torch.tensor([[[-3.0, -2.0, -1.0], [-6.0, -5.0, -4.0]]])  # [B, C, W−1]

@@ -13,8 +13,11 @@ Decoding keeps per sequence only the recurrent state S [H, K, K] (fp32) and the 
 projected inputs of the convolution [3·H·K, kernel − 1]: memory is constant in the context length.
 A cache view with ``record_steps`` (``StepRecorder``) gets the states after every token of the window
 instead (speculative decoding's verify step, which then keeps those after the last accepted token).
-Padding tokens (``valid`` False) are zeroed before the projections; with left padding the state is still
-zero when the first real token arrives, so padded and unpadded prompts give the same outputs.
+Padding tokens (``valid`` False) leave the layer's state as if they were absent, wherever they sit (left
+padding after cached tokens, right padding, holes): they are zeroed before the projections, their g and β
+are set to 0 (S_t = S_{t−1}: no decay, no write), and the short convolution runs over the real inputs only
+(``nn.kda_padding``), so each real token's window holds the previous real inputs and the conv state the last
+kernel − 1 real ones. A pad's own output is arbitrary (MLA masks pad keys; a KDA layer skips them).
 
 As in the released code (mlx-lm / vLLM ``kimi_k3``, checked by tests/hf/test_kimi_k3_mlx.py): the SiLU follows the
 convolution of each of q, k, v (``{q,k,v}_conv1d`` [C, 1, W] in the checkpoint); the L2 norm adds its 1e-6 to
@@ -35,6 +38,7 @@ from torch.autograd.function import once_differentiable
 from k2lab.config import ModelConfig
 from k2lab.nn.decode_linear import decode_linear
 from k2lab.nn.kda_gate import ForgetGate
+from k2lab.nn.kda_padding import compact_real, padded_short_conv, real_history
 from k2lab.nn.norm import GatedRMSNorm
 from k2lab.ops.kda import kda, recurrent_kda_states
 
@@ -72,11 +76,14 @@ def causal_short_conv(
     weight: torch.Tensor,
     state: torch.Tensor | None = None,
     document_starts: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal convolution. x [B, T, C], weight [C, 1, W], state [B, C, W−1] (earlier inputs; zeros
     when None) -> (y [B, T, C], new state [B, C, W−1] = the last W−1 inputs).
 
     With ``document_starts`` [B, T] bool, y_t = Σ_w W[w] x_{t−w} only over lags that stay in t's document.
+    With ``valid`` [B, T] bool, pads are skipped: a real token's window holds the previous real inputs and
+    the state the last W−1 real ones (``nn.kda_padding``; one token: a pad keeps the state, one ``where``).
     """
     if document_starts is not None:
         return _document_conv(x, weight, document_starts), x.new_zeros(0)
@@ -85,16 +92,27 @@ def causal_short_conv(
     x_bct = x.transpose(1, 2)
     history = x_bct.new_zeros(B, C, width - 1) if state is None else state.to(x.dtype)
     padded = torch.cat((history, x_bct), dim=-1)  # [B, C, W−1+T]
+    if valid is not None and T > 1 and width > 1:
+        return padded_short_conv(padded, weight, valid)
     y = F.conv1d(padded, weight.to(x.dtype), groups=C)
-    return y.transpose(1, 2), padded[:, :, padded.shape[-1] - (width - 1) :]  # W = 1: empty, not all
+    new_state = padded[:, :, padded.shape[-1] - (width - 1) :]  # W = 1: empty, not all
+    if valid is not None:  # a single token (or W = 1): a pad leaves the history as it was
+        new_state = torch.where(valid[:, -1:, None], new_state, history)
+    return y.transpose(1, 2), new_state
 
 
-def conv_history_steps(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def conv_history_steps(
+    x: torch.Tensor, state: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """The short-convolution state after every token: x [B, T, C] (inputs), state [B, C, W−1] (before the
-    window) -> [B, T, C, W−1], entry t = the last W−1 inputs up to and including token t."""
+    window), valid [B, T] bool (None: all real) -> [B, T, C, W−1], entry t = the last W−1 real inputs up to
+    and including token t (after a pad, the entry before it)."""
     if state.shape[-1] == 0:  # W = 1: no history to keep
         return x.new_zeros(*x.shape, 0)
     padded = torch.cat((state.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, W−1+T]
+    if valid is not None:
+        compacted, _, counts = compact_real(padded, valid)
+        return real_history(compacted, counts, state.shape[-1])
     return padded.unfold(-1, state.shape[-1], 1)[:, :, 1:].transpose(1, 2)
 
 
@@ -221,7 +239,7 @@ class KimiDeltaAttention(nn.Module):
             [decode_linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1
         )
         mixed, conv_state = causal_short_conv(
-            projected, self.conv1d.weight, None if state is None else state.conv, document_starts
+            projected, self.conv1d.weight, None if state is None else state.conv, document_starts, valid
         )
         q, k, v = F.silu(mixed).view(B, T, 3, H, K).unbind(2)
         q, k = l2_normalize(q), l2_normalize(k)
@@ -229,9 +247,12 @@ class KimiDeltaAttention(nn.Module):
         if document_starts is not None:
             g = g.masked_fill(document_starts[:, :, None, None], RESET_LOG_DECAY)
         beta = torch.sigmoid(decode_linear(x, self.b_proj.weight).float())
+        if valid is not None:  # a pad neither decays nor writes: S_t = S_{t−1}
+            g = g.masked_fill(~valid[:, :, None, None], 0.0)
+            beta = beta.masked_fill(~valid[:, :, None], 0.0)
         if getattr(state, "record_steps", False):  # a speculative verify window: every token's state
             out, steps = recurrent_kda_states(q, k, v, g, beta, initial_state=state.recurrent)
-            state.update_steps(conv_history_steps(projected, state.conv), steps)
+            state.update_steps(conv_history_steps(projected, state.conv, valid), steps)
         else:
             initial = None if state is None else state.recurrent
             # recurrent for one decode token, chunked otherwise; fla's kernels on CUDA when they import
