@@ -233,8 +233,9 @@ class KimiDeltaAttention(nn.Module):
         bool (packed training windows: the state restarts at each document) -> [B, T, D]."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        if valid is not None:
-            x = x * valid.unsqueeze(-1).to(x.dtype)
+        keep = None if valid is None else valid.unsqueeze(-1).to(x.dtype)  # [B, T, 1]: 1 real, 0 pad
+        if keep is not None:
+            x = x * keep
         projected = torch.cat(
             [decode_linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1
         )
@@ -247,9 +248,8 @@ class KimiDeltaAttention(nn.Module):
         if document_starts is not None:
             g = g.masked_fill(document_starts[:, :, None, None], RESET_LOG_DECAY)
         beta = torch.sigmoid(decode_linear(x, self.b_proj.weight).float())
-        if valid is not None:  # a pad neither decays nor writes: S_t = S_{t−1}
-            g = g.masked_fill(~valid[:, :, None, None], 0.0)
-            beta = beta.masked_fill(~valid[:, :, None], 0.0)
+        if keep is not None:  # a pad neither decays nor writes (g = 0, β = 0): S_t = S_{t−1}
+            g, beta = g * keep.unsqueeze(-1), beta * keep
         if getattr(state, "record_steps", False):  # a speculative verify window: every token's state
             out, steps = recurrent_kda_states(q, k, v, g, beta, initial_state=state.recurrent)
             state.update_steps(conv_history_steps(projected, state.conv, valid), steps)
