@@ -129,10 +129,11 @@ class LatentCache:
         positions = self.next_position[:, None] + (valid.long().cumsum(1) - 1).clamp(min=0)
         return positions, self.key_valid[:, :end]
 
-    def commit(self, valid: torch.Tensor) -> None:
-        """Advance past the tokens registered by ``begin`` once every layer has appended them."""
-        self.length += valid.shape[1]
-        self.next_position += valid.long().sum(1)
+    def commit(self, valid: torch.Tensor | None, num_tokens: int) -> None:
+        """Advance past the ``num_tokens`` tokens registered by ``begin`` once every layer has appended them
+        (valid [B, num_tokens] bool, None when all are real)."""
+        self.length += num_tokens
+        self.next_position += num_tokens if valid is None else valid.long().sum(1)
 
     @property
     def bytes_per_token(self) -> int:

@@ -210,7 +210,7 @@ class EagleForward(nn.Module):
         B, T = tokens.shape
         inputs = self.target.layer_inputs(B, T, features.device, attention_mask=valid, cache=cache)
         h = self.module(features, self.target.embed(tokens), inputs, cache.layer(0))
-        cache.commit(inputs.valid)
+        cache.commit(inputs.valid, T)
         h = h[:, -1] if index is None else h[torch.arange(B, device=h.device), index]
         feature = self.module.final_norm(h)  # f' of the one entry per row that proposes next
         return feature, decode_linear(feature, self.target.lm_head.weight) if self.full_head else None

@@ -156,7 +156,7 @@ class CausalLM(nn.Module):
             else self._layers(h, inputs, cache)
         )
         if cache is not None:
-            cache.commit(inputs.valid)
+            cache.commit(inputs.valid, T)
         keep = None if logits_mask is None else logits_mask.to(device=h.device, dtype=torch.bool)
         if output_hidden:
             h = hidden = self.norm(h)
@@ -183,8 +183,9 @@ class CausalLM(nn.Module):
     ) -> LayerInputs:
         """The ``LayerInputs`` of T new tokens per row, as ``forward`` builds them (same arguments): positions
         (counting real tokens, continuing a cache, restarting per packed document), rotary tables, the MLA
-        mask. With ``cache`` the tokens are registered (``cache.begin``; ``valid`` is then never None) and the
-        caller commits them once every layer has appended. MTP modules run on these same inputs."""
+        mask. With ``cache`` the tokens are registered (``cache.begin``) and the caller commits them
+        (``cache.commit(valid, T)``) once every layer has appended; ``valid`` stays None without an
+        ``attention_mask`` (a decode step: KDA layers then skip their pad masking). MTP modules run on these same inputs."""
         if segment_ids is not None and (cache is not None or attention_mask is not None):
             raise ValueError(
                 "segment_ids describe packed training windows: use them without cache or padding"
@@ -193,8 +194,8 @@ class CausalLM(nn.Module):
             return self._tree_inputs(attention_mask, position_ids, cache, segment_ids)
         valid = None if attention_mask is None else attention_mask.bool()
         if cache is not None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid
-            positions, key_valid = cache.begin(valid)
+            registered = torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid
+            positions, key_valid = cache.begin(registered)
             query_start = cache.length
         else:
             positions = _positions(valid, B, T, device)
