@@ -6,9 +6,8 @@ each step feeds one token per sequence and attends in latent space (absorbed MLA
 Prefix reuse (``prefill``): a row may start from cached contents instead of an empty cache — a
 ``GenerationCache`` left by an earlier call (a multi-turn episode extends its own cache) or the longest
 match in a ``PrefixCache`` (blocks shared across requests) — and only its uncached suffix runs. Rows
-with different cached lengths combine like ``LatentCache.concat`` does (masked slots, positions carry on).
-A KDA layer cannot skip padding after real tokens (a zero input still decays and shifts its state), so on
-hybrid models rows whose suffix follows cached tokens prefill in groups of equal suffix length.
+with different cached lengths combine like ``LatentCache.concat`` does (masked slots, positions carry on) and
+prefill together, left-padded: pads after cached tokens leave KDA states as they were (``nn.kda``).
 """
 
 from __future__ import annotations
@@ -381,26 +380,7 @@ def prefill(
     hybrid = "kda" in config.layer_types
     offsets = [0 if s is None else s.length for s in starts]
     splits = [_split(len(p), o, prefix_cache, hybrid) for p, o in zip(prompts, offsets, strict=True)]
-    groups = _groups([len(p) for p in prompts], offsets, splits, hybrid)
-    parts = [
-        _prefill_group(
-            decoder,
-            [prompts[b] for b in g],
-            [starts[b] for b in g],
-            [splits[b] for b in g],
-            prefix_cache,
-            room if len(groups) == 1 else 0,
-        )  # fmt: skip
-        for g in groups
-    ]
-    if len(groups) == 1:
-        cache, logits = parts[0]
-    else:
-        order = [b for g in groups for b in g]
-        inverse = sorted(range(len(order)), key=order.__getitem__)  # new row b = merged row inverse[b]
-        cache = LatentCache.concat([c for c, _ in parts], max(c.length for c, _ in parts) + room)
-        cache.select(inverse)
-        logits = torch.cat([lg for _, lg in parts])[inverse]
+    cache, logits = _prefill_rows(decoder, prompts, starts, splits, prefix_cache, room)
     if prefix_cache is not None and not hybrid:
         for row, prompt in enumerate(prompts):
             prefix_cache.insert(prompt, cache.row(row))
@@ -416,31 +396,16 @@ def _split(length: int, offset: int, prefix_cache: PrefixCache | None, hybrid: b
     return split if split > offset else None
 
 
-def _groups(
-    lengths: list[int], offsets: list[int], splits: list[int | None], hybrid: bool
-) -> list[list[int]]:
-    """Rows that can prefill together: all of them without KDA layers; on hybrid models, rows whose
-    segments after non-empty state (cached tokens, or the first segment) have equal lengths."""
-    if not hybrid:
-        return [list(range(len(lengths)))]
-    groups: dict[tuple[int | None, int | None], list[int]] = {}
-    for row, (length, offset, split) in enumerate(zip(lengths, offsets, splits, strict=True)):
-        first = (split or offset) - offset
-        second = length - max(offset, split or 0)
-        key = (first if offset else None, second if offset or first else None)
-        groups.setdefault(key, []).append(row)
-    return list(groups.values())
-
-
-def _prefill_group(
+def _prefill_rows(
     decoder: torch.nn.Module,
-    prompts: list[Sequence[int]],
+    prompts: Sequence[Sequence[int]],
     starts: list[RowState | None],
     splits: list[int | None],
     prefix_cache: PrefixCache | None,
     room: int,
 ) -> tuple[LatentCache, torch.Tensor]:
-    """One batch of rows from their starts: the segment up to each split (its state stored), then the rest."""
+    """The rows from their starts in one batch: the segment up to each split (its state stored), then the
+    rest; each left-padded (a row without a split sits out the first forward as pads)."""
     param = next(decoder.parameters())
     offsets = [0 if s is None else s.length for s in starts]
     firsts = [p[o : s or o] for p, o, s in zip(prompts, offsets, splits, strict=True)]
