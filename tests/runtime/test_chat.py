@@ -24,6 +24,7 @@ from k2lab.runtime.chat import (
     render_assistant_body,
     render_chat,
 )
+from k2lab.runtime.chat_format import K2ChatFormat
 from k2lab.runtime.tool_spec import ToolSpecError, tools_to_json, tools_to_typescript, validate_tools
 from tests.conftest import TINY_TEXT
 
@@ -620,3 +621,20 @@ def test_a_foreign_special_token_string_in_a_message_stays_text(tokenizer):
     assert extended.decode(encoding.ids) == render_chat(messages, add_generation_prompt=False)
     plain = encode_chat(tokenizer, messages)  # the reserved string costs its text's tokens, markup unchanged
     assert encoding.ids == plain.ids and encoding.assistant_mask == plain.assistant_mask
+
+
+@pytest.mark.parametrize("reply", ["<think>reason</think>answer", "<tho and more", "plain <think> text"])
+def test_k2_visible_content_only_grows_as_a_reply_does(reply):
+    """Each prefix's visible content is a prefix of the next one's (streamed text is never taken back: was
+    "<th", then "" once "<think>" completed) and the whole reply's is the parsed content."""
+    fmt = K2ChatFormat()
+    seen = [fmt.visible_content(reply[:i]) for i in range(len(reply) + 1)]
+    assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:], strict=False))
+    assert seen[-1] == parse_assistant(reply)["content"]
+
+
+def test_k2_reasoning_and_text_before_calls_leave_the_thinking_apart():
+    fmt = K2ChatFormat()
+    assert (fmt.reasoning("<think>rea"), fmt.text_before_calls("<think>rea")) == ("rea", "")
+    assert (fmt.reasoning("<think>r</think>an"), fmt.text_before_calls("<think>r</think>an")) == ("r", "an")
+    assert fmt.reasoning("answer <think>x</think>") is None and fmt.reasoning("<think> </think>a") is None

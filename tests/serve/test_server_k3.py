@@ -139,12 +139,18 @@ def ask(scripted, reply: str, stream: bool = False, cut: bool = False, **body) -
     base, engine, tokenizer = scripted
     engine.tokens = tokenizer.encode(reply if cut else reply + f"<|close|>message{SEP}")
     engine.finish = "length" if cut else "stop"
-    body = {"model": "k3", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **body}
+    return chat_reply(base, {"model": "k3", "stream": stream, **body})
+
+
+def chat_reply(base: str, body: dict) -> tuple[Any, str]:
+    """POST ``body`` (a "hi" from the user added) to the chat route: the message (or the streamed deltas, in
+    order) and the finish reason, as the server's raw JSON."""
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
     response = httpx.post(
         base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
     )
     assert response.status_code == 200, response.text
-    if not stream:
+    if not body.get("stream"):
         choice = response.json()["choices"][0]
         return choice["message"], choice["finish_reason"]
     lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]

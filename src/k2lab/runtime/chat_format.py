@@ -90,8 +90,7 @@ class ChatFormat:
 
     def reasoning(self, text: str) -> str | None:
         """The reasoning of a turn cut short (a stop string, or ``max_tokens`` with the thinking still
-        open) or that does not parse; None when there is none (blank, or a format that keeps thinking in
-        ``text_before_calls``)."""
+        open) or that does not parse (``text_before_calls`` leaves it out); None when there is none."""
         return None
 
     def encode_chat(
@@ -167,15 +166,28 @@ class K2ChatFormat(ChatFormat):
         return chat.parse_chat(text)
 
     def text_before_calls(self, text: str) -> str:
-        """Text before any tool-call section (thinking included)."""
-        return text.split(chat.SECTION_BEGIN, 1)[0]
-
-    def visible_content(self, text: str) -> str:
-        """Text before any tool-call section, a leading ``<think>...</think>`` left out."""
-        text = self.text_before_calls(text)
+        """Text before any tool-call section, a leading ``<think>...</think>`` left out: nothing while that
+        thinking is still open (a stop string is matched in the reply, not in its reasoning)."""
+        text = text.split(chat.SECTION_BEGIN, 1)[0]
         if text.startswith(chat.THINK_BEGIN):
             text = text.split(chat.THINK_END, 1)[1] if chat.THINK_END in text else ""
         return text
+
+    def reasoning(self, text: str) -> str | None:
+        """The leading ``<think>`` block's text, closed or still open (before any tool-call section),
+        unless blank."""
+        text = text.split(chat.SECTION_BEGIN, 1)[0]
+        if not text.startswith(chat.THINK_BEGIN):
+            return None
+        reasoning = text[len(chat.THINK_BEGIN) :].split(chat.THINK_END, 1)[0]
+        return reasoning if reasoning.strip() else None
+
+    def visible_content(self, text: str) -> str:
+        """``text_before_calls``, and nothing while the turn so far could still open with ``<think>``
+        (``<th`` is held back: streamed, it could not be taken back once the thinking opens)."""
+        if chat.THINK_BEGIN.startswith(text):
+            return ""
+        return self.text_before_calls(text)
 
 
 @dataclass(frozen=True)

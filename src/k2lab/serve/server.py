@@ -12,9 +12,11 @@ enforcer over that format's markup (``k2lab.runtime.enforcer``; a turn ends at t
 token) and parsed back into an OpenAI message: text as ``content``, thinking as ``reasoning_content``, a
 tool-call section as ``tool_calls`` with ``finish_reason: "tool_calls"`` (never with ``tool_choice: "none"``:
 a section the model spelled past the enforcer is left out, its text reply kept). A stop string is matched
-in, and cut from, the visible text (``ChatFormat.text_before_calls``; K3: the response channel), with the
-reasoning kept. A K3 reply cut by max_tokens inside the think channel comes back as its reasoning, with
-``finish_reason: "length"``. Streaming sends content deltas as tokens arrive and each
+in, and cut from, the visible text (``ChatFormat.text_before_calls``: the reply after the thinking, K2's
+leading ``<think>...</think>`` or K3's think channel), with the reasoning kept. A reply cut by a stop string
+or max_tokens inside the thinking comes back as its reasoning (``finish_reason`` ``"stop"`` / ``"length"``).
+Streaming sends content deltas as tokens arrive (holding back what could still begin a stop string or K2's
+``<think>``, and never a delta that does not extend what was sent) and each
 tool call as one delta once its section closes. A client that disconnects cancels its request, streaming or
 not, which frees its batch row at the engine's next step. Tool-call ids are made distinct when the model repeats
 one.
@@ -458,7 +460,7 @@ def _chunk(completion: _Completion, delta: dict[str, Any], finish: str | None = 
 async def _stream(completion: _Completion) -> AsyncIterator[str]:
     stream = _Stream(asyncio.get_running_loop())
     request = completion.submit(stream)
-    sent = 0  # characters of visible content already sent
+    sent = ""  # visible content already sent: what follows is sent only while it extends this
     try:
         yield _chunk(completion, {"role": "assistant", "content": ""})
         finish = None
@@ -473,18 +475,17 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
             # hold back what could still become the start of a stop string, and half a UTF-8 character
             visible = _visible(completion)
             safe = len(visible) - max((len(s) - 1 for s in completion.stops), default=0)
-            if safe > sent and not visible[:safe].endswith("\ufffd"):
-                yield _chunk(completion, {"content": visible[sent:safe]})
-                sent = safe
+            if not visible[:safe].endswith("\ufffd") and (delta := _extension(sent, visible[:safe])):
+                yield _chunk(completion, {"content": delta})
+                sent += delta
         if finish.startswith("error"):  # OpenAI's error body as an event; the stream then ends
             failure = {"message": f"generation failed: {finish}", "type": "internal_server_error"}
             yield f"data: {json.dumps({'error': {**failure, 'param': None, 'code': None}})}\n\n"
             yield "data: [DONE]\n\n"
             return
         message, reason = completion.message(finish)
-        content = message.get("content") or ""
-        if len(content) > sent:
-            yield _chunk(completion, {"content": content[sent:]})
+        if delta := _extension(sent, message.get("content") or ""):
+            yield _chunk(completion, {"content": delta})
         if message.get("reasoning_content"):
             yield _chunk(completion, {"reasoning_content": message["reasoning_content"]})
         for index, call in enumerate(message.get("tool_calls", [])):
@@ -501,3 +502,9 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
 def _visible(completion: _Completion) -> str:
     """The content text streamed so far: before any tool-call section, thinking excluded."""
     return completion.state.strip_special(completion.state.chat_format.visible_content(completion.text()))
+
+
+def _extension(sent: str, text: str) -> str:
+    """What ``text`` adds to the content already ``sent``: "" unless ``text`` starts with it (a delta past
+    text the client holds but the reply no longer has would skip characters of the reply)."""
+    return text[len(sent) :] if text.startswith(sent) else ""
