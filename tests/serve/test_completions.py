@@ -4,6 +4,8 @@ prompts, stop strings, streaming equal to non-streaming, and 400s with a message
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import torch
@@ -27,11 +29,16 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def server(small_tokenizer, model):
+def engine(model):
     engine = Engine(model, max_batch=8, prefix_cache_bytes=1 << 22, block_size=8).start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(small_tokenizer, engine):
     with serving(build_app(engine, small_tokenizer, "nano", api_key=KEY)) as base:
         yield base
-    engine.shutdown()
 
 
 @pytest.fixture
@@ -195,3 +202,18 @@ def test_malformed_json_and_missing_key(server):
     response = httpx.post(server + "/v1/completions", content=b"{not json", headers=headers)
     assert response.status_code == 400 and response.json()["error"]["message"]
     assert httpx.post(server + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+
+
+def test_a_client_that_leaves_a_non_streaming_completion_frees_its_rows(server, engine):
+    """Was: its n rows generated to max_tokens for nobody (chat cancelled; completions had no watcher)."""
+    body = {"model": "nano", "prompt": "go", "n": 4, "max_tokens": 480, "temperature": 1.0, "seed": 4,
+            "ignore_eos": True}  # fmt: skip
+    cancelled = engine.finished.get("cancelled", 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10.0, read=0.05))  # fmt: skip
+    deadline = time.time() + 10
+    while engine.active and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.active == 0
+    assert engine.finished.get("cancelled", 0) == cancelled + 4  # freed, not run to their 480 tokens

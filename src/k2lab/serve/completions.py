@@ -25,6 +25,8 @@ cache changes no state of the model), one at a time.
 could still be the start of a stop string or half a UTF-8 character. With ``logprobs`` a choice's chunk
 comes once it has finished (its log-probabilities come from the one scoring forward). ``usage`` counts each
 prompt once and every generated token (a stop token is not counted: the engine does not deliver it).
+A client that disconnects cancels its request, streaming or not (``k2lab.serve.disconnect``): every choice's
+batch row is freed at the engine's next step.
 
 **Tokenizer endpoints** (outside ``/v1``, as vLLM's): ``POST /tokenize`` with ``prompt`` (text) or
 ``messages`` (rendered with K2's chat template) → ``{count, max_model_len, tokens, token_strs}``;
@@ -54,6 +56,7 @@ from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat import ChatFormatError
 from k2lab.runtime.chat_format import ChatFormat
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
+from k2lab.serve.disconnect import cancel_on_disconnect
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode, parse_body
@@ -411,6 +414,12 @@ class _Completion:
             steps = steps[len(choice.prompt) :]
         return _logprobs_object(self.state.tokenizer, choice.returned_ids(self.body.echo), steps)
 
+    def cancel(self) -> None:
+        """Stop generating every choice (a client that left): their rows are freed at the engine's next step."""
+        for choice in self.choices:
+            if choice.request is not None:
+                choice.request.cancel()
+
     def text(self, choice: _Choice) -> str:
         return (choice.prompt_text if self.body.echo else "") + choice.text
 
@@ -514,7 +523,8 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
         completion = _Completion(state, scorer, body)
         if body.stream:
             return StreamingResponse(completion.stream(), media_type="text/event-stream")
-        return await completion.response()
+        async with cancel_on_disconnect(request, completion.cancel):
+            return await completion.response()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar, ToolChoiceErro
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.completions import add_completion_routes
 from k2lab.serve.config import DEFAULT_MAX_TOKENS
+from k2lab.serve.disconnect import cancel_on_disconnect
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import (
@@ -64,8 +65,6 @@ from k2lab.serve.errors import (
 from k2lab.serve.threads import in_worker_thread
 
 __all__ = ["ChatCompletionRequest", "build_app"]
-
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming completion checks that its client is still there
 
 
 class StreamOptions(BaseModel):
@@ -389,14 +388,12 @@ class _RequireKey:
 async def _complete(completion: _Completion, http: Request) -> dict[str, Any]:
     stream = _Stream(asyncio.get_running_loop())
     request = completion.submit(stream)
-    watch = asyncio.create_task(_cancel_on_disconnect(http, request))
     try:
-        finish = await _drain(completion, stream, request)
+        async with cancel_on_disconnect(http, request.cancel):
+            finish = await _drain(completion, stream, request)
     except asyncio.CancelledError:
         request.cancel()
         raise
-    finally:
-        watch.cancel()
     if finish.startswith("error"):
         raise APIError(500, f"generation failed: {finish}")
     message, reason = completion.message(finish)
@@ -417,14 +414,6 @@ async def _drain(completion: _Completion, stream: _Stream, request: EngineReques
             return value
         if not completion.take(value):
             request.cancel()
-
-
-async def _cancel_on_disconnect(http: Request, request: EngineRequest) -> None:
-    """Cancel ``request`` once the client of a non-streaming completion has gone (a streaming one notices when
-    its next chunk cannot be sent): its row is freed instead of generating to max_tokens for nobody."""
-    while not await http.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    request.cancel()
 
 
 def _distinct_ids(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
