@@ -217,3 +217,32 @@ def test_a_client_that_leaves_a_non_streaming_completion_frees_its_rows(server, 
         time.sleep(0.05)
     assert engine.active == 0
     assert engine.finished.get("cancelled", 0) == cancelled + 4  # freed, not run to their 480 tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"presence_penalty": -1}, "presence_penalty"),
+        ({"suffix": "end"}, "suffix"),
+    ],
+)
+def test_fields_k2lab_cannot_honour_are_refused_not_ignored(server, extra, field):
+    """Was: 200 with the same text (best_of, logit_bias, penalties were silently ignored); their defaults pass."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "nano", "prompt": "hi", "max_tokens": 2, **extra}
+    response = httpx.post(server + "/v1/completions", json=body, headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and f"does not support {field}" in error["message"]
+    defaults = {
+        "best_of": 1,
+        "logit_bias": {},
+        "frequency_penalty": 0,
+        "presence_penalty": None,
+        "suffix": "",
+    }
+    ok = httpx.post(server + "/v1/completions", json={**body, **defaults}, headers=headers)
+    assert ok.status_code == 200, ok.text

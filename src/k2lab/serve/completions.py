@@ -34,7 +34,9 @@ batch row is freed at the engine's next step.
 (lm-evaluation-harness's remote tokenizer reads it). k2lab's tokenizer adds no BOS, so
 ``add_special_tokens`` changes nothing.
 
-Bad requests get 400 with OpenAI's error body; an unknown ``model`` 404; a failed engine step 500.
+Bad requests get 400 with OpenAI's error body; an unknown ``model`` 404; a failed engine step 500. Fields
+k2lab does not implement (``suffix``, ``best_of``, ``logit_bias``, ``frequency_penalty``, ``presence_penalty``)
+are refused with 400 unless at their defaults, never silently ignored (``k2lab.serve.unsupported``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode, parse_body
 from k2lab.serve.threads import in_worker_thread
+from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -99,8 +102,9 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request with vLLM's extensions that k2lab implements (unknown fields are ignored)."""
+class CompletionRequest(UnimplementedSampling):
+    """OpenAI's completion request with vLLM's extensions that k2lab implements (unknown fields are ignored;
+    known ones it does not implement are refused unless at their defaults: ``refusals``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -115,6 +119,7 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     suffix: str | None = None
+    best_of: int | None = None  # refused unless 1 (``refusals``), as the penalties and logit_bias
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     # vLLM's extensions
@@ -146,9 +151,15 @@ class CompletionRequest(BaseModel):
             )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream=true")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         return self
+
+    def refusals(self) -> Refusals:
+        """The fields k2lab cannot honour (``refuse_unsupported``)."""
+        return {
+            "suffix": (bool(self.suffix), ""),
+            "best_of": (self.best_of not in (None, 1), " other than 1"),
+            **self.sampling_refusals(),
+        }
 
     @property
     def stops(self) -> list[str]:
@@ -520,6 +531,7 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         check_model(state.model_name, body.model)
+        refuse_unsupported(body.refusals())
         completion = _Completion(state, scorer, body)
         if body.stream:
             return StreamingResponse(completion.stream(), media_type="text/event-stream")

@@ -63,6 +63,7 @@ from k2lab.serve.errors import (
     parse_body,
 )
 from k2lab.serve.threads import in_worker_thread
+from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
 
 __all__ = ["ChatCompletionRequest", "build_app"]
 
@@ -71,9 +72,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(UnimplementedSampling):
     """The fields of OpenAI's chat completion request that k2lab implements (unknown fields are ignored;
-    known ones it does not implement are refused unless at their defaults: ``unsupported``)."""
+    known ones it does not implement are refused unless at their defaults: ``refusals``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -94,13 +95,10 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model samples
     # OpenAI fields k2lab does not implement: taken at their defaults only, anything else is refused (400)
-    # rather than silently ignored (``unsupported``)
+    # rather than silently ignored (``refusals``; penalties and logit_bias: ``UnimplementedSampling``)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     response_format: dict[str, Any] | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -114,24 +112,18 @@ class ChatCompletionRequest(BaseModel):
                 )
         return choice
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) of the first field set to something k2lab cannot do, or None."""
-        refused = {
+    def refusals(self) -> Refusals:
+        """The fields k2lab cannot honour (``refuse_unsupported``)."""
+        return {
             "logprobs": (self.logprobs, "; /v1/completions returns logprobs"),
             "top_logprobs": (self.top_logprobs is not None, "; /v1/completions returns logprobs"),
             "response_format": (
                 self.response_format not in (None, {"type": "text"}),
                 ' other than {"type": "text"}; declare a tool to get JSON that follows a schema',
             ),
-            "frequency_penalty": (self.frequency_penalty != 0, " other than 0"),
-            "presence_penalty": (self.presence_penalty != 0, " other than 0"),
-            "logit_bias": (bool(self.logit_bias), ""),
+            **self.sampling_refusals(),
             "stream_options": (self.stream_options is not None and not self.stream, " without stream: true"),
         }
-        for field, (refuse, detail) in refused.items():
-            if refuse:
-                return field, f"{field}{detail}"
-        return None
 
 
 class _Stream:
@@ -349,10 +341,7 @@ def build_app(
     async def chat_completions(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         check_model(state.model_name, body.model)
-        refused = body.unsupported()
-        if refused is not None:
-            field, what = refused
-            raise APIError(400, f"k2lab serve does not support {what}.", "invalid_request_error", field)
+        refuse_unsupported(body.refusals())
         try:  # rendering and tokenizing off the event loop: a long prompt must not stall /health and streams
             completion = await in_worker_thread(_Completion, state, body)
         except (ToolSpecError, GrammarError) as error:
