@@ -185,7 +185,8 @@ class CausalLM(nn.Module):
         (counting real tokens, continuing a cache, restarting per packed document), rotary tables, the MLA
         mask. With ``cache`` the tokens are registered (``cache.begin``) and the caller commits them
         (``cache.commit(valid, T)``) once every layer has appended; ``valid`` stays None without an
-        ``attention_mask`` (a decode step: KDA layers then skip their pad masking). MTP modules run on these same inputs."""
+        ``attention_mask`` (a decode step: KDA layers then skip their pad masking). MTP modules run on these
+        same inputs."""
         if segment_ids is not None and (cache is not None or attention_mask is not None):
             raise ValueError(
                 "segment_ids describe packed training windows: use them without cache or padding"

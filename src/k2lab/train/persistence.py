@@ -100,8 +100,9 @@ def resume_state(
 
     With ``config`` (the run's ``model_dump(mode="json")`` settings, saved under ``state["config"]``) a
     checkpoint written with different settings is refused before anything is touched
-    (``check_resumed_config``), and so is one of another kind of run (``check_checkpoint_kind``). Metrics lines at or after the checkpoint's counter are dropped (they are
-    about to be redone); with no checkpoint the metrics file is removed and None returned. The caller
+    (``check_resumed_config``), and so is one of another kind of run (``check_checkpoint_kind``). Metrics
+    lines at or after the checkpoint's counter are dropped (they are about to be redone); with no checkpoint
+    the metrics file is removed and None returned. The caller
     restores its own objects from the state (``state[counter]`` is where it continues).
     """
     path = Path(run_dir) / metrics_file

@@ -6,12 +6,12 @@ directory must be new, empty or an earlier run (it holds ``RUN_MARKER``, or, for
 ``checkpoints/`` or ``summary.json``), and it must not be or hold a directory the run reads (``-c`` model,
 experts, critic): an RL run into its own source run replaced the model it was loading. A claimed directory gets
 ``RUN_MARKER`` (which command made it, when) at once (a run from before the marker is left unmarked: its
-command is unknown, and its checkpoint's kind is checked on resuming, ``check_checkpoint_kind``), so a run that fails before its first checkpoint can be
-run again into the same place; an earlier run of another command (a ``train`` run as the ``--out`` of ``mopd
-distill``) is refused before anything in it is touched: the other command cut its metrics to its own
-checkpoint's counter, or failed on it with a traceback. An existing directory the run cannot write (a read-only file system, no write
-permission) is refused before any work, and so is a path the file system rejects (a name over 255 bytes): one
-line each. A claimed directory stays locked (``flock``) while its process lives: a second run into it is
+command is unknown, and its checkpoint's kind is checked on resuming, ``check_checkpoint_kind``), so a run
+that fails before its first checkpoint can be run again into the same place; an earlier run of another
+command (a ``train`` run as the ``--out`` of ``mopd distill``) is refused before anything in it is touched:
+the other command cut its metrics to its own checkpoint's counter, or failed on it with a traceback. An
+existing directory the run cannot write (a read-only file system, no write permission) is refused before any
+work, and so is a path the file system rejects (a name over 255 bytes): one line each. A claimed directory stays locked (``flock``) while its process lives: a second run into it is
 refused. Claiming an earlier run removes the hidden temporaries a kill left behind in it mid-way through an
 atomic write (``k2lab.fsutil.staged_file``: ``.metrics.jsonl.k3j2x_ab``), and nothing else.
 """
