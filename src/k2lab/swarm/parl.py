@@ -6,14 +6,13 @@ Reward of a finished episode y of task x at training iteration i::
 
     r_parallel = min(1, subagents_used / target)            (against serial collapse)
     r_finish   = finished_subtasks / assigned_subtasks       (against spurious fan-out; 1 with none assigned)
-
-where a sub-agent is *used* when it ran on at least one assigned task (``swarm_metrics``'s
-``subagents_used``); one that is created and never given a task is not parallel work (``r_parallel``).
     r_perf     = 1[final answer exact]                       (the task's verifier)
 
     λk(i) = λk(0) · max(0, 1 − i / (anneal_fraction · iterations))      (linear annealing to 0)
 
-so after ``anneal_fraction`` of training only task quality is rewarded. The update is K1.5's group
+so after ``anneal_fraction`` of training only task quality is rewarded. A sub-agent is *used* when it ran on
+at least one assigned task (``swarm_metrics``'s ``subagents_used``): one created and never given a task is not
+parallel work. The update is K1.5's group
 objective (``k2lab.posttrain.objective.k15_loss`` over ``k2lab.posttrain.scoring.sequence_log_ratio``) on
 the orchestrator's own generated tokens only — sub-agent messages and tool results are observations, never
 trained on::
