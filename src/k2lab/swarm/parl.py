@@ -12,9 +12,8 @@ Reward of a finished episode y of task x at training iteration i::
 
 so after ``anneal_fraction`` of training only task quality is rewarded. A sub-agent is *used* when it ran on
 at least one assigned task (``swarm_metrics``'s ``subagents_used``): one created and never given a task is not
-parallel work. The update is K1.5's group
-objective (``k2lab.posttrain.objective.k15_loss`` over ``k2lab.posttrain.scoring.sequence_log_ratio``) on
-the orchestrator's own generated tokens only — sub-agent messages and tool results are observations, never
+parallel work. The update is K1.5's group objective (``k2lab.posttrain.objective.k15_loss`` over
+``k2lab.posttrain.scoring.sequence_log_ratio``) on the orchestrator's own generated tokens only — sub-agent messages and tool results are observations, never
 trained on::
 
     L(θ) = mean_groups (1/K) Σ_j ( r_j − r̄ − τ · Σ_{t ∈ orchestrator tokens of y_j} (log π_θ − log π_old) )²
