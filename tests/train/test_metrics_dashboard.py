@@ -195,3 +195,19 @@ def test_plot_draws_the_readable_lines_and_says_how_many_were_skipped(tmp_path, 
     assert exit_info.value.code in (0, None)
     assert "skipped 3 unreadable line(s)" in " ".join(capsys.readouterr().out.split())
     assert png_size(tmp_path / "dashboard.png") == (1400, 900)
+
+
+def test_plot_takes_tau_from_a_finished_runs_summary(tmp_path, monkeypatch) -> None:
+    """`k2lab plot RUN` on a training run redrew the dashboard without the τ line the trainer drew: only an
+    ablation marker was read. A finished run's summary.json records it now."""
+    from k2lab.cli import main
+
+    drawn = []
+    monkeypatch.setattr("k2lab.train.dashboard.plot_dashboard", lambda run, tau: drawn.append(tau) or run)
+    (tmp_path / "metrics.jsonl").write_bytes(GOOD_AND_BAD)
+    for summary, expected in (None, None), ({"val_loss": 1.0}, None), ({"qk_clip_tau": 30.0}, 30.0):
+        if summary is not None:
+            (tmp_path / "summary.json").write_text(json.dumps(summary))
+        with pytest.raises(SystemExit):
+            main(["plot", str(tmp_path)])
+        assert drawn[-1] == expected

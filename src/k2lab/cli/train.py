@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -125,7 +125,8 @@ def plot(
         float | None,
         typer.Option(
             "--tau",
-            help="QK-Clip τ line on the max-logit panel (default: the τ an ablation run recorded, else none).",
+            help="QK-Clip τ line on the max-logit panel (default: the τ the run recorded in summary.json or "
+            "an ablation marker, else none).",
         ),
     ] = None,
 ) -> None:
@@ -156,11 +157,17 @@ def _check_metrics(run_dir: Path) -> None:
 
 
 def _recorded_tau(run_dir: Path) -> float | None:
-    """τ of the run's recipe when a checkpoint or an ablation marker records it, else None."""
-    marker = run_dir / "ablation_run.json"
-    try:
-        if marker.is_file():
-            return float(json.loads(marker.read_text())["recipe"]["optimizer"]["qk_clip_tau"])
-    except (ValueError, KeyError, TypeError):
-        pass
+    """τ of the run's recipe when its ``summary.json`` (a finished training run) or an ablation marker records
+    it, else None."""
+    for name, keys in (
+        ("summary.json", ("qk_clip_tau",)),
+        ("ablation_run.json", ("recipe", "optimizer", "qk_clip_tau")),
+    ):
+        try:
+            value: Any = json.loads((run_dir / name).read_text())
+            for key in keys:
+                value = value[key]
+            return float(value)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
     return None

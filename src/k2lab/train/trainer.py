@@ -454,6 +454,7 @@ def finish_run(trainer: Trainer, data: TrainingData, val_loss: float) -> dict[st
         language_model(model), tokenizer, config.sample_prompt, config.sample_tokens, config.seed
     )
     (run_dir / "sample.txt").write_text(sample + "\n")
+    summary["qk_clip_tau"] = config.optimizer.qk_clip_tau  # the dashboard's τ line (`k2lab plot` redraws it)
     dashboard = plot_dashboard(run_dir, tau=config.optimizer.qk_clip_tau)
     atomic_write_text(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")  # written last
     console.print(f"[bold]sample:[/]\n{sample}")
