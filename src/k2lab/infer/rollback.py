@@ -52,8 +52,10 @@ class WindowState:
 class CacheWindow:
     """The tokens appended to ``cache`` from now on (any number of forwards) until :meth:`close`.
 
-    KDA layers need every token of the window to be a real one (``valid`` True): a padding token would still
-    move their short-convolution history. MLA layers accept padding anywhere.
+    KDA layers need every token of the window to be a real one (``valid`` True): a pad leaves their state
+    as it was (``nn.kda``), but ``WindowState.settle`` keeps the state at window position ``keep[b]``, while
+    MLA counts real tokens, so a window with pads would settle on the wrong token. MLA layers accept padding
+    anywhere.
     """
 
     def __init__(self, cache: LatentCache) -> None:
