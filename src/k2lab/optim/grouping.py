@@ -1,5 +1,8 @@
 """Which parameter goes to which update rule, by explicit tags (Moonlight / K2 recipe).
 
+The rule is decided by the owning module and the shape first, then by k2lab's names
+(``k2lab.optim.routing``), so a researcher's own model routes as well: on k2lab's models
+
     muon   hidden matrices: attention projections, dense and expert MLP weights ([E, out, in] batched),
            router weight
     adamw  embeddings, lm_head, norms, biases and every other vector (AttnRes pseudo-queries, KDA A_log and
@@ -29,6 +32,7 @@ from k2lab.hardware import Precision, choose
 from k2lab.nn.kda import KimiDeltaAttention
 from k2lab.nn.mla import MultiHeadLatentAttention
 from k2lab.optim.muon import NS_COEFFICIENTS, Muon, device_type
+from k2lab.optim.routing import ParameterRouter
 
 
 class OptimizerConfig(BaseModel):
@@ -73,15 +77,6 @@ class OptimizerConfig(BaseModel):
         return data
 
 
-def _is_adamw_parameter(name: str, parameter: torch.Tensor) -> bool:
-    name = name.removeprefix("language_model.")  # a vision-language model's decoder
-    return (
-        parameter.ndim < 2
-        or name.startswith(("embed.", "lm_head."))
-        or name.endswith(("norm.weight", "conv1d.weight", "patch_embed.weight", "pos_embed.weight"))
-    )
-
-
 NO_DECAY = ("forget_gate.A_log", "forget_gate.dt_bias")  # KDA's gate parameters (module docstring)
 
 
@@ -103,12 +98,13 @@ def _head_row_blocks(model: torch.nn.Module) -> dict[int, list[int]]:
 def parameter_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[dict]:
     """Tagged parameter groups (``kind`` muon / adamw) for ``Muon``; unique and complete over trainables."""
     head_blocks = _head_row_blocks(model) if config.per_head_muon else {}
+    router = ParameterRouter(model)
     buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     names: dict[tuple, list[str]] = defaultdict(list)
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        if config.name == "adamw" or _is_adamw_parameter(name, parameter):
+        if config.name == "adamw" or router.is_adamw(name, parameter):
             key: tuple = ("adamw", name.endswith(NO_DECAY))
         else:
             key = ("muon", tuple(head_blocks.get(id(parameter), ())))

@@ -1,0 +1,62 @@
+"""Which update rule one parameter takes: by what it is (its owning module and shape), then by k2lab's names.
+
+    adamw  a parameter of an ``nn.Embedding`` (and so a head tied to it), of any convolution (``nn.Conv1d``
+           kernels [out, in/groups, k], ``nn.Conv2d`` [out, in/groups, kh, kw], ...) or of a normalisation
+           layer (LayerNorm, GroupNorm, BatchNorm / InstanceNorm, RMSNorm, k2lab's RMSNorm);
+           every tensor with ndim < 2 (vectors, scalars) or ndim > 3;
+           a 3-D tensor that is not a k2lab expert weight;
+           and k2lab's own names: ``embed.`` / ``lm_head.`` (the untied head), ``*norm.weight``,
+           ``conv1d.weight`` (KDA's short convolution), the vision ``patch_embed`` / ``pos_embed``
+    muon   every other 2-D matrix, and the 3-D [E, out, in] expert weights of ``k2lab.nn.experts.RoutedExperts``
+           (orthogonalised per expert)
+
+A user model's untied output head is a plain ``nn.Linear`` and cannot be told from a hidden layer: name it
+``lm_head`` (or put it in a ``kind="adamw"`` group yourself) to keep it out of Muon.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k2lab.nn.experts import RoutedExperts
+from k2lab.nn.norm import RMSNorm
+
+ADAMW_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    RMSNorm,
+)
+K2LAB_ADAMW_NAMES = ("norm.weight", "conv1d.weight", "patch_embed.weight", "pos_embed.weight")
+
+
+def owned_by(model: nn.Module, types: tuple[type[nn.Module], ...]) -> set[int]:
+    """``id`` of every parameter held directly by a module of one of ``types`` (a tied one counts once
+    for each owner, so an output head tied to an embedding is the embedding's)."""
+    return {
+        id(p) for module in model.modules() if isinstance(module, types) for p in module.parameters(False)
+    }
+
+
+class ParameterRouter:
+    """``is_adamw(name, p)`` for the parameters of one model (module ownership looked up once)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._adamw_owned = owned_by(model, ADAMW_MODULES)
+        self._experts = owned_by(model, (RoutedExperts,))
+
+    def is_adamw(self, name: str, parameter: torch.Tensor) -> bool:
+        """True where the parameter takes AdamW (module docstring), False where Muon."""
+        name = name.removeprefix("language_model.")  # a vision-language model's decoder
+        return (
+            not 2 <= parameter.ndim <= 3
+            or (parameter.ndim == 3 and id(parameter) not in self._experts)
+            or id(parameter) in self._adamw_owned
+            or name.startswith(("embed.", "lm_head."))
+            or name.endswith(K2LAB_ADAMW_NAMES)
+        )
