@@ -98,6 +98,11 @@ def _head_row_blocks(model: torch.nn.Module) -> dict[int, list[int]]:
 def parameter_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[dict]:
     """Tagged parameter groups (``kind`` muon / adamw) for ``Muon``; unique and complete over trainables."""
     head_blocks = _head_row_blocks(model) if config.per_head_muon else {}
+    if config.per_head_muon and config.name != "adamw" and not head_blocks:
+        raise ValueError(
+            f"per_head_muon=True splits the q/k/v projections of k2lab's MultiHeadLatentAttention and "
+            f"KimiDeltaAttention per head, and {type(model).__name__} has neither: set per_head_muon=False"
+        )
     router = ParameterRouter(model)
     buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     names: dict[tuple, list[str]] = defaultdict(list)

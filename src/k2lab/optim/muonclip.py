@@ -37,8 +37,14 @@ class MuonClip:
 
     def __init__(self, model: torch.nn.Module, config: OptimizerConfig, verbose: bool = True) -> None:
         self.config = config
-        self.optimizer = build_optimizer(model, config, verbose=verbose)
         self.qk_clip = QKClip(model, tau=config.qk_clip_tau, alpha=config.qk_clip_alpha)
+        if config.name == "muonclip" and not self.qk_clip.layers:
+            raise ValueError(
+                f"QK-Clip needs k2lab MultiHeadLatentAttention layers (k2lab.nn.mla), and {type(model).__name__} "
+                "has none, so name='muonclip' would clip nothing: use OptimizerConfig(name='muon') (Muon "
+                "without QK-Clip) or build the model's attention from k2lab's MLA"
+            )
+        self.optimizer = build_optimizer(model, config, verbose=verbose)
         self.qk_clip.record(True)
         self.clipping = config.name == "muonclip"
         self._muon_params = [
@@ -66,7 +72,7 @@ class MuonClip:
         ]
         measured = [m for _, m in layers]  # a layer no forward ran this step (−∞) has no figure
         stats: dict[str, float] = {
-            "max_logit": max((float(m.max()) for m in measured), default=0.0),  # 0 without MLA layers
+            "max_logit": max((float(m.max()) for m in measured), default=0.0),  # 0 without MLA layers (muon)
             "max_logit_clipped": max(
                 (float(m.clamp(max=self.qk_clip.tau).max() if self.clipping else m.max()) for m in measured),
                 default=0.0,

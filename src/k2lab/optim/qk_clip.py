@@ -73,8 +73,36 @@ def _scale_rows(weight: torch.Tensor, row_factor: torch.Tensor) -> None:
     weight.mul_(dtensor.like(row_factor[:, None].to(weight.device), weight))
 
 
+def _module_list(value: object) -> list[torch.nn.Module] | None:
+    """``value`` as a list of layers where it is one (a ModuleList, Sequential, list or tuple), else None."""
+    if isinstance(value, (torch.nn.ModuleList, torch.nn.Sequential, list, tuple)):
+        return list(value)
+    return None
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """k2lab's ``model.blocks()`` (main layers, then MTP blocks, k2lab.models.mtp), else ``model.layers``;
+    a user model's ``blocks`` / ``layers`` attribute of another kind (a ModuleList, an int) is read as a
+    list where it is one, never called."""
+    blocks = getattr(model, "blocks", None)
+    if callable(blocks) and not isinstance(blocks, torch.nn.Module):
+        return _module_list(blocks())
+    return _module_list(blocks) or _module_list(getattr(model, "layers", None))
+
+
+def _attn_id(layer: torch.nn.Module) -> int | None:
+    """``id`` of a decoder layer's ``attn`` (None for a layer without one, e.g. torch's encoder layers)."""
+    attn = getattr(layer, "attn", None)
+    return None if attn is None else id(attn)
+
+
 class QKClip:
-    """Applies per-head QK-Clip to every MLA layer of a model from the maxima its forward recorded."""
+    """Applies per-head QK-Clip to every MLA layer of a model from the maxima its forward recorded.
+
+    Only k2lab's ``MultiHeadLatentAttention`` records the per-head maxima QK-Clip needs: on a model without
+    one (``nn.MultiheadAttention``, a user's own attention) there is nothing to clip and this is a no-op
+    (``MuonClip`` with ``name="muonclip"`` refuses such a model instead).
+    """
 
     def __init__(self, model: torch.nn.Module, tau: float = 100.0, alpha: float = 0.5) -> None:
         if tau <= 0 or not 0 <= alpha <= 1:
@@ -83,15 +111,13 @@ class QKClip:
         self.alpha = alpha
         self.layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
         # Decoder layer index of each MLA (hybrids interleave KDA layers, which have no logits to clip).
-        blocks = getattr(model, "blocks", None)  # main layers, then MTP blocks (k2lab.models.mtp)
-        decoder_layers = blocks() if blocks is not None else getattr(model, "layers", None)
-        if decoder_layers is not None:
-            self.layer_indices = [i for i, layer in enumerate(decoder_layers) if layer.attn in self.layers]
-        else:
-            self.layer_indices = list(range(len(self.layers)))
+        attn_ids = [id(attn) for attn in self.layers]
+        decoder_layers = _decoder_layers(model)
+        indices = [i for i, layer in enumerate(decoder_layers or []) if _attn_id(layer) in attn_ids]
+        self.layer_indices = indices if len(indices) == len(self.layers) else list(range(len(self.layers)))
         # the MLA layers every forward runs (not an MTP block, which a forward of the main model skips)
-        main = getattr(model, "layers", None)
-        main_attns = {id(layer.attn) for layer in main} if main is not None else {id(a) for a in self.layers}
+        main = _module_list(getattr(model, "layers", None))
+        main_attns = {_attn_id(layer) for layer in main} if main is not None else set(attn_ids)
         self.always_run = [attn for attn in self.layers if id(attn) in main_attns]
         self.ever_clipped = [torch.zeros(a.n_heads, dtype=torch.bool) for a in self.layers]
 
