@@ -31,7 +31,8 @@ from rich.table import Table
 from k2lab.hardware import Precision, choose
 from k2lab.nn.kda import KimiDeltaAttention
 from k2lab.nn.mla import MultiHeadLatentAttention
-from k2lab.optim.muon import NS_COEFFICIENTS, Muon, device_type
+from k2lab.optim.muon import NS_COEFFICIENTS, Muon
+from k2lab.optim.muon_groups import device_type
 from k2lab.optim.routing import ParameterRouter
 
 

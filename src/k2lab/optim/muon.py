@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from k2lab.hardware import choose
 from k2lab.optim import dtensor
 from k2lab.optim.dynamo_free import WithoutDynamoImport
+from k2lab.optim.muon_groups import setup_group, validate_hyperparameters, with_grads
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MAX_BATCH = 16  # 2-D matrices per batched Newton–Schulz (an expert tensor's count; 240 ran slower)
@@ -199,12 +199,6 @@ def _global_rms(square_sum: float, count: int) -> float:
     return math.sqrt(square_sum / max(count, 1))
 
 
-def device_type(params: Iterable[torch.Tensor]) -> str:
-    """``cuda`` or ``cpu``: where the first of ``params`` lives (and so its Newton–Schulz runs)."""
-    first = next(iter(params), None)
-    return "cpu" if first is None else first.device.type
-
-
 class Muon(WithoutDynamoImport, Optimizer):
     """Drop-in for ``torch.optim.Muon`` that also takes 3-D expert weights and AdamW groups.
 
@@ -231,13 +225,6 @@ class Muon(WithoutDynamoImport, Optimizer):
         adjust_lr_fn: str | None = None,
         ns_dtype: torch.dtype | None = None,
     ) -> None:
-        if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1:
-            raise ValueError(
-                f"invalid Muon hyper-parameters: lr={lr}, weight_decay={weight_decay}, momentum={momentum}"
-            )
-        if not 0 < ns_steps < 100:
-            raise ValueError(f"ns_steps must be in [1, 99], got {ns_steps}")
-        lr_ratio(adjust_lr_fn, 1, 1)  # validates the name
         defaults = dict(
             kind="muon",
             lr=lr,
@@ -253,21 +240,30 @@ class Muon(WithoutDynamoImport, Optimizer):
             betas=(0.9, 0.95),
             adam_eps=1e-8,
         )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            if group["ns_dtype"] is None:
-                group["ns_dtype"] = choose("newton_schulz", device=device_type(group["params"])).dtype
-            if group["kind"] not in ("muon", "adamw"):
-                raise ValueError(f"parameter group kind must be 'muon' or 'adamw', got {group['kind']!r}")
-            for p in group["params"]:
-                if group["kind"] == "muon" and p.ndim not in (2, 3):
-                    raise ValueError(
-                        f"Muon takes 2-D matrices or 3-D [E, out, in] experts, got shape {tuple(p.shape)}; "
-                        "put it in a kind='adamw' group"
-                    )
+        validate_hyperparameters(defaults)
+        super().__init__(params, defaults)  # each group through add_param_group: checked, ns_dtype resolved
         self.last_update_rms: float = 0.0
         self._workspace = Workspace()
         self._workspaces: list[Workspace] = []  # one per worker of _run_batches
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group`` (defaults filled in), then the group's checks and ``ns_dtype``
+        (``k2lab.optim.muon_groups``): the constructor's groups take this path too."""
+        super().add_param_group(param_group)
+        try:
+            setup_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, then every group key the saved state lacks (a torch.optim.Muon
+        state has no ``kind``, ``row_blocks``, ``ns_dtype``, ...) from the defaults, set up as a new group's."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            setup_group(group)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -277,7 +273,7 @@ class Muon(WithoutDynamoImport, Optimizer):
                 loss = closure()
         square_sum, count = 0.0, 0
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = with_grads(group)
             if group["kind"] == "adamw":
                 for p in params:
                     self._adamw_step(p, group)
