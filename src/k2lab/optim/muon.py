@@ -241,6 +241,7 @@ class Muon(WithoutDynamoImport, Optimizer):
             adam_eps=1e-8,
         )
         validate_hyperparameters(defaults)
+        self._muon_defaults = dict(defaults)  # torch adds keys of its own (differentiable) to self.defaults
         super().__init__(params, defaults)  # each group through add_param_group: checked, ns_dtype resolved
         self.last_update_rms: float = 0.0
         self._workspace = Workspace()
@@ -261,7 +262,7 @@ class Muon(WithoutDynamoImport, Optimizer):
         state has no ``kind``, ``row_blocks``, ``ns_dtype``, ...) from the defaults, set up as a new group's."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            for key, value in self.defaults.items():
+            for key, value in self._muon_defaults.items():
                 group.setdefault(key, value)
             setup_group(group)
 
