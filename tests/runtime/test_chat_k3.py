@@ -288,6 +288,8 @@ def test_a_foreign_special_token_string_in_a_k3_message_stays_text(small_tokeniz
     assert extended.special_tokens["<|reserved_token_7|>"] not in encoding.ids
     assert extended.decode(encoding.ids) == render_chat_k3(messages, add_generation_prompt=False)
     assert encoding.ids == K3ChatFormat().encode_chat(tokenizer, messages).ids
+    text = render_chat_k3(messages)  # a served prompt (ChatFormat.encode_text): the same rule
+    assert K3ChatFormat().encode_text(extended, text) == tokenizer.encode(text)
 
 
 def test_a_tool_declaration_holding_a_special_token_string_is_refused():

@@ -246,3 +246,24 @@ def test_fields_k2lab_cannot_honour_are_refused_not_ignored(server, extra, field
     }
     ok = httpx.post(server + "/v1/completions", json={**body, **defaults}, headers=headers)
     assert ok.status_code == 200, ok.text
+
+
+def test_chat_prompts_encode_only_the_formats_markup_as_special(small_tokenizer):
+    """Chat prompts were encoded with every special token recognised: a served imported tokenizer's reserved
+    token written in a message became that special id. Chat completions and /tokenize of messages now encode
+    only the format's markup as special ids (ChatFormat.encode_text); a raw prompt keeps its special tokens."""
+    from tests.runtime.test_chat import with_reserved_token
+
+    extended = with_reserved_token(small_tokenizer)
+    reserved = extended.special_tokens["<|reserved_token_7|>"]
+    messages = [{"role": "user", "content": "a <|reserved_token_7|> b"}]
+    model = build_model(load_preset("k2-nano", vocab_size=extended.vocab_size, max_position_embeddings=512))
+    engine = Engine(model, max_batch=2).start()
+    with serving(build_app(engine, extended, "nano")) as base:
+        chat = httpx.post(base + "/tokenize", json={"messages": messages}).json()["tokens"]
+        raw = httpx.post(base + "/tokenize", json={"prompt": "<|reserved_token_7|>"}).json()["tokens"]
+        body = {"model": "nano", "messages": messages, "max_tokens": 1}
+        reply = httpx.post(base + "/v1/chat/completions", json=body)
+    engine.shutdown()
+    assert reserved not in chat and chat == small_tokenizer.encode(render_chat(messages))
+    assert raw == [reserved] and reply.status_code == 200, reply.text

@@ -516,6 +516,17 @@ def markup_tokens(tokenizer: Tokenizer, markup: Iterable[str]) -> dict[str, int]
     return {token: special[token] for token in markup if token in special}
 
 
+def encode_markup_text(tokenizer: Tokenizer, text: str, markup: Iterable[str]) -> list[int]:
+    """Ids of rendered chat ``text``: the tokenizer's special tokens among ``markup`` (a format's markup
+    strings) as their ids, everything else as text, so a reserved special-token string of an imported
+    tokenizer written in a message stays text (``encode_chat``'s rule, without the assistant mask; the
+    same ids as ``tokenizer.encode(text)`` for k2lab's own tokenizers)."""
+    found = markup_tokens(tokenizer, markup)
+    if not found:
+        return tokenizer.encode(text, allow_special=False)
+    return encode_pieces(tokenizer, [(piece, False) for piece in split_special(text, found)], found).ids
+
+
 def encode_pieces(
     tokenizer: Tokenizer, pieces: Sequence[tuple[str, bool]], markup: Mapping[str, int]
 ) -> ChatEncoding:

@@ -32,6 +32,7 @@ from k2lab.runtime.chat_k3 import (
     K3_TOKENS,
     MESSAGE_CLOSE,
     OPEN,
+    RESERVED,
     RESPONSE_OPEN,
     THINK_CLOSE,
     THINK_OPEN,
@@ -59,9 +60,17 @@ class ChatFormat:
     generation_prompt: str
     required_tokens: tuple[str, ...]
 
+    markup_strings: tuple[
+        str, ...
+    ]  # what the format writes as markup (special ids where the tokenizer has them)
+
     @property
     def markup(self) -> Markup:
         raise NotImplementedError
+
+    def encode_text(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        """Ids of a rendered prompt: only ``markup_strings`` become special ids (``chat.encode_markup_text``)."""
+        return chat.encode_markup_text(tokenizer, text, self.markup_strings)
 
     def render_chat(
         self,
@@ -120,6 +129,7 @@ class K2ChatFormat(ChatFormat):
     tool_format: str = "typescript"
     family = "k2"
     turn_end = chat.IM_END
+    markup_strings = chat.MARKUP
     generation_prompt = chat.GENERATION_PROMPT
     required_tokens = (
         chat.IM_SYSTEM,
@@ -199,6 +209,7 @@ class K3ChatFormat(ChatFormat):
     thinking_effort: str | None = None
     family = "k3"
     turn_end = END_OF_MSG
+    markup_strings = RESERVED
     required_tokens = K3_TOKENS
 
     @property

@@ -501,7 +501,8 @@ def _tokenize(state: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
     else:
         text = body.prompt or ""
     check_unicode(text, "messages" if body.messages is not None else "prompt")
-    tokens = state.tokenizer.encode(text)
+    chat = body.messages is not None  # as chat completions encode it: only the format's markup is special
+    tokens = state.chat_format.encode_text(state.tokenizer, text) if chat else state.tokenizer.encode(text)
     strs = [state.tokenizer.backend.id_to_token(t) for t in tokens] if body.return_token_strs else None
     return {"count": len(tokens), "max_model_len": state.max_context, "tokens": tokens, "token_strs": strs}
 

@@ -155,7 +155,7 @@ class _Completion:
             param = "tools" if str(error).startswith("tools ") else "messages"
             raise APIError(400, str(error), "invalid_request_error", param) from error
         check_unicode(prompt_text, "messages")
-        self.prompt = app_state.tokenizer.encode(prompt_text)
+        self.prompt = fmt.encode_text(app_state.tokenizer, prompt_text)  # only the format's markup is special
         budget = _budget(body, len(self.prompt), app_state.max_context)
         grammar = ToolCallGrammar.build(
             app_state.tokenizer, app_state.vocab_size, tools, choice, body.parallel_tool_calls, fmt.markup
