@@ -118,11 +118,14 @@ class Tokenizer:
         no Unicode text (a lone UTF-16 surrogate, as ``json.loads('"\\ud800"')`` or undecodable bytes in
         ``sys.argv`` give), which the backend would refuse with a bare ``TypeError``."""
         texts = list(texts)
-        for i, text in enumerate(texts):
-            refuse_surrogates(text, f"text {i}" if len(texts) > 1 else "the text")
         self.backend.encode_special_tokens = not allow_special
         try:
             return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+        except TypeError:  # the backend's answer to a lone surrogate: name it (checked only then)
+            for i, text in enumerate(texts):
+                if isinstance(text, str):  # anything else: the backend's TypeError stands
+                    refuse_surrogates(text, f"text {i}" if len(texts) > 1 else "the text")
+            raise
         finally:
             self.backend.encode_special_tokens = False
 
