@@ -13,7 +13,7 @@ from k2lab.runtime.chat_format import K2ChatFormat
 from k2lab.serve.server import build_app
 from tests.conftest import serving
 from tests.serve.test_server import KEY
-from tests.serve.test_server_k3 import Scripted, chat_reply, joined
+from tests.serve.test_server_k3 import Scripted, assert_cut_inside_thinking, chat_reply, joined
 
 REPLY = "<think>reason</think>answer here"
 
@@ -68,11 +68,6 @@ def test_a_stop_string_cuts_the_reply_after_the_thinking(scripted, stream):
 def test_a_reply_cut_inside_the_thinking_is_its_reasoning(scripted):
     """max_tokens reached while thinking: the reasoning so far, no content, finish "length" (was: content
     "<think>rea")."""
-    message, reason = ask(scripted, "<think>rea", cut=True)
-    assert message == {"role": "assistant", "content": "", "reasoning_content": "rea"}
-    assert reason == "length"
-    deltas, reason = ask(scripted, "<think>rea", stream=True, cut=True)
-    assert joined(deltas, "reasoning_content") == "rea" and joined(deltas, "content") == ""
-    assert reason == "length"
+    assert_cut_inside_thinking(ask, scripted, "<think>rea", "rea")
     message, _ = ask(scripted, "<think>reason</think>ans", cut=True)  # cut after it: both
     assert message == {"role": "assistant", "content": "ans", "reasoning_content": "reason"}

@@ -7,6 +7,7 @@ the response channel only, whole and streamed alike, a stop string cuts that cha
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -163,6 +164,19 @@ def joined(deltas: list[dict], key: str) -> str:
     return "".join(d.get(key) or "" for d in deltas)
 
 
+def assert_cut_inside_thinking(
+    ask: Callable[..., tuple[Any, str]], scripted: Any, reply: str, reasoning: str
+) -> None:
+    """``reply`` cut by max_tokens while thinking (``ask``: the format's scripted request) comes back as
+    ``reasoning`` with no content and finish "length", whole and streamed alike."""
+    message, reason = ask(scripted, reply, cut=True)
+    assert message == {"role": "assistant", "content": "", "reasoning_content": reasoning}
+    assert reason == "length"
+    deltas, reason = ask(scripted, reply, stream=True, cut=True)
+    assert joined(deltas, "reasoning_content") == reasoning and joined(deltas, "content") == ""
+    assert reason == "length"
+
+
 def test_free_text_streams_the_response_channel(scripted):
     reply = REPLY.replace("hello STOP more", "hello there")
     whole, reason = ask(scripted, reply)
@@ -186,12 +200,7 @@ def test_a_stop_string_cuts_the_response_channel(scripted):
 def test_a_reply_cut_inside_the_think_channel_keeps_its_reasoning(scripted):
     """max_tokens reached while thinking: the reasoning so far, no content, finish "length" (was: an empty
     content and no reasoning, streamed as nothing); cut inside the tools channel, the reasoning stays too."""
-    message, reason = ask(scripted, "I should greet the", cut=True)
-    assert message == {"role": "assistant", "content": "", "reasoning_content": "I should greet the"}
-    assert reason == "length"
-    deltas, reason = ask(scripted, "I should greet the", stream=True, cut=True)
-    assert joined(deltas, "reasoning_content") == "I should greet the" and joined(deltas, "content") == ""
-    assert reason == "length"
+    assert_cut_inside_thinking(ask, scripted, "I should greet the", "I should greet the")
     unfinished = REPLY.replace("hello STOP more", "hi") + CALL[:60]
     message, reason = ask(scripted, unfinished, cut=True, tools=[WEATHER])
     assert message["reasoning_content"] == "I should greet." and reason == "length"
