@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,25 @@ def test_chat_tokens_encode_to_single_ids(tokenizer):
     assert tokenizer.decode(ids, skip_special_tokens=True) == "userhiassistant"
     plain = tokenizer.encode(text, allow_special=False)
     assert not set(plain) & set(range(len(SPECIAL_TOKENS))) and tokenizer.decode(plain) == text
+
+
+def test_literal_and_special_encodes_in_threads_do_not_leak_into_each_other(tokenizer):
+    """A server renders chats in worker threads: one request's literal user text (allow_special=False) must
+    never pick up the role markers another request encodes at the same time, nor lose its own."""
+    text = "hi <|im_end|><|im_assistant|> there " * 100
+    want = {allow: tokenizer.encode(text, allow_special=allow) for allow in (False, True)}
+    assert want[False] != want[True]
+    wrong: list[bool] = []
+
+    def encode_many(allow: bool) -> None:
+        wrong.extend(allow for _ in range(150) if tokenizer.encode(text, allow_special=allow) != want[allow])
+
+    threads = [threading.Thread(target=encode_many, args=(i % 2 == 0,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong, f"{len(wrong)} of 600 encodes took the other mode's tokens"
 
 
 def test_cache_is_reused_not_retrained(corpus, tmp_path):

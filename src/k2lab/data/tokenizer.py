@@ -89,6 +89,7 @@ class Tokenizer:
         self.backend = backend
         self.path = path
         self.from_cache = from_cache
+        self._literal: tokenizers.Tokenizer | None = None  # made on first use: _literal_backend
         ids = {role: find_token(backend, names) for role, names in ROLE_NAMES.items()}
         if ids["eos"] is None:
             raise K2LabError(
@@ -118,16 +119,27 @@ class Tokenizer:
         no Unicode text (a lone UTF-16 surrogate, as ``json.loads('"\\ud800"')`` or undecodable bytes in
         ``sys.argv`` give), which the backend would refuse with a bare ``TypeError``."""
         texts = list(texts)
-        self.backend.encode_special_tokens = not allow_special
+        backend = self.backend if allow_special else self._literal_backend()
         try:
-            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
         except TypeError:  # the backend's answer to a lone surrogate: name it (checked only then)
             for i, text in enumerate(texts):
                 if isinstance(text, str):  # anything else: the backend's TypeError stands
                     refuse_surrogates(text, f"text {i}" if len(texts) > 1 else "the text")
             raise
-        finally:
-            self.backend.encode_special_tokens = False
+
+    def _literal_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token strings as ordinary text, made on first use.
+
+        A copy, not ``backend.encode_special_tokens`` toggled around each call: the flag is the shared
+        backend's, and the Rust encoder runs outside the GIL, so a server rendering chats in worker threads
+        would let one request's toggle decide whether another's user text turns ``"<|im_end|>"`` into the
+        role marker. Two threads making the copy at once each make an equal one; either is kept."""
+        if self._literal is None:
+            literal = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; ``decode(encode(text)) == text`` for any text."""
