@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from k2lab import build_model, load_preset
+from k2lab.errors import K2LabError
 from k2lab.serve import Engine
 from k2lab.serve.server import build_app
 from tests.conftest import randomize, serving
@@ -484,6 +485,24 @@ def test_a_max_context_past_the_models_positions_is_refused(small_tokenizer, tmp
         main(["serve", "-c", str(tmp_path / "m"), "--compile", "off", "--max-context", "4096", "--port", "0"])
     assert exit_info.value.code == 2
     assert "past the model's max_position_embeddings (512)" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused_before_serving(small_tokenizer, tmp_path, capsys,
+                                                                             monkeypatch):  # fmt: skip
+    """A 300-id tokenizer over a 280-id model: chats whose markup encoded past id 279 got a 500."""
+    from k2lab.cli import main
+    from k2lab.model_dir import save_model
+
+    model = build_model(load_preset("k2-nano", vocab_size=280))
+    save_model(model, tmp_path / "m")
+    small_tokenizer.save(tmp_path / "m" / "tokenizer.json")
+    monkeypatch.setattr("k2lab.serve.Engine.start", lambda *_: pytest.fail("engine started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "-c", str(tmp_path / "m"), "--compile", "off", "--port", "0"])
+    assert exit_info.value.code == 2
+    assert "has 300 ids but the model's vocabulary is 280" in " ".join(capsys.readouterr().err.split())
+    with pytest.raises(K2LabError, match="has 300 ids but the model's vocabulary is 280"):
+        build_app(Engine(model), small_tokenizer)  # the library's servers (rephrase, tests) check it too
 
 
 def test_a_tool_description_holding_a_special_token_string_is_a_400_on_tools(server):

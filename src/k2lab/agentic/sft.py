@@ -449,11 +449,7 @@ def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
     model = load_model(directory)
     if isinstance(model, VisionLanguageModel):
         raise K2LabError(f"{directory} is a vision-language model; SFT takes a text model")
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise K2LabError(
-            f"{directory}: tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary only "
-            f"{model.config.vocab_size}"
-        )
+    tokenizer.check_fits(model.config.vocab_size)
     return tokenizer, model
 
 

@@ -370,7 +370,8 @@ def _serve(config: ServeConfig, checkpoint: Path, api_key: str | None, sock: soc
     if hasattr(model, "language_model"):  # images are not served yet: text through the decoder
         console.print("vision-language checkpoint: its vision tower is not served (text only)")
         model = model.language_model
-    context_limit(config.max_context, model.config)  # before the engine starts
+    context_limit(config.max_context, model.config)  # before the engine starts, as is the next check
+    tokenizer.check_fits(model.config.vocab_size)
     background = background_compiles(config.compile, next(model.parameters()).device.type)
     compile = "on" if background else config.compile  # what decoding becomes, for the choices below
     drafter = _choose_draft(checkpoint, model, None, config.speculative, compile)

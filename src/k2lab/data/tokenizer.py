@@ -110,6 +110,15 @@ class Tokenizer:
         added = self.backend.get_added_tokens_decoder()
         return {token.content: i for i, token in sorted(added.items()) if token.special}
 
+    def check_fits(self, vocab_size: int) -> None:
+        """``K2LabError`` unless every id fits a model of ``vocab_size`` ids: a tokenizer with more would encode
+        some text (or a chat's markup) to ids the model has no embedding for."""
+        if self.vocab_size > vocab_size:
+            raise K2LabError(
+                f"tokenizer {self.path or '(in memory)'} has {self.vocab_size} ids but the model's vocabulary is "
+                f"{vocab_size}: give the model the tokenizer it was trained with"
+            )
+
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         """Token ids of ``text`` (no BOS/EOS added)."""
         return self.encode_batch([text], allow_special)[0]

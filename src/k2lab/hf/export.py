@@ -170,11 +170,7 @@ def _text_config(model: CausalLM | VisionLanguageModel):
 def check_tokenizer(tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel) -> None:
     """The tokenizer fits the model: no more ids than its vocabulary, the same bos / eos / pad ids."""
     config = _text_config(model)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise K2LabError(
-            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids but the model's vocabulary is "
-            f"{config.vocab_size}"
-        )
+    tokenizer.check_fits(config.vocab_size)
     for role, ours in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id), ("pad", tokenizer.pad_id)):
         declared = getattr(config, f"{role}_token_id")
         if declared is not None and ours is not None and declared != ours:

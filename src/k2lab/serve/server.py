@@ -307,6 +307,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI application serving ``engine`` (which must be started)."""
     app = FastAPI(title="k2lab", version="1")
+    tokenizer.check_fits(engine.config.vocab_size)
     state = _State(engine, tokenizer, model_name, api_key, context_limit(max_context, engine.config))
     app.state.k2lab = state
 
