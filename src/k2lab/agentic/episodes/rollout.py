@@ -16,7 +16,9 @@ Policies implement ``respond(messages, tools, *, seed) -> (assistant_message, co
 * ``EndpointPolicy`` calls any OpenAI-compatible server (``k2lab serve``, vLLM ...) through the official
   ``openai`` client; with a tokenizer it re-encodes the prompt and the reply in its ``chat_format`` (K2's by
   default; ``chat_format_of(model, tokenizer=...)`` of the served model: K3's XTML for a K3-family one) so
-  its turns can be trained on too.
+  its turns can be trained on too. A thinking model's reasoning (``reasoning_content``; vLLM's newer
+  ``reasoning``) stays in the message, as ``LocalPolicy``'s parsed replies keep it: the transcript carries
+  it back in later turns and the reply's ids hold it as the model wrote it.
 
 ``run_episodes`` plays many rollouts of a ``LocalPolicy`` together: each round, the next turn of every
 rollout still playing goes through one batched ``generate`` (per-row enforcer and per-row sampling seed),
@@ -69,6 +71,9 @@ __all__ = [
 IM_END = "<|im_end|>"
 #: ``LocalPolicy``'s default prefix-cache cap (k2-mini in fp32: about 70k tokens).
 PREFIX_CACHE_BYTES = 128 << 20
+#: Where an OpenAI-compatible reply holds its thinking: ``k2lab serve`` and vLLM's reasoning parsers write
+#: ``reasoning_content``, newer vLLM ``reasoning``; the first present is the message's ``reasoning_content``.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 class PolicyOutputError(Exception):
@@ -312,7 +317,10 @@ class EndpointPolicy:
     Prompt and completion ids come from re-encoding the conversation and the reply with ``tokenizer`` in
     ``chat_format`` (K2's with ``tool_format`` when None: pass the served model's, ``chat_format_of``), when
     a tokenizer is given; otherwise they are empty and ``last_completion_tokens`` holds the server's
-    ``usage.completion_tokens``.
+    ``usage.completion_tokens``. The reply keeps its thinking (``reply_message``), so its ids are the
+    thinking markup, reasoning, content and calls as ``chat_format`` renders them: what the model wrote when
+    it wrote them canonically (the server's sampled ids are not returned). A turn counts ``len(ids)`` tokens
+    (``run_episode``: the budget penalty's count), the server's count only when there are no ids.
     """
 
     def __init__(
@@ -357,9 +365,7 @@ class EndpointPolicy:
             request["tools"] = tools
         response = self.client.chat.completions.create(**request)
         choice = response.choices[0]
-        message = choice.message.model_dump(exclude_none=True)
-        message = {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
-        message["role"] = "assistant"
+        message = reply_message(choice.message.model_dump(exclude_none=True))
         self.last_completion_tokens = response.usage.completion_tokens if response.usage else 0
         ids = self._encode_reply(message)
         if choice.finish_reason == "length":
@@ -367,13 +373,27 @@ class EndpointPolicy:
         return message, ids
 
     def _encode_reply(self, message: dict[str, Any]) -> list[int]:
+        """The ids the model wrote for ``message`` after the generation prompt: its completion text
+        (thinking included) encoded as the prompt of a later turn encodes it (``ChatFormat.encode_text``)."""
         if self.tokenizer is None:
             return []
         try:
             text = self.chat_format.completion_text(message)
         except ChatFormatError:
             return []
-        return self.tokenizer.encode(text)
+        return self.chat_format.encode_text(self.tokenizer, text)
+
+
+def reply_message(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The assistant message of a server's reply (``message.model_dump(exclude_none=True)``): content, tool
+    calls and the thinking as ``reasoning_content`` (``REASONING_FIELDS``), which the chat formats render
+    and carry back in later turns; other fields (``refusal``, ``annotations`` ...) are left out."""
+    message: dict[str, Any] = {"role": "assistant"}
+    message.update({key: raw[key] for key in ("content", "tool_calls") if key in raw})
+    reasoning = next((raw[key] for key in REASONING_FIELDS if raw.get(key) is not None), None)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 # ------------------------------------------------------------------------------------------ episodes
