@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from k2lab.agentic.episodes.env import Episode
-from k2lab.agentic.episodes.rollout import EndpointPolicy, Rollout, parse_reply
+from k2lab.agentic.episodes.rollout import EndpointPolicy, PolicyOutputError, Rollout, parse_reply
 from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, K3ChatFormat
 from k2lab.runtime.chat_k3 import with_k3_tokens
 
@@ -110,3 +110,15 @@ def test_without_thinking_a_reply_has_no_think_markup(small_tokenizer):
     stub_server(policy, {"role": "assistant", "content": "4"}, usage=2)
     message, ids = policy.respond([USER], [])
     assert message == {"role": "assistant", "content": "4"} and small_tokenizer.decode(ids) == "4<|im_end|>"
+
+
+@pytest.mark.parametrize("family", ["k2", "k3"])
+def test_a_reply_cut_at_max_tokens_has_no_end_of_turn(family, small_tokenizer):
+    """A reply the server stopped at ``max_tokens`` ends without the end-of-turn token, as ``LocalPolicy``'s
+    truncated turns do: the model never wrote it."""
+    fmt, tokenizer, sampled, local = served(family, small_tokenizer)
+    policy = EndpointPolicy("http://stub/v1", "m", tokenizer=tokenizer, chat_format=fmt)
+    stub_server(policy, local, usage=len(sampled) - 1, finish="length")
+    with pytest.raises(PolicyOutputError, match="truncated") as cut:
+        policy.respond([USER], [])
+    assert cut.value.completion_ids == sampled[:-1]

@@ -367,20 +367,25 @@ class EndpointPolicy:
         choice = response.choices[0]
         message = reply_message(choice.message.model_dump(exclude_none=True))
         self.last_completion_tokens = response.usage.completion_tokens if response.usage else 0
-        ids = self._encode_reply(message)
-        if choice.finish_reason == "length":
+        truncated = choice.finish_reason == "length"
+        ids = self._encode_reply(message, finished=not truncated)
+        if truncated:
             raise PolicyOutputError("truncated", ids, "the server stopped at max_tokens")
         return message, ids
 
-    def _encode_reply(self, message: dict[str, Any]) -> list[int]:
+    def _encode_reply(self, message: dict[str, Any], finished: bool = True) -> list[int]:
         """The ids the model wrote for ``message`` after the generation prompt: its completion text
-        (thinking included) encoded as the prompt of a later turn encodes it (``ChatFormat.encode_text``)."""
+        (thinking included) encoded as the prompt of a later turn encodes it (``ChatFormat.encode_text``);
+        without the end of turn when the reply was cut at ``max_tokens`` (the model never wrote it; the
+        markup closing a cut thinking or a dropped tool-call section is still the format's guess)."""
         if self.tokenizer is None:
             return []
         try:
             text = self.chat_format.completion_text(message)
         except ChatFormatError:
             return []
+        if not finished:
+            text = text.removesuffix(self.chat_format.turn_end)
         return self.chat_format.encode_text(self.tokenizer, text)
 
 
