@@ -9,6 +9,10 @@ For a matrix parameter W with gradient G (Keller Jordan's Muon; Moonlight's scal
     W ← W · (1 − lr·wd)                        (decoupled weight decay with the unadjusted lr)
     W ← W − lr·r(A, B)·O,  r = sqrt(max(1, A/B)) ("original") or 0.2·sqrt(max(A, B)) ("match_rms_adamw")
 
+r·O is formed in fp32 or wider (``update_dtype``: a bf16 or fp16 parameter's too) and rounded into W's dtype
+once, by the subtraction: a bf16 W becomes W − lr·r·O correctly rounded. (torch.optim.Muon's bf16
+``param.add_(O, alpha=-lr·r)`` rounds the scalar lr·r to bf16 first, so ~0.4% of its entries land 1 ulp off.)
+
 3-D expert weights [E, out, in] are orthogonalised per expert in one batched Newton–Schulz. With
 ``row_blocks`` set on a parameter group (Per-Head Muon, K3), the rows of each matrix are cut into blocks
 (one per head, e.g. [q_nope_h; q_rope_h]) and each block is orthogonalised on its own; blocks of one size
@@ -184,8 +188,15 @@ def balanced_shares(batches: list[list[torch.Tensor]], workers: int) -> list[lis
     return shares
 
 
+def update_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype r·O is formed in for a parameter of ``dtype``: fp32 or wider, so that a bf16 / fp16 W is
+    rounded once, by the subtraction (r·O rounded to bf16 first put ~1.3% of a bf16 W's entries 1 ulp off)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _apply(p: torch.Tensor, scaled: torch.Tensor, group: dict) -> None:
-    """W ← W·(1 − lr·wd) − lr·(r·O), in place (the batched and the per-tensor path alike)."""
+    """W ← W·(1 − lr·wd) − lr·(r·O), in place (the batched and the per-tensor path alike); ``scaled`` is in
+    ``update_dtype(W.dtype)``, so the subtraction is computed in it and rounded to W's dtype once."""
     p.mul_(1 - group["lr"] * group["weight_decay"])
     p.add_(scaled, alpha=-group["lr"])
 
@@ -337,15 +348,16 @@ class Muon(WithoutDynamoImport, Optimizer):
         """W ← W·(1 − lr·wd) − lr·r·NS(U) for same-shape plain tensors in one batched Newton–Schulz.
 
         Each U [(E,) rows, cols] is written into its slice of one reused [n, rows, cols] batch (n matrices in
-        all), cast to ``ns_dtype`` for NS, and W is updated from its slice of r·O (in W's dtype, the same
-        arithmetic as the per-tensor path). Returns (Σ (r·O)², count) for ``last_update_rms``.
+        all; U in W's dtype, as torch computes it), cast to ``ns_dtype`` for NS, and W is updated from its
+        slice of r·O (in ``update_dtype``, the same arithmetic as the per-tensor path). Returns
+        (Σ (r·O)², count) for ``last_update_rms``.
         """
         rows, cols = batch[0].shape[-2:]
         counts = [p[..., 0, 0].numel() for p in batch]  # matrices per tensor: 1, or E for [E, out, in]
         starts = [sum(counts[:i]) for i in range(len(batch))]
         shape, device = (sum(counts), rows, cols), batch[0].device
         x = workspace.get("input", shape, group["ns_dtype"], device)
-        wide = workspace.get("wide", shape, batch[0].dtype, device)  # U, then r·O, in W's dtype
+        wide = workspace.get("wide", shape, batch[0].dtype, device)  # U in W's dtype (then r·O if fp32)
         for p, start, n in zip(batch, starts, counts, strict=True):
             self._momentum_update(p, group, out=wide[start : start + n].view(p.shape))
         x.copy_(wide)  # a cast into an out= of another dtype would allocate a temporary per call
@@ -353,7 +365,9 @@ class Muon(WithoutDynamoImport, Optimizer):
         ortho = iterate_newton_schulz(
             x.mT if tall else x, group["ns_coefficients"], group["ns_steps"], group["eps"], workspace
         )
-        scaled = wide.copy_(ortho.mT if tall else ortho).mul_(lr_ratio(group["adjust_lr_fn"], rows, cols))
+        wider = update_dtype(wide.dtype)
+        scaled = wide if wide.dtype == wider else workspace.get("scaled", shape, wider, device)
+        scaled.copy_(ortho.mT if tall else ortho).mul_(lr_ratio(group["adjust_lr_fn"], rows, cols))
         for p, start, n in zip(batch, starts, counts, strict=True):
             _apply(p, scaled[start : start + n].view(p.shape), group)
         return _square_sum(scaled), scaled.numel()
@@ -369,7 +383,7 @@ class Muon(WithoutDynamoImport, Optimizer):
             group["ns_dtype"],
             self._workspace,
         )
-        ortho = ortho.to(p.dtype)
+        ortho = ortho.to(update_dtype(p.dtype))
         for start, rows, cols in blocks:
             ortho[..., start : start + rows, :] *= lr_ratio(group["adjust_lr_fn"], rows, cols)
         return dtensor.like(ortho, p)
