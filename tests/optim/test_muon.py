@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-import k2lab.optim.grouping as grouping
 import k2lab.optim.muon_groups as muon_groups
 from k2lab import build_model, load_preset
 from k2lab.hardware import Choice
@@ -235,7 +234,6 @@ def test_newton_schulz_precision_is_chosen_for_the_parameters_device(monkeypatch
         return Choice(torch.float32, "test")
 
     monkeypatch.setattr(muon_groups, "choose", choose)
-    monkeypatch.setattr(grouping, "choose", choose)
     Muon([torch.nn.Parameter(torch.empty(4, 4, device="meta"))])  # where the parameters live, not the CPU
     build_optimizer(torch.nn.Linear(4, 4, bias=False).to("meta"), OptimizerConfig(), verbose=False)
     assert asked == ["meta", "meta"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from k2lab.optim import Muon
+from k2lab import hardware
+from k2lab.optim import Muon, MuonClip, OptimizerConfig
 
 
 def matrix(rows: int = 64, cols: int = 48) -> nn.Parameter:
@@ -93,3 +94,59 @@ def test_sparse_gradients_are_refused(kind: str):
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="sparse"):
         optimizer.step()
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine("avx512_bf16")`` / ``machine("avx2")``: the hardware probe sees a CPU that multiplies bf16
+    natively (measured 6× its fp32 rate) or one that would emulate it; no forcing variable set."""
+    for variable in (hardware.ENV_ALL, *hardware.ENV_PATH.values()):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(hardware, "cpu_rates", lambda: {"fp32": 1e11, "bf16": 6e11})
+
+    def switch(flag: str) -> None:
+        monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", flag}))
+
+    return switch
+
+
+@pytest.mark.parametrize(
+    ("asked", "on_avx2"),
+    [(None, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["auto", "forced-bf16"],
+)
+def test_state_saves_the_ns_dtype_request_and_resolves_it_where_it_loads(machine, asked, on_avx2):
+    """The state saved bf16, resolved on an avx512_bf16 machine, and a resume on an AVX2-only one ran
+    Newton–Schulz in emulated bf16 (~250× slower); a forced dtype stays forced."""
+    machine("avx512_bf16")
+    weight = matrix()
+    saved = Muon([weight], ns_dtype=asked)
+    assert saved.param_groups[0]["ns_dtype"] == torch.bfloat16
+    weight.grad = torch.randn_like(weight)
+    saved.step()
+    state = saved.state_dict()
+    assert (
+        state["param_groups"][0]["ns_dtype"] == asked and "ns_dtype_request" not in state["param_groups"][0]
+    )
+    machine("avx2")
+    resumed = Muon([weight])
+    resumed.load_state_dict(state)
+    assert resumed.param_groups[0]["ns_dtype"] == on_avx2
+    assert resumed.state_dict()["param_groups"][0]["ns_dtype"] == asked  # saved again as asked
+
+
+@pytest.mark.parametrize(
+    ("started", "resumed", "on_avx2"),
+    [("auto", "auto", torch.float32), ("bf16", "bf16", torch.bfloat16), ("bf16", "fp32", torch.float32)],
+)
+def test_resumed_run_takes_its_own_ns_precision_on_its_machine(machine, started, resumed, on_avx2):
+    """A run resumes with its own ``ns_precision`` (a resumable setting), chosen on the machine it runs on."""
+    machine("avx512_bf16")
+    model = nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 24))
+    first = MuonClip(model, OptimizerConfig(name="muon", ns_precision=started), verbose=False)
+    assert {g["ns_dtype"] for g in first.param_groups} == {torch.bfloat16}
+    state = first.state_dict()
+    machine("avx2")
+    second = MuonClip(model, OptimizerConfig(name="muon", ns_precision=resumed), verbose=False)
+    second.load_state_dict(state)
+    assert {g["ns_dtype"] for g in second.param_groups} == {on_avx2}

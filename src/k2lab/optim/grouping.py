@@ -28,11 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.console import Console
 from rich.table import Table
 
-from k2lab.hardware import Precision, choose
+from k2lab.hardware import DTYPES, Precision
 from k2lab.nn.kda import KimiDeltaAttention
 from k2lab.nn.mla import MultiHeadLatentAttention
 from k2lab.optim.muon import NS_COEFFICIENTS, Muon
-from k2lab.optim.muon_groups import device_type
 from k2lab.optim.routing import ParameterRouter
 
 
@@ -131,6 +130,12 @@ def parameter_groups(model: torch.nn.Module, config: OptimizerConfig) -> list[di
     return groups
 
 
+def ns_dtype_request(precision: Precision) -> torch.dtype | None:
+    """``Muon``'s ``ns_dtype`` for a config's ``ns_precision``: None for auto (resolved by the optimizer on the
+    machine it runs on, again on resume), else the forced dtype."""
+    return None if precision == "auto" else DTYPES[precision]
+
+
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, verbose: bool = True) -> Muon:
     """One ``Muon`` optimizer carrying every trainable parameter in tagged groups (see module doc)."""
     groups = parameter_groups(model, config)
@@ -143,7 +148,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig, verbose: bo
         ns_coefficients=config.ns_coefficients,
         ns_steps=config.ns_steps,
         adjust_lr_fn=config.adjust_lr_fn,
-        ns_dtype=choose("newton_schulz", config.ns_precision, device_type(model.parameters())).dtype,
+        ns_dtype=ns_dtype_request(config.ns_precision),
     )
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]

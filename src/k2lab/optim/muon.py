@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from k2lab.optim import dtensor
 from k2lab.optim.dynamo_free import WithoutDynamoImport
-from k2lab.optim.muon_groups import setup_group, validate_hyperparameters, with_grads
+from k2lab.optim.muon_groups import resolve_ns_dtype, setup_group, validate_hyperparameters, with_grads
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MAX_BATCH = 16  # 2-D matrices per batched Newton–Schulz (an expert tensor's count; 240 ran slower)
@@ -216,11 +216,15 @@ class Muon(WithoutDynamoImport, Optimizer):
     Beyond torch.optim.Muon's arguments: ``ns_dtype`` (``None``: what ``k2lab.hardware.choose`` picks for
     Newton–Schulz — bf16 where the device multiplies bf16 natively, as torch.optim.Muon always does, which
     it then reproduces to fp32 rounding; fp32 where bf16 would be emulated, ~250× slower on AVX2-only
-    CPUs, and a more exact orthogonalisation), and per parameter group
+    CPUs, and a more exact orthogonalisation; a dtype forces it), and per parameter group
     ``row_blocks`` (Per-Head Muon: list of row-block sizes) and ``kind="adamw"`` (with ``betas``,
     ``adam_eps``) for the parameters Muon should not touch (embeddings, head, norms, biases), so one
     optimizer object carries every parameter, one state dict and one lr schedule.
     FSDP2 (DTensor) parameters are orthogonalised on the full matrix and the result re-sharded.
+
+    A group's ``ns_dtype`` is the dtype Newton–Schulz runs in here; ``state_dict`` saves the request instead
+    (None for auto, or the forced dtype), so ``load_state_dict`` on another machine picks that machine's
+    dtype (a checkpoint of an AMX machine resumed on an AVX2-only one runs fp32, not its ~250× slower bf16).
     """
 
     def __init__(
@@ -268,14 +272,30 @@ class Muon(WithoutDynamoImport, Optimizer):
             self.param_groups.pop()
             raise
 
+    def state_dict(self) -> dict:
+        """torch's ``state_dict`` with each group's ``ns_dtype`` the request (None: auto), not this machine's
+        resolved dtype: what the user asked for travels with the state, the hardware's answer does not."""
+        state = super().state_dict()
+        for saved, group in zip(state["param_groups"], self.param_groups, strict=True):
+            saved["ns_dtype"] = saved.pop("ns_dtype_request", group["ns_dtype"])
+        return state
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, then every group key the saved state lacks (a torch.optim.Muon
-        state has no ``kind``, ``row_blocks``, ``ns_dtype``, ...) from the defaults, set up as a new group's."""
+        state has no ``kind``, ``row_blocks``, ``ns_dtype``, ...) from the defaults, set up as a new group's:
+        the saved ``ns_dtype`` request is resolved on this machine (a forced dtype stays forced; a state saved
+        before requests were kept holds the saving machine's resolved dtype, taken as forced)."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self._muon_defaults.items():
                 group.setdefault(key, value)
             setup_group(group)
+
+    def request_ns_dtype(self, request: torch.dtype | None) -> None:
+        """Every group's Newton–Schulz dtype asked for anew (None: auto, resolved on this machine), e.g. a
+        resumed run's own setting over the one its checkpoint saved."""
+        for group in self.param_groups:
+            resolve_ns_dtype(group, request)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature

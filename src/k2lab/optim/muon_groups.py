@@ -1,12 +1,14 @@
 """Setting up one ``Muon`` parameter group: the checks and the resolved ``ns_dtype``, wherever a group comes
-from (the constructor, ``add_param_group``, ``load_state_dict`` of another optimizer's state).
+from (the constructor, ``add_param_group``, ``load_state_dict`` of a saved state or another optimizer's).
 
     kind            'muon' (2-D matrices, 3-D [E, out, in] experts) or 'adamw' (any real tensor)
     lr, weight_decay, eps, adam_eps   ≥ 0 and not NaN (``not 0 <= x``, as torch.optim checks)
     momentum        in [0, 1)
     ns_steps        an int in [1, 99];  ns_coefficients  three numbers (a, b, c)
     adjust_lr_fn    None, 'original' or 'match_rms_adamw'
-    ns_dtype        None → what ``k2lab.hardware.choose`` picks for Newton–Schulz on the group's device
+    ns_dtype        None → what ``k2lab.hardware.choose`` picks for Newton–Schulz on the group's device;
+                    the request (None or the dtype asked for) is kept as ``ns_dtype_request`` and is what
+                    ``Muon.state_dict`` saves, so a state resumed on another machine is resolved there
 """
 
 from __future__ import annotations
@@ -76,10 +78,19 @@ def with_grads(group: dict[str, Any]) -> list[torch.Tensor]:
     return params
 
 
+def resolve_ns_dtype(group: dict[str, Any], request: torch.dtype | None) -> None:
+    """Record ``request`` as the group's ``ns_dtype_request`` and set its ``ns_dtype``: the dtype asked for,
+    or (None) what ``k2lab.hardware.choose`` picks for Newton–Schulz on this machine and the group's device."""
+    group["ns_dtype_request"] = request
+    if request is None:
+        request = choose("newton_schulz", device=device_type(group["params"])).dtype
+    group["ns_dtype"] = request
+
+
 def setup_group(group: dict[str, Any]) -> None:
-    """Check a group (filled with the defaults) and resolve its ``ns_dtype``, in place."""
+    """Check a group (filled with the defaults) and resolve its ``ns_dtype``, in place. A new or loaded group
+    has no ``ns_dtype_request`` yet: its ``ns_dtype`` is the request (None: auto)."""
     validate_hyperparameters(group)
     validate_params(group)
     group["ns_coefficients"] = tuple(group["ns_coefficients"])
-    if group["ns_dtype"] is None:
-        group["ns_dtype"] = choose("newton_schulz", device=device_type(group["params"])).dtype
+    resolve_ns_dtype(group, group.get("ns_dtype_request", group["ns_dtype"]))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from k2lab.optim import dtensor
-from k2lab.optim.grouping import OptimizerConfig, build_optimizer
+from k2lab.optim.grouping import OptimizerConfig, build_optimizer, ns_dtype_request
 from k2lab.optim.muon import newton_schulz
 from k2lab.optim.qk_clip import QKClip
 
@@ -110,6 +110,9 @@ class MuonClip:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """The saved state, with Newton–Schulz's dtype chosen by this run's ``ns_precision`` on this machine
+        (a hardware choice a resumed run may change, ``k2lab.train.resume.RESUMABLE_SETTINGS``)."""
         self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.request_ns_dtype(ns_dtype_request(self.config.ns_precision))
         self.qk_clip.ever_clipped = [m.clone() for m in state["ever_clipped"]]
         self._steps = state["steps"]
