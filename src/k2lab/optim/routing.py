@@ -1,8 +1,9 @@
 """Which update rule one parameter takes: by what it is (its owning module and shape), then by k2lab's names.
 
-    adamw  a parameter of an ``nn.Embedding`` (and so a head tied to it), of any convolution (``nn.Conv1d``
-           kernels [out, in/groups, k], ``nn.Conv2d`` [out, in/groups, kh, kw], ...) or of a normalisation
-           layer (LayerNorm, GroupNorm, BatchNorm / InstanceNorm, RMSNorm, k2lab's RMSNorm);
+    adamw  a parameter of an ``nn.Embedding`` (and so a head tied to it), the weight of an untied output
+           head (``k2lab.optim.heads``), a parameter of any convolution (``nn.Conv1d`` kernels
+           [out, in/groups, k], ``nn.Conv2d`` [out, in/groups, kh, kw], ...) or of a normalisation layer
+           (LayerNorm, GroupNorm, BatchNorm / InstanceNorm, RMSNorm, k2lab's RMSNorm);
            every tensor with ndim < 2 (vectors, scalars) or ndim > 3;
            a 3-D tensor that is not a k2lab expert weight;
            and k2lab's own names: ``embed.`` / ``lm_head.`` (the untied head), ``*norm.weight``,
@@ -10,8 +11,8 @@
     muon   every other 2-D matrix, and the 3-D [E, out, in] expert weights of ``k2lab.nn.experts.RoutedExperts``
            (orthogonalised per expert)
 
-A user model's untied output head is a plain ``nn.Linear`` and cannot be told from a hidden layer: name it
-``lm_head`` (or put it in a ``kind="adamw"`` group yourself) to keep it out of Muon.
+Muon is for hidden matrices: a user model's untied output head, a plain ``nn.Linear(d, V)``, is found by the
+shape it shares with the token embedding (``k2lab.optim.heads``) and takes AdamW like the embedding.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from k2lab.nn.experts import RoutedExperts
 from k2lab.nn.norm import RMSNorm
+from k2lab.optim.heads import output_heads
 
 ADAMW_MODULES: tuple[type[nn.Module], ...] = (
     nn.Embedding,
@@ -47,7 +49,7 @@ class ParameterRouter:
     """``is_adamw(name, p)`` for the parameters of one model (module ownership looked up once)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._adamw_owned = owned_by(model, ADAMW_MODULES)
+        self._adamw_owned = owned_by(model, ADAMW_MODULES) | output_heads(model)
         self._experts = owned_by(model, (RoutedExperts,))
 
     def is_adamw(self, name: str, parameter: torch.Tensor) -> bool:
