@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k2lab import build_model, load_preset
-from k2lab.errors import CheckpointError
-from k2lab.model_dir import MANIFEST, WEIGHTS, load_model, save_model
+from k2lab.errors import CheckpointError, K2LabError
+from k2lab.model_dir import MANIFEST, WEIGHTS, load_model, load_text_model, save_model
+from k2lab.models import CausalLM
 
 
 @pytest.fixture
@@ -82,3 +83,25 @@ def test_a_load_puts_back_a_model_a_killed_save_left_hidden(saved: Path):
     hidden.mkdir()
     saved.rename(hidden / saved.name)
     assert load_model(saved) is not None and saved.is_dir() and not (hidden / saved.name).exists()
+
+
+def test_commands_that_train_or_sample_a_text_model_refuse_a_vision_language_one(
+    small_tokenizer, tmp_path: Path
+):
+    """`k2lab rl` on a K2.5 checkpoint failed every episode on the VLM's config, then said "RL done" and wrote
+    the input back as its policy (exit 0)."""
+    from k2lab.cli import main
+    from k2lab.presets.vision_language import load_vlm_preset
+    from k2lab.vision.vlm import build_vlm
+
+    vlm = save_model(build_vlm(load_vlm_preset("k25-nano")), tmp_path / "vlm")
+    small_tokenizer.save(vlm / "tokenizer.json")
+    with pytest.raises(K2LabError, match="is a vision-language model; RL takes a text model"):
+        load_text_model(vlm, "RL")
+    assert isinstance(
+        load_text_model(save_model(build_model(load_preset("k2-nano")), tmp_path / "t"), "RL"), CausalLM
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rl", "-c", str(vlm), "--out", str(tmp_path / "rl"), "--iterations", "1"])
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "rl" / "model").exists()

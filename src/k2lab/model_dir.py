@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from k2lab.config import ModelConfig, format_validation_error
-from k2lab.errors import CheckpointError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import (
     check_format_version,
     read_json_object,
@@ -102,6 +102,16 @@ def load_model(
     raise CheckpointError(
         f"{path} holds neither {MANIFEST} (k2lab format) nor config.json (Hugging Face format){hint}"
     )
+
+
+def load_text_model(directory: str | os.PathLike[str], use: str) -> CausalLM:
+    """``load_model`` of a text model, for a ``use`` that trains or samples one (``"RL"``, ``"SFT"`` ...):
+    ``K2LabError`` for a vision-language checkpoint, which ``k2lab rl`` took and then failed every episode on
+    (its config has no ``vocab_size``), ending "done" with the policy unchanged."""
+    model = load_model(directory)
+    if not isinstance(model, CausalLM):
+        raise K2LabError(f"{directory} is a vision-language model; {use} takes a text model")
+    return model
 
 
 def _load_own(path: Path, dtype: torch.dtype) -> CausalLM | VisionLanguageModel:

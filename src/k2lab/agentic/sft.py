@@ -53,7 +53,7 @@ from k2lab.data.corpus import load_corpus
 from k2lab.data.packing import Batch, PackedBatches, check_resumed_state
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
-from k2lab.model_dir import check_model_directory, load_model
+from k2lab.model_dir import check_model_directory, load_text_model
 from k2lab.models import CausalLM, build_model
 from k2lab.ops.linear_cross_entropy import IGNORE_INDEX
 from k2lab.runtime.chat import normalize_messages
@@ -64,7 +64,6 @@ from k2lab.train.curriculum import context_error
 from k2lab.train.data import Log, StagedData
 from k2lab.train.family_settings import resolve_family_settings
 from k2lab.vision.mixture import vision_rows_at
-from k2lab.vision.vlm import VisionLanguageModel
 
 __all__ = [
     "ConversationRows",
@@ -446,9 +445,7 @@ def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
             "tokenizer (k2lab train writes one in runs/NAME/model)"
         )
     tokenizer = load_tokenizer(directory / "tokenizer.json")
-    model = load_model(directory)
-    if isinstance(model, VisionLanguageModel):
-        raise K2LabError(f"{directory} is a vision-language model; SFT takes a text model")
+    model = load_text_model(directory, "SFT")
     tokenizer.check_fits(model.config.vocab_size)
     return tokenizer, model
 

@@ -37,7 +37,7 @@ from k2lab.infer.draft import DRAFT_DIR, DRAFT_SUMMARY, EagleDraft, check_draft_
 from k2lab.infer.draft_vocab import DraftVocab, check_size, frequent_tokens
 from k2lab.infer.generate import GenerationConfig, generate
 from k2lab.infer.speculative import speculative_generate
-from k2lab.model_dir import load_model
+from k2lab.model_dir import load_text_model
 from k2lab.models.decoder import CausalLM
 from k2lab.models.init import init_weights
 from k2lab.models.mtp import MultiTokenPrediction
@@ -203,9 +203,7 @@ def train_draft(config: DraftTrainConfig, log: Log = print) -> dict[str, float]:
     if not (config.model / "tokenizer.json").is_file():
         raise K2LabError(f"{config.model} has no tokenizer.json: the prompts are corpus text")
     tokenizer = load_tokenizer(config.model / "tokenizer.json")
-    target = load_model(config.model)
-    if not isinstance(target, CausalLM):
-        raise K2LabError("draft training needs a text model (a CausalLM checkpoint)")
+    target = load_text_model(config.model, "draft training")
     draft_vocab(config, target.config.vocab_size, None)  # a bad size fails before any work
     check_context(config, target.config.max_position_embeddings)
     target.eval().requires_grad_(False)

@@ -43,7 +43,7 @@ from k2lab.agentic.rl.trainer import RLTrainer, iteration_report
 from k2lab.data import load_tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import atomic_write_text, read_json_object
-from k2lab.model_dir import load_model, save_model
+from k2lab.model_dir import load_text_model, save_model
 from k2lab.train.persistence import check_resumed_config
 from k2lab.train.resume import flat_settings
 
@@ -192,7 +192,7 @@ def train_expert(
     config = config.model_copy(update={"envs": [spec.domain], "max_new_tokens": spec.max_new_tokens})
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(Path(checkpoint) / "tokenizer.json")
-    model = load_model(checkpoint)
+    model = load_text_model(checkpoint, "multi-effort RL")
     trainer = RLTrainer(model, tokenizer, config, out, env=EffortEnv(spec, env, config.step_timeout_s))
     trainer.run(on_iteration=None if log is None else lambda m: log(iteration_report(m, config.iterations)))
     save_model(model, out / "model")

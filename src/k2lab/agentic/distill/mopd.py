@@ -78,7 +78,7 @@ from k2lab.config import format_validation_error
 from k2lab.data import load_tokenizer
 from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import atomic_write_text, make_directory, read_json_object, save_figure_atomically
-from k2lab.model_dir import load_model, save_model
+from k2lab.model_dir import load_text_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import IterativeTrainer, rounded_mean
@@ -195,7 +195,12 @@ class TeacherRouter:
 
     @classmethod
     def load(cls, experts_dir: str | Path, specs: Sequence[ExpertSpec]) -> TeacherRouter:
-        return cls({(s.domain, s.effort): load_model(Path(experts_dir) / s.key / "model") for s in specs})
+        return cls(
+            {
+                (s.domain, s.effort): load_text_model(Path(experts_dir) / s.key / "model", "MOPD (a teacher)")
+                for s in specs
+            }
+        )
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -413,7 +418,7 @@ def run_mopd(
     out = claim_run_directory(out_dir, f"mopd {mode}", [experts_dir, student_checkpoint])
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(Path(student_checkpoint) / "tokenizer.json")
-    student = load_model(student_checkpoint)
+    student = load_text_model(student_checkpoint, "MOPD (the student)")
     sources = {
         "student": str(Path(student_checkpoint).resolve()),
         "experts": str(Path(experts_dir).resolve()),
@@ -737,7 +742,7 @@ def mopd_report(
             "baseline": baseline_dir / "model",
             "start": Path(run["student"]),
         }
-        model = load_model(paths[who]).eval()
+        model = load_text_model(paths[who], "MOPD's evaluation").eval()
         scores[who] = evaluate_cells(model, tokenizer, router, specs, episodes, temperature, seed)
     rows = report_rows(specs, scores)
     report = {

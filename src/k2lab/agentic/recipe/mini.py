@@ -44,7 +44,7 @@ from k2lab.agentic.factory.tools import build_repository
 from k2lab.agentic.rl.trainer import RLConfig, run_rl
 from k2lab.data import load_tokenizer
 from k2lab.fsutil import atomic_write_text, make_directory, save_figure_atomically
-from k2lab.model_dir import load_model
+from k2lab.model_dir import load_text_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.posttrain.base import METRICS, metrics_history
 from k2lab.train.config import load_sft_config, load_train_config
@@ -341,7 +341,7 @@ def stage_eval(config: RecipeConfig, directory: Path, models: dict[str, str], lo
 
 def evaluate_model(config: RecipeConfig, path: str) -> dict[str, Any]:
     """One model directory on the held-out tasks, with the no-tool probe's result under ``no_tool_probe``."""
-    model = load_model(path).eval()
+    model = load_text_model(path, "the recipe's evaluation").eval()
     tokenizer = load_tokenizer(Path(path) / "tokenizer.json")
 
     def run(env: RecipeToolTasks, seeds: list[int]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ from k2lab.agentic.rl.envs import EnvMixture, build_env
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
-from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_model, save_model
+from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_text_model, save_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
@@ -627,12 +627,12 @@ def run_rl(
         torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
-    model = load_model(checkpoint)
+    model = load_text_model(checkpoint, "RL")
     critic_model = None
     if config.critic == "self":
-        critic_model = load_model(checkpoint).eval()
+        critic_model = load_text_model(checkpoint, "RL's critic").eval()
     elif config.critic != "none":
-        critic_model = load_model(config.critic).eval()
+        critic_model = load_text_model(config.critic, "RL's critic").eval()
     sources = rl_sources(checkpoint, config.critic)
     trainer = RLTrainer(model, tokenizer, config, out, env=env, critic_model=critic_model, sources=sources)
     history = trainer.run(on_iteration=on_iteration)
