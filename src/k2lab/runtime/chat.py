@@ -37,6 +37,8 @@ Tool calls of one assistant turn form one section after the content::
 * Text may not contain the tokenizer's special-token strings (``<|im_end|>``, ...), reasoning may not
   contain ``</think>``, and assistant content without reasoning may not start with ``<think>``: such
   messages raise ``ChatFormatError`` instead of rendering text that would parse differently.
+* Arguments are strict JSON (``k2lab.runtime.chat_json.loads_strict``): ``NaN``, ``Infinity`` and numbers
+  overflowing a double are refused, rendering and parsing, as any other text that is not JSON.
 
 ``parse_chat(render_chat(messages, add_generation_prompt=False)) == normalize_messages(messages)``.
 """
@@ -51,6 +53,7 @@ from typing import Any
 
 from k2lab.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from k2lab.errors import K2LabError
+from k2lab.runtime.chat_json import loads_strict
 from k2lab.runtime.tool_spec import TOOL_NAME_PATTERN, render_tool_declaration
 
 __all__ = [
@@ -230,7 +233,7 @@ def _arguments(arguments: object, where: str) -> str:
     if not isinstance(arguments, str):
         raise ChatFormatError(f"{where} must be a JSON object string, got {type(arguments).__name__}")
     try:
-        value = json.loads(arguments)
+        value = loads_strict(arguments)
     except (ValueError, RecursionError) as error:
         raise ChatFormatError(f"{where} is not valid JSON ({error})") from error
     if not isinstance(value, dict):
@@ -399,7 +402,7 @@ def _parse_call(inner: str, where: str, problems: list[str]) -> dict[str, Any] |
     if match is None:
         problems.append(f"{where}: id {_preview(call_id)} is not functions.NAME:INDEX")
     try:
-        value = json.loads(arguments)
+        value = loads_strict(arguments)
         if not isinstance(value, dict):
             problems.append(f"{where}: arguments must be a JSON object, got {type(value).__name__}")
     except (ValueError, RecursionError) as error:

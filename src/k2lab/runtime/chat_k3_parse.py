@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from k2lab.runtime.chat import ToolCallParseError, tool_call_id
+from k2lab.runtime.chat_json import loads_strict
 from k2lab.runtime.chat_k3 import (
     ARGUMENT_CLOSE,
     CALL_CLOSE,
@@ -189,7 +190,7 @@ def _typed_value(raw: str, kind: str) -> tuple[Any, str | None]:
     if kind == "string":
         return raw, None
     try:
-        value = json.loads(raw)
+        value = loads_strict(raw)
     except (ValueError, RecursionError) as error:
         return None, f"{kind} value is not valid JSON ({error}): {_preview(raw)}"
     if xtml_type(value) != kind:
@@ -204,7 +205,7 @@ def _parse_json_block(inner: str, where: str, problems: list[str]) -> dict[str, 
         problems.append(f"{where}: a json block must be the whole call body, closed by {close_tag('json')}")
         return None
     try:
-        value = json.loads(inner[header_end + len(SEP) : close])
+        value = loads_strict(inner[header_end + len(SEP) : close])
     except (ValueError, RecursionError) as error:
         problems.append(f"{where}: the json block is not valid JSON ({error})")
         return None
