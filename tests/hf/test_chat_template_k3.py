@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import pytest
+from jinja2.exceptions import TemplateError
 
 from k2lab import load_preset
 from k2lab.hf.chat_template import chat_template, chat_template_for, chat_template_k3
@@ -115,3 +116,80 @@ def test_golden_conversation_and_family_choice(hf_tokenizer):
     assert chat_template_for(load_preset("k2-nano")) == chat_template()
     with pytest.warns(UserWarning, match="speaks K2's chat format"):  # a tokenizer without the XTML tokens
         assert chat_template_for(load_preset("k3-nano"), {"<|im_end|>": 5}) == chat_template()
+
+
+# ------------------------------------------------------------------------ what both refuse, in the same words
+
+
+def raw_call(call_id: str, name: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": {}}}
+
+
+def result(call_id: str, content: str = "r") -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+USER = {"role": "user", "content": "u"}
+TWO_CALLS = {"role": "assistant", "content": "", "tool_calls": [raw_call("c1", "f"), raw_call("c2", "g")]}
+REFUSED = {  # conversations the template rendered with a tool result left out (or tagged as another call's)
+    "unmatched id": ([USER, TWO_CALLS, result("c1"), result("c2"), result("zzz", "LOST?")], {}),
+    "tool result first": ([result("x", "orphan"), USER], {}),
+    "only call 2 answered": ([USER, TWO_CALLS, result("c2")], {}),
+    "call 1 answered twice": ([USER, TWO_CALLS, result("c1"), result("c1")], {}),
+    "after a turn without calls": ([USER, {"role": "assistant", "content": "a"}, result("c1")], {}),
+    "after a user turn": ([USER, TWO_CALLS, result("c1"), result("c2"), USER, result("c1")], {}),
+    "unknown role": ([USER, {"role": "function", "content": "x"}], {}),
+    "thinking_effort medium": ([USER], {"thinking_effort": "medium"}),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_the_template_refuses_what_render_chat_k3_refuses(hf_tokenizer, name):
+    """Through transformers' renderer the template raises, as render_chat_k3 does and with its message."""
+    messages, options = REFUSED[name]
+    with pytest.raises(ChatFormatError) as ours:
+        render_chat_k3(messages, **options)
+    with pytest.raises(TemplateError) as theirs:
+        hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
+    assert str(theirs.value) == str(ours.value)
+
+
+def shuffled_results(rng: random.Random, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with one tool result dropped, doubled, moved or re-addressed (to an earlier call's client or
+    K2 id, or to nothing), or a stray one inserted: sometimes still what K3 can carry, often not."""
+    out = [dict(m) for m in messages]
+    ids = [c.get("id") or "functions.f:0" for m in out for c in m.get("tool_calls") or []] + ["zzz"]
+    results = [k for k, m in enumerate(out) if m["role"] == "tool"] or [len(out)]
+    k = rng.choice(results)
+    change = rng.choice(["drop", "double", "move", "readdress", "k2_id", "insert"])
+    if change == "insert" or k == len(out):
+        out.insert(rng.randrange(len(out) + 1), result(rng.choice(ids)))
+    elif change == "drop":
+        del out[k]
+    elif change == "double":
+        out.insert(k, dict(out[k]))
+    elif change == "move":
+        out.insert(rng.randrange(len(out)), out.pop(k))
+    else:
+        k2_id = f"functions.{rng.choice(NAMES)}:{rng.randrange(4)}"
+        out[k]["tool_call_id"] = k2_id if change == "k2_id" else rng.choice(ids)
+    return out
+
+
+def test_the_template_agrees_on_misplaced_tool_results(hf_tokenizer):
+    """Over conversations with results out of place: both refuse (same message) or both give the same text."""
+    outcomes = {"refused": 0, "rendered": 0}
+    for seed in range(CASES):
+        messages, tools, options = case(seed)
+        messages = shuffled_results(random.Random(seed), messages)
+        try:
+            ours = render_chat_k3(messages, tools, **options)
+        except ChatFormatError as error:
+            ours = f"refused: {error}"
+        try:
+            theirs = hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
+        except TemplateError as error:
+            theirs = f"refused: {error}"
+        assert theirs == ours, f"seed {seed}"
+        outcomes["refused" if ours.startswith("refused: ") else "rendered"] += 1
+    assert min(outcomes.values()) >= CASES // 10, outcomes

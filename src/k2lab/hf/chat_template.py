@@ -24,8 +24,13 @@ accepts. There is no thinking switch: like ``render_chat``, a turn shows ``<thin
 
 K3-family models (``k2lab.runtime.chat_format.chat_format_for``: with the XTML tokens) get ``chat_template_k3.jinja`` instead, the
 twin of ``k2lab.runtime.chat_k3.render_chat_k3`` (K3's XTML format; byte-identical on the conversations it
-accepts whose tool-call arguments are objects and whose results name their call by its client id, or by its
-K2 id when it has none; template variables ``thinking``, ``thinking_effort``, ``tool_choice``).
+accepts whose tool-call arguments are objects; template variables ``thinking``, ``thinking_effort``,
+``tool_choice``). K3 binds a tool result to its call by position only, so where ``render_chat_k3`` refuses
+results it cannot carry (one answering no call of the assistant turn right before it, results not answering
+calls 1..k once each), an unknown role or a ``thinking_effort`` other than low / high / max, the K3 template
+raises as well (transformers' ``raise_exception``, which vLLM and SGLang reach through
+``tokenizer.apply_chat_template``; same message) rather than render the conversation with a result left out.
+K2 names a result's call by id, and both K2 renderers keep a result that answers no call.
 ``chat_template_for(config)`` picks by the model's family (or takes the chat format chosen already).
 """
 
