@@ -229,3 +229,17 @@ def test_attention_width_and_bilinear_positions() -> None:
         pos.weight.copy_(torch.tensor([[0.0, 4.0], [8.0, 12.0]])[..., None].expand(2, 2, 32))
         row = pos.resample(4, 4)[:4, 0]  # first output row (= input row 0): 0, 1, 3, 4
     assert row.tolist() == [0.0, 1.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("tower", ["moonvit_3d", "moonvit_v2"])
+def test_pixel_values_must_be_patches_of_the_towers_size(tower: str) -> None:
+    """Both towers refuse pixel_values whose trailing shape is not [3, p, p] (a stride-p convolution would
+    silently crop larger patches and fail with a raw size error on smaller ones)."""
+    config = getattr(VisionConfig, tower)(**TINY)
+    model = MoonViT3D(config)
+    grid = torch.tensor([[1, 2, 2]])
+    with torch.no_grad():
+        assert model(torch.randn(4, 3, 4, 4), grid).features.shape[0] == 1
+        for shape in [(4, 3, 6, 6), (4, 3, 2, 2), (4, 1, 4, 4), (4, 3, 4, 8), (4, 48)]:
+            with pytest.raises(ValueError, match=r"pixel_values must be \[N, 3, 4, 4\] patches"):
+                model(torch.randn(*shape), grid)

@@ -52,6 +52,7 @@ __all__ = [
     "segment_lengths",
     "apply_rope",
     "check_grid",
+    "check_patches",
     "make_norm",
     "patch_coordinates",
     "pixel_shuffle",
@@ -85,6 +86,16 @@ def check_grid(grid_thw: torch.Tensor, num_patches: int, config: VisionConfig) -
         total += t * h * w
     if total != num_patches:
         raise ValueError(f"grid_thw describes {total} patches but pixel_values has {num_patches}")
+
+
+def check_patches(pixel_values: torch.Tensor, config: VisionConfig) -> None:
+    """Raise ``ValueError`` unless ``pixel_values`` is [N, 3, p, p] for the tower's patch size p (the
+    processor's layout; the stride-p patch convolution would crop larger patches and fail on smaller)."""
+    p = config.patch_size
+    if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, p, p):
+        raise ValueError(
+            f"pixel_values must be [N, 3, {p}, {p}] patches (patch_size={p}), got {tuple(pixel_values.shape)}"
+        )
 
 
 def vision_token_counts(grid_thw: torch.Tensor, merge_kernel_size: tuple[int, int]) -> list[int]:
@@ -305,6 +316,7 @@ class MoonViTEncoder(nn.Module):
         return x + self.pos_embed(grid_thw).to(x.dtype)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        check_patches(pixel_values, self.config)
         check_grid(grid_thw, pixel_values.shape[0], self.config)
         x = self.embed(pixel_values, grid_thw)
         rows, cols = patch_coordinates(grid_thw)
