@@ -235,3 +235,67 @@ def test_a_pil_image_a_few_pixels_tall_is_not_read_channel_first(height: int) ->
     assert torch.equal(ours.image_grid_thw, chw.image_grid_thw) and torch.equal(
         ours.pixel_values, chw.pixel_values
     )
+
+
+@pytest.mark.parametrize("kind", ["array", "tensor", "video"])
+def test_uint16_arrays_are_scaled_like_sixteen_bit_pil(kind: str) -> None:
+    """A uint16 array / tensor is v / 257 rounded, as a 16-bit (I;16) PIL image of the same values
+    (65535 -> 255 -> +1, not 65535 / 127.5 − 1 ≈ 513)."""
+    values = np.random.default_rng(0).integers(0, 65536, (30, 31), dtype=np.uint16)
+    values[0, :3] = [0, 65535, 40000]
+    expected = preprocess_images(Image.fromarray(values)).pixel_values
+    if kind == "video":
+        video = np.repeat(np.stack([values, values])[..., None], 3, -1)
+        ours = preprocess_videos([video]).pixel_values_videos
+        expected = preprocess_videos([[Image.fromarray(values)] * 2]).pixel_values_videos
+    else:
+        ours = preprocess_images(values if kind == "array" else torch.from_numpy(values)).pixel_values
+    assert torch.equal(ours, expected)
+    assert ours.min().item() == -1 and ours.max().item() == 1
+
+
+def test_float_arrays_are_on_the_0_255_scale() -> None:
+    """Float (and wider-integer) arrays are taken as 0–255 values, like transformers' rescale by 1/255."""
+    rgb = synthetic(20, 30)
+    expected = preprocess_images(rgb).pixel_values
+    assert torch.equal(preprocess_images(rgb.astype(np.float32)).pixel_values, expected)
+    assert torch.equal(preprocess_images(rgb.astype(np.int32)).pixel_values, expected)
+
+
+BAD_IMAGES = [
+    ("empty array", lambda: [np.zeros((0, 0, 3), np.uint8)], r"images\[0\]: .*at least 1×1 pixels, got 0×0"),
+    ("empty PIL", lambda: [synthetic(5, 5), Image.new("RGB", (0, 0))], r"images\[1\]: .*got 0×0"),
+    ("zero-height", lambda: [synthetic(5, 5), np.zeros((0, 7), np.uint8)], r"images\[1\]: .*got 0×7"),
+    ("no channels", lambda: [np.zeros((5, 6, 7), np.uint8)], r"images\[0\]: cannot find a channel dim"),
+]  # fmt: skip
+BAD_VIDEOS = [
+    ("no frames", lambda: [np.zeros((0, 40, 60, 3), np.uint8)], r"videos\[0\]: .*at least one frame"),
+    ("empty frames", lambda: [synthetic_video(1, 8, 8), np.zeros((2, 0, 5, 3), np.uint8)], r"videos\[1\]: .*0×5"),
+    ("empty list", lambda: [[]], r"videos\[0\]: .*at least one frame"),
+    ("sizes", lambda: [[synthetic(40, 60), synthetic(40, 60), synthetic(30, 60)]], r"frame 0 is 40×60 \(H×W\), frame 2 30×60"),
+    ("bad frame", lambda: [[synthetic(4, 6), np.zeros((4, 6, 3, 2), np.uint8)]], r"videos\[0\]: frame 1: an image must be"),
+    ("3-D", lambda: [np.zeros((3, 40, 60), np.uint8)], r"videos\[0\]: a video must be \[T, H, W, C\]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,images,message", BAD_IMAGES, ids=[b[0] for b in BAD_IMAGES])
+def test_bad_images_raise_a_clear_error_naming_the_image(name, images, message) -> None:
+    from k2lab.errors import K2LabError
+
+    with pytest.raises(K2LabError, match=message) as error:
+        preprocess_images(images())
+    assert isinstance(error.value, ValueError)  # the module's errors stay ValueErrors
+
+
+@pytest.mark.parametrize("name,videos,message", BAD_VIDEOS, ids=[b[0] for b in BAD_VIDEOS])
+def test_bad_videos_raise_a_clear_error_naming_the_video(name, videos, message) -> None:
+    from k2lab.errors import K2LabError
+
+    with pytest.raises(K2LabError, match=message):
+        preprocess_videos(videos())
+
+
+@pytest.mark.parametrize("size", [(-1, 5), (0, 5), (5, 0)])
+def test_token_counts_refuse_empty_sizes(size: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="at least 1×1 pixels"):
+        num_image_tokens(*size)

@@ -19,7 +19,10 @@ B = 4096 patches per frame by default) and patchified frame-major: [t·h·w, 3, 
 These are exactly the layouts ``MoonViT3D.forward(pixel_values, grid_thw)`` expects.
 
 PIL images become uint8 RGB first: transparency is composited onto white, 16-bit gray (modes ``I;16*``,
-``I``) is scaled by 1/257 (rounded). A PIL image at least 4× its step-1 size (H', W') per side is shrunk in
+``I``) is scaled by 1/257 (rounded); uint16 arrays and tensors are scaled the same way. Other integer and
+float arrays / tensors are taken as 0–255 values (as transformers, which rescales every input by 1/255); a
+float RGBA one is composited with α in [0, 1] onto 1.0, as transformers does. An empty image or video, or
+a video whose frames differ in size, raises ``ImageInputError`` (a ``ValueError``) naming it. A PIL image at least 4× its step-1 size (H', W') per side is shrunk in
 PIL before any array is made, so its full-size pixels never become arrays: a JPEG not yet loaded is decoded
 at 1/2, 1/4 or 1/8 scale (``Image.draft``, which changes that image object in place), then the image is
 box-averaged by f = min(⌊H/2H'⌋, ⌊W/2W'⌋) (``Image.reduce``); step 1 then resizes from ≥ 2·(H', W') to the
@@ -29,7 +32,8 @@ box-averaged by f = min(⌊H/2H'⌋, ⌊W/2W'⌋) (``Image.reduce``); step 1 the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,11 +41,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from k2lab.errors import K2LabError
 from k2lab.vision.config import VisionConfig
 from k2lab.vision.moonvit import video_volumes
 
 __all__ = [
     "ImageBatch",
+    "ImageInputError",
     "ProcessorConfig",
     "VideoBatch",
     "navit_size",
@@ -51,6 +57,11 @@ __all__ = [
     "preprocess_videos",
     "to_chw_tensor",
 ]
+
+
+class ImageInputError(K2LabError, ValueError):
+    """An image or video the processor cannot take (empty, wrong shape, frames of different sizes); the
+    message names it (``images[i]`` / ``videos[i]``)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,8 @@ def navit_size(
     height: int, width: int, config: ProcessorConfig | None = None, max_patches: int | None = None
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """((H', W'), (H'', W'')): the resized size (step 1) and the padded size (step 2) of an H×W image."""
+    if height < 1 or width < 1:
+        raise ImageInputError(f"an image must be at least 1×1 pixels, got {height}×{width} (H×W)")
     c = config or ProcessorConfig()
     budget = c.max_patches if max_patches is None else max_patches
     p, side = c.patch_size, c.max_patches_per_side * c.patch_size
@@ -169,13 +182,10 @@ def _shrink(image: Any, size: tuple[int, int]) -> Any:
     return image.reduce(factor)
 
 
-def _sixteen_to_eight_bit(image: Any) -> Any:
-    """16-bit gray (modes ``I;16*``, ``I``) -> L: v / 257 rounded, clipped to [0, 255] (PIL's convert
-    would clip v at 255 instead: white)."""
-    from PIL import Image
-
-    values = np.asarray(image, dtype=np.float32) / 257.0
-    return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L")
+def _sixteen_to_eight_bit(values: np.ndarray) -> np.ndarray:
+    """16-bit values -> uint8: v / 257 rounded, clipped to [0, 255] (65535 -> 255; PIL's convert would clip
+    v at 255 instead: white)."""
+    return np.clip(np.rint(values.astype(np.float32) / 257.0), 0, 255).astype(np.uint8)
 
 
 def _pil_to_array(image: Any, size: tuple[int, int] | None = None) -> np.ndarray:
@@ -188,7 +198,7 @@ def _pil_to_array(image: Any, size: tuple[int, int] | None = None) -> np.ndarray
     if size is not None:
         image = _shrink(image, size)
     if image.mode.startswith("I;16") or image.mode == "I":
-        image = _sixteen_to_eight_bit(image)
+        image = Image.fromarray(_sixteen_to_eight_bit(np.asarray(image)), "L")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image.convert("RGBA"))
@@ -200,25 +210,38 @@ def to_chw_tensor(image: Any) -> torch.Tensor:
 
     Channel-first wins when both the first and last dims of an array or tensor could be channels (as in
     transformers); a PIL image's layout is known (an image 1, 3 or 4 pixels tall stays one). Gray is
-    repeated to RGB, RGBA composited onto white, 16-bit PIL gray scaled to 8 bits. The dtype is kept (uint8
-    stays uint8).
+    repeated to RGB, RGBA composited onto white. 16-bit input (PIL gray, uint16 arrays and tensors) is
+    scaled to uint8 by v / 257 rounded; other dtypes are kept (uint8 stays uint8; other integer and float
+    values are taken on the 0–255 scale, as transformers rescales every input by 1/255).
     """
     if not isinstance(image, (np.ndarray, torch.Tensor)):
         return _hwc_to_chw(_pil_to_array(image))
-    x = torch.from_numpy(np.ascontiguousarray(image)) if isinstance(image, np.ndarray) else image
+    x = _as_tensor(image)
     if x.ndim == 2:
         x = x[None]
     if x.ndim != 3:
-        raise ValueError(f"an image must be [H, W], [H, W, C] or [C, H, W], got shape {tuple(x.shape)}")
+        raise ImageInputError(f"an image must be [H, W], [H, W, C] or [C, H, W], got shape {tuple(x.shape)}")
     if x.shape[0] not in (1, 3, 4):
         if x.shape[-1] not in (1, 3, 4):
-            raise ValueError(f"cannot find a channel dim of size 1, 3 or 4 in shape {tuple(x.shape)}")
+            raise ImageInputError(f"cannot find a channel dim of size 1, 3 or 4 in shape {tuple(x.shape)}")
         x = x.permute(2, 0, 1)
     if x.shape[0] == 1:
         x = x.expand(3, -1, -1)
     elif x.shape[0] == 4:
         x = _composite_on_white(x)
     return x.contiguous()
+
+
+def _as_tensor(image: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """An array or tensor as a tensor, uint16 scaled to uint8 (``_sixteen_to_eight_bit``, like 16-bit PIL
+    gray); any other tensor as given."""
+    if isinstance(image, torch.Tensor):
+        if image.dtype != torch.uint16:
+            return image
+        image = image.cpu().numpy()
+    if image.dtype == np.uint16:
+        image = _sixteen_to_eight_bit(image)
+    return torch.from_numpy(np.ascontiguousarray(image))
 
 
 def _hwc_to_chw(pixels: np.ndarray) -> torch.Tensor:
@@ -286,11 +309,21 @@ def preprocess_images(images: Any | Sequence[Any], config: ProcessorConfig | Non
     if not images:
         raise ValueError("preprocess_images needs at least one image")
     done: dict[int, tuple[torch.Tensor, list[int]]] = {}  # an image given twice is processed once
-    for im in images:
+    for index, im in enumerate(images):
         if id(im) not in done:
-            done[id(im)] = _image_volume(im, c)
+            with _naming(f"images[{index}]"):
+                done[id(im)] = _image_volume(im, c)
     parts, grids = zip(*(done[id(im)] for im in images), strict=True)
     return ImageBatch(torch.cat(parts), torch.tensor(grids, dtype=torch.long))
+
+
+@contextmanager
+def _naming(what: str) -> Iterator[None]:
+    """Prefix an ``ImageInputError`` raised inside with ``what`` (which image or video it is)."""
+    try:
+        yield
+    except ImageInputError as error:
+        raise ImageInputError(f"{what}: {error}") from None
 
 
 def _image_volume(image: Any, config: ProcessorConfig) -> tuple[torch.Tensor, list[int]]:
@@ -305,13 +338,37 @@ def _image_volume(image: Any, config: ProcessorConfig) -> tuple[torch.Tensor, li
 
 
 def _video_frames(video: Any) -> torch.Tensor:
-    """[T, H, W, C] / [T, C, H, W] array or tensor, or a list of frames -> [T, 3, H, W]."""
-    if isinstance(video, (list, tuple)):
-        return torch.stack([to_chw_tensor(frame) for frame in video])
-    x = torch.from_numpy(np.ascontiguousarray(video)) if isinstance(video, np.ndarray) else video
-    if x.ndim != 4:
-        raise ValueError(f"a video must be [T, H, W, C] or [T, C, H, W], got shape {tuple(x.shape)}")
-    return torch.stack([to_chw_tensor(frame) for frame in x])
+    """[T, H, W, C] / [T, C, H, W] array or tensor, or a list of frames -> [T, 3, H, W] (T ≥ 1, all frames
+    one size)."""
+    if not isinstance(video, (list, tuple)):
+        video = _as_tensor(video)
+        if video.ndim != 4:
+            raise ImageInputError(
+                f"a video must be [T, H, W, C] or [T, C, H, W], got shape {tuple(video.shape)}"
+            )
+    frames = []
+    for index, frame in enumerate(video):
+        with _naming(f"frame {index}"):
+            frames.append(to_chw_tensor(frame))
+    if not frames:
+        raise ImageInputError("a video needs at least one frame, got 0")
+    for index, frame in enumerate(frames):
+        if frame.shape != frames[0].shape:
+            (h0, w0), (h, w) = frames[0].shape[-2:], frame.shape[-2:]
+            raise ImageInputError(
+                f"frames must be one size: frame 0 is {h0}×{w0} (H×W), frame {index} {h}×{w}"
+            )
+    return torch.stack(frames)
+
+
+def _video_volumes(frames: torch.Tensor, config: ProcessorConfig) -> list[tuple[torch.Tensor, list[int]]]:
+    """[T, 3, H, W] -> (patches, grid row) per volume of ≤ ``temporal_patch_size`` consecutive frames."""
+    vols = video_volumes(frames.shape[0], frames.shape[-2], frames.shape[-1], config.temporal_patch_size)
+    starts = np.cumsum([0] + [t for t, _, _ in vols[:-1]])
+    return [
+        _process_volume(frames[start : start + t], config, config.video_max_patches)
+        for start, (t, _, _) in zip(starts.tolist(), vols, strict=True)
+    ]
 
 
 def preprocess_videos(videos: Sequence[Any], config: ProcessorConfig | None = None) -> VideoBatch:
@@ -320,14 +377,10 @@ def preprocess_videos(videos: Sequence[Any], config: ProcessorConfig | None = No
     if not videos:
         raise ValueError("preprocess_videos needs at least one video")
     parts, grids, counts = [], [], []
-    for video in videos:
-        frames = _video_frames(video)
-        vols = video_volumes(frames.shape[0], frames.shape[-2], frames.shape[-1], c.temporal_patch_size)
-        start = 0
-        for t, _, _ in vols:
-            patches, grid = _process_volume(frames[start : start + t], c, c.video_max_patches)
-            parts.append(patches)
-            grids.append(grid)
-            start += t
-        counts.append(len(vols))
+    for index, video in enumerate(videos):
+        with _naming(f"videos[{index}]"):
+            volumes = _video_volumes(_video_frames(video), c)
+        parts += [patches for patches, _ in volumes]
+        grids += [grid for _, grid in volumes]
+        counts.append(len(volumes))
     return VideoBatch(torch.cat(parts), torch.tensor(grids, dtype=torch.long), counts)
