@@ -235,6 +235,27 @@ def test_tokens_after_a_stop_string_are_not_billed(scripted, small_tokenizer):
     assert [usage["completion_tokens"] for usage in billed] == [expected] * 3
 
 
+def scripted_reply(scripted, tokenizer, reply: str, body: dict) -> tuple[dict, str]:
+    """The ``scripted`` engine answers ``reply``: the chat message of ``body`` and its streamed content."""
+    base, engine = scripted
+    saved, engine.script = engine.script, tokenizer.encode(reply)
+    try:
+        body = {"model": "nano", "messages": [{"role": "user", "content": "hi"}], **body}
+        whole = httpx.post(base + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        lines = httpx.post(base + "/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+    finally:
+        engine.script = saved
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return whole, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_a_stop_string_longer_than_the_text_so_far_holds_the_stream_back(scripted, small_tokenizer):
+    """Was: streamed "ab</an" against "ab" whole: the hold-back, negative while the text was shorter than the
+    stop string less one, sliced from the end."""
+    whole, streamed = scripted_reply(scripted, small_tokenizer, "ab</answer> more", {"stop": "</answer>"})
+    assert whole["content"] == streamed == "ab"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "needle"),
     [

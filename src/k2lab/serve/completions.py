@@ -62,6 +62,7 @@ from k2lab.serve.disconnect import cancel_on_disconnect
 from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode, parse_body
+from k2lab.serve.holdback import settled
 from k2lab.serve.threads import in_worker_thread
 from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
 
@@ -304,9 +305,7 @@ class _Choice:
         could still begin a stop string or end in half a UTF-8 character."""
         if self.done:
             return self.text[self.sent :]
-        safe = len(self.text) - max((len(s) - 1 for s in stops), default=0)
-        while safe > self.sent and self.text[safe - 1] == "\ufffd":
-            safe -= 1
+        safe = settled(self.text, stops, self.sent)
         return self.text[self.sent : safe] if safe > self.sent else ""
 
     def returned_ids(self, echo: bool) -> list[int]:

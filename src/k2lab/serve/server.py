@@ -62,6 +62,7 @@ from k2lab.serve.errors import (
     error_body,
     parse_body,
 )
+from k2lab.serve.holdback import settled
 from k2lab.serve.threads import in_worker_thread
 from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
 
@@ -453,8 +454,7 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
                 continue
             # hold back what could still become the start of a stop string, and half a UTF-8 character
             visible = _visible(completion)
-            safe = len(visible) - max((len(s) - 1 for s in completion.stops), default=0)
-            if not visible[:safe].endswith("\ufffd") and (delta := _extension(sent, visible[:safe])):
+            if delta := _extension(sent, visible[: settled(visible, completion.stops)]):
                 yield _chunk(completion, {"content": delta})
                 sent += delta
         if finish.startswith("error"):  # OpenAI's error body as an event; the stream then ends
