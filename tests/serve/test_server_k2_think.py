@@ -71,3 +71,24 @@ def test_a_reply_cut_inside_the_thinking_is_its_reasoning(scripted):
     assert_cut_inside_thinking(ask, scripted, "<think>rea", "rea")
     message, _ = ask(scripted, "<think>reason</think>ans", cut=True)  # cut after it: both
     assert message == {"role": "assistant", "content": "ans", "reasoning_content": "reason"}
+
+
+BROKEN = (
+    "hi <|tool_calls_section_begin|><|tool_call_begin|>not an id<|tool_call_end|><|tool_calls_section_end|> x"
+)
+
+
+def test_a_finished_turn_whose_tool_calls_do_not_parse_keeps_all_its_text(scripted):
+    """A complete tool-call section that does not parse, and the text after it, are content (special tokens
+    left out), whole and streamed alike, as vLLM returns it (was: "hi ", the rest lost with finish "stop");
+    cut by max_tokens, the reply is still the text before the section."""
+    reply = "<think>reason</think>" + BROKEN
+    expected = {"role": "assistant", "content": "hi not an id x", "reasoning_content": "reason"}
+    assert ask(scripted, reply) == (expected, "stop")
+    deltas, reason = ask(scripted, reply, stream=True)
+    assert (joined(deltas, "content"), joined(deltas, "reasoning_content"), reason) == (
+        "hi not an id x",
+        "reason",
+        "stop",
+    )
+    assert ask(scripted, reply, cut=True) == ({**expected, "content": "hi "}, "length")

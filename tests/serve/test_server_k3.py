@@ -222,6 +222,19 @@ def test_tool_choice_none_never_returns_calls(scripted):
     )
 
 
+def test_a_finished_turn_whose_tool_calls_do_not_parse_keeps_all_its_text(scripted):
+    """A closed tools channel that does not parse (an argument key repeated) and what follows it are content,
+    special tokens left out (was: "hi" alone, the call lost, finish "stop")."""
+    broken = CALL.replace('key="unit"', 'key="city"')
+    reply = REPLY.replace("hello STOP more", "hi") + broken
+    message, reason = ask(scripted, reply, tools=[WEATHER])
+    text = 'hiresponsetoolscall tool="get_weather" index="1"argument key="city" type="string"Parisargument'
+    text += 'argument key="city" type="string"cargumentcalltools'
+    assert message == {"role": "assistant", "content": text, "reasoning_content": "I should greet."}
+    deltas, reason = ask(scripted, reply, stream=True, tools=[WEATHER])
+    assert joined(deltas, "content") == text and reason == "stop"
+
+
 def test_tokenizer_without_xtml_tokens_keeps_k2s_format(small_tokenizer):
     """A K3-family checkpoint trained with a plain k2lab tokenizer cannot write XTML: it is served in K2's
     format, as before, with a warning."""
