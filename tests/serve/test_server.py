@@ -433,6 +433,43 @@ def test_lone_surrogates_and_bad_tools_on_tokenize_get_400(server):
     assert httpx.post(server[0] + "/tokenize", json={"prompt": "fine"}, headers=headers).status_code == 200
 
 
+def nested_objects(levels: int, inner: dict) -> dict:
+    """``inner`` as the one property of ``levels`` object schemas, one inside another."""
+    for _ in range(levels):
+        inner = {"type": "object", "properties": {"a": inner}}
+    return inner
+
+
+def test_deeply_nested_bodies_and_tool_schemas_get_400_not_a_traceback(server):
+    """Was: a plain-text 500 (RecursionError) for a body of 1,000 nested arrays, a tool schema 200 objects
+    deep, and ``$ref``s inlined one inside another; now 400 in OpenAI's shape, and the server stays up."""
+    base, headers = server[0], {"Authorization": f"Bearer {KEY}"}
+    user = [{"role": "user", "content": "x"}]
+    deep = {
+        "type": "function",
+        "function": {"name": "f", "parameters": nested_objects(200, {"type": "string"})},
+    }
+    chain = {f"d{i}": nested_objects(28, {"$ref": f"#/$defs/d{i + 1}"}) for i in range(8)}
+    refs = {"type": "object", "properties": {"r": {"$ref": "#/$defs/d0"}}, "$defs": {**chain, "d8": {}}}
+    chained = {"type": "function", "function": {"name": "g", "parameters": refs}}
+    requests = [
+        ("/v1/chat/completions", "[" * 1000 + "]" * 1000, None, "too deeply to parse"),
+        ("/v1/completions", "[" * 1000 + "]" * 1000, None, "too deeply to parse"),
+        ("/v1/chat/completions", json.dumps({"model": "nano", "messages": user, "tools": [deep]}), "tools",
+         "nested more than 64 deep"),
+        ("/tokenize", json.dumps({"messages": user, "tools": [deep]}), "tools", "nested more than 64 deep"),
+        ("/v1/chat/completions", json.dumps({"model": "nano", "messages": user, "tools": [chained]}), "tools",
+         "too deeply to render"),
+        ("/tokenize", json.dumps({"messages": user, "tools": [chained]}), "tools", "too deeply to render"),
+    ]  # fmt: skip
+    for path, body, param, needle in requests:
+        response = httpx.post(base + path, content=body, headers=headers)
+        assert response.status_code == 400, (path, response.text[:300])
+        error = response.json()["error"]
+        assert error["param"] == param and needle in error["message"], (path, error)
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
 def test_repeated_tool_call_ids_are_made_distinct():
     """The model writes K2's call ids itself and may repeat one (three calls of ``f``, all
     ``functions.f:3001``, were served as such): a repeated or missing id becomes functions.<name>:<position>,

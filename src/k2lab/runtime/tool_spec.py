@@ -76,6 +76,9 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 INDENT = "  "
 MAX_REF_DEPTH = 8  # references inlined inside one another
 MAX_REF_EXPANSIONS = 256  # references inlined in one declaration
+MAX_SCHEMA_DEPTH = (
+    64  # objects and arrays nested in one parameters schema (the renderers recurse through them)
+)
 REF_KEYWORDS = ("$ref", "$dynamicRef")
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
@@ -97,8 +100,8 @@ def validate_tools(tools: object) -> list[dict[str, Any]]:
 
     Raises ``ToolSpecError`` naming every problem: not a list, a spec that is not
     ``{"type": "function", "function": {...}}``, a name not matching ``^[a-zA-Z0-9_-]{1,64}$``, a
-    duplicate name, a non-string description, parameters that are not an object schema, malformed
-    properties / required / enum / items / type entries.
+    duplicate name, a non-string description, parameters that are not an object schema or nest objects and
+    arrays more than ``MAX_SCHEMA_DEPTH`` deep, malformed properties / required / enum / items / type entries.
     """
     if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
         raise ToolSpecError([f"tools: must be a list of tool specs, got {type(tools).__name__}"])
@@ -155,9 +158,32 @@ def _tool_problems(tool: object, path: str) -> list[str]:
     if description is not None and not isinstance(description, str):
         problems.append(f"{path}.function.description: must be a string, got {type(description).__name__}")
     parameters = function.get("parameters")
-    if parameters is not None:
+    if parameters is not None and (depth := _nesting_problems(parameters, f"{path}.function.parameters")):
+        problems += depth  # checked first: the checks below recurse through the schema
+    elif parameters is not None:
         problems += _parameters_problems(parameters, f"{path}.function.parameters")
     return problems
+
+
+def _nesting_problems(value: object, path: str) -> list[str]:
+    """A problem when ``value`` nests objects and arrays more than ``MAX_SCHEMA_DEPTH`` deep (counted without
+    recursion: such a schema would exhaust Python's stack in the renderers and the enforcer)."""
+    level, deepest = [value], 0
+    while level:
+        deepest += 1
+        if deepest > MAX_SCHEMA_DEPTH:
+            return [
+                f"{path}: objects and arrays nested more than {MAX_SCHEMA_DEPTH} deep; flatten the schema"
+            ]
+        level = [
+            child
+            for node in level
+            for child in (
+                node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
+            )
+            if isinstance(child, Mapping | list)
+        ]
+    return []
 
 
 def _parameters_problems(parameters: object, path: str) -> list[str]:

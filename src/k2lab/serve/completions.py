@@ -55,7 +55,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k2lab.data.tokenizer import Tokenizer
-from k2lab.runtime.chat import ChatFormatError
 from k2lab.runtime.chat_format import ChatFormat
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
 from k2lab.serve.disconnect import cancel_on_disconnect
@@ -63,6 +62,7 @@ from k2lab.serve.engine import Engine, SamplingParams
 from k2lab.serve.engine import Request as EngineRequest
 from k2lab.serve.errors import APIError, check_model, check_unicode, parse_body
 from k2lab.serve.holdback import settled
+from k2lab.serve.render import render_prompt
 from k2lab.serve.threads import in_worker_thread
 from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
 
@@ -491,12 +491,9 @@ def _tokenize(state: ServedModel, body: TokenizeRequest) -> dict[str, Any]:
             tools = validate_tools(body.tools) if body.tools else None
         except ToolSpecError as error:
             raise CompletionError(400, str(error), "tools") from error
-        try:
-            text = state.chat_format.render_chat(
-                body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt
-            )
-        except ChatFormatError as error:
-            raise CompletionError(400, str(error), "messages") from error
+        text = render_prompt(
+            state.chat_format, body.messages, tools, add_generation_prompt=body.add_generation_prompt
+        )
     else:
         text = body.prompt or ""
     check_unicode(text, "messages" if body.messages is not None else "prompt")

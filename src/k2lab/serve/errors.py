@@ -62,11 +62,13 @@ def check_unicode(text: str, param: str) -> None:
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
     """The request's JSON object as ``model``, whatever its Content-Type (as OpenAI's server takes it); 400
-    for a body that is not JSON, not an object, or not valid for ``model``."""
+    for a body that is not JSON (or nested too deeply to parse), not an object, or not valid for ``model``."""
     try:
         data = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(400, f"The request body is not valid JSON ({error}).") from error
+    except RecursionError as error:  # json's parser refuses nesting past the interpreter's recursion limit
+        raise APIError(400, "The request body nests objects and arrays too deeply to parse.") from error
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
     try:

@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k2lab.config import ModelConfig
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
-from k2lab.runtime.chat import ChatFormatError, ToolCallParseError
+from k2lab.runtime.chat import ToolCallParseError
 from k2lab.runtime.chat_format import chat_format_for
 from k2lab.runtime.enforcer import GrammarError, ToolCallGrammar, ToolChoiceError
 from k2lab.runtime.tool_spec import ToolSpecError, validate_tools
@@ -65,6 +65,7 @@ from k2lab.serve.errors import (
     parse_body,
 )
 from k2lab.serve.holdback import settled
+from k2lab.serve.render import render_prompt
 from k2lab.serve.thinking import after_thinking
 from k2lab.serve.threads import in_worker_thread
 from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
@@ -153,11 +154,7 @@ class _Completion:
         tools = validate_tools(body.tools) if body.tools else None
         choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
         fmt = app_state.chat_format
-        try:
-            prompt_text = fmt.render_chat(body.messages, tools=tools, tool_choice=body.tool_choice)
-        except ChatFormatError as error:  # a message, or the tool declarations ("tools contains ...")
-            param = "tools" if str(error).startswith("tools ") else "messages"
-            raise APIError(400, str(error), "invalid_request_error", param) from error
+        prompt_text = render_prompt(fmt, body.messages, tools, tool_choice=body.tool_choice)
         check_unicode(prompt_text, "messages")
         self.prompt = fmt.encode_text(app_state.tokenizer, prompt_text)  # only the format's markup is special
         budget = _budget(body, len(self.prompt), app_state.max_context)
