@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -254,6 +255,31 @@ def test_a_stop_string_longer_than_the_text_so_far_holds_the_stream_back(scripte
     stop string less one, sliced from the end."""
     whole, streamed = scripted_reply(scripted, small_tokenizer, "ab</answer> more", {"stop": "</answer>"})
     assert whole["content"] == streamed == "ab"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/completions", {"prompt": "BLOCKED", "max_tokens": 1}), ("/tokenize", {"prompt": "BLOCKED"})]
+)  # fmt: skip
+def test_tokenizing_a_prompt_leaves_the_event_loop_free(scripted, small_tokenizer, monkeypatch, path, body):
+    """While a prompt is being tokenized /health answers (was: /v1/completions and /tokenize encoded on the
+    event loop, and a 5 MB prompt froze /health and every stream for 12 s)."""
+    encode, entered, released = type(small_tokenizer).encode, threading.Event(), threading.Event()
+
+    def slow_encode(self, text: str, allow_special: bool = True) -> list[int]:
+        if text == "BLOCKED":
+            entered.set()
+            released.wait(timeout=10)
+        return encode(self, text, allow_special)
+
+    monkeypatch.setattr(type(small_tokenizer), "encode", slow_encode)
+    request = threading.Thread(target=httpx.post, args=(scripted[0] + path,), kwargs={"json": body})
+    request.start()
+    try:
+        assert entered.wait(timeout=10)
+        assert httpx.get(scripted[0] + "/health", timeout=3).json()["status"] == "ok"
+    finally:
+        released.set()
+        request.join()
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,8 @@ batch row is freed at the engine's next step.
 (lm-evaluation-harness's remote tokenizer reads it). k2lab's tokenizer adds no BOS, so
 ``add_special_tokens`` changes nothing.
 
-Bad requests get 400 with OpenAI's error body; an unknown ``model`` 404; a failed engine step 500. Fields
+Prompts are tokenized (and chats rendered) in a worker thread: a long one does not stall ``/health`` or
+other streams. Bad requests get 400 with OpenAI's error body; an unknown ``model`` 404; a failed engine step 500. Fields
 k2lab does not implement (``suffix``, ``best_of``, ``logit_bias``, ``frequency_penalty``, ``presence_penalty``)
 are refused with 400 unless at their defaults, never silently ignored (``k2lab.serve.unsupported``).
 """
@@ -529,7 +530,7 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
         body = await parse_body(request, CompletionRequest)
         check_model(state.model_name, body.model)
         refuse_unsupported(body.refusals())
-        completion = _Completion(state, scorer, body)
+        completion = await in_worker_thread(_Completion, state, scorer, body)  # tokenizing off the loop
         if body.stream:
             return StreamingResponse(completion.stream(), media_type="text/event-stream")
         async with cancel_on_disconnect(request, completion.cancel):
@@ -539,7 +540,7 @@ def add_completion_routes(app: FastAPI, state: ServedModel) -> None:
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest)
         check_model(state.model_name, body.model)
-        return _tokenize(state, body)
+        return await in_worker_thread(_tokenize, state, body)  # a long prompt must not stall /health, streams
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
