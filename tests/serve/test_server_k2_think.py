@@ -13,7 +13,13 @@ from k2lab.runtime.chat_format import K2ChatFormat
 from k2lab.serve.server import build_app
 from tests.conftest import serving
 from tests.serve.test_server import KEY
-from tests.serve.test_server_k3 import Scripted, assert_cut_inside_thinking, chat_reply, joined
+from tests.serve.test_server_k3 import (
+    Scripted,
+    assert_cut_inside_thinking,
+    assert_reasoning_streams_first,
+    chat_reply,
+    joined,
+)
 
 REPLY = "<think>reason</think>answer here"
 
@@ -49,6 +55,16 @@ def test_a_reply_opening_with_think_streams_what_it_returns(scripted):
         whole, _ = ask(scripted, text)
         deltas, _ = ask(scripted, text, stream=True)
         assert whole["content"] == joined(deltas, "content") == text
+
+
+def test_the_reasoning_streams_as_it_grows_before_the_content(scripted):
+    """Was: the reasoning as one delta after every content delta; a partial "</think>" is never sent."""
+    reply = "<think>thinking it over</think>answer here"
+    whole, _ = ask(scripted, reply)
+    deltas, _ = ask(scripted, reply, stream=True)
+    assert_reasoning_streams_first(deltas, "thinking it over", "answer here")
+    assert whole["reasoning_content"] == "thinking it over" and whole["content"] == "answer here"
+    assert not any("<" in d.get("reasoning_content", "") for d in deltas)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -177,6 +177,22 @@ def assert_cut_inside_thinking(
     assert reason == "length"
 
 
+def assert_reasoning_streams_first(deltas: list[dict], reasoning: str, content: str) -> None:
+    """The reasoning came in several deltas (token by token, as vLLM streams it), all before the first
+    content delta, and the deltas join to the non-streamed message's ``reasoning`` and ``content``."""
+    kinds = [key for d in deltas for key in ("reasoning_content", "content") if d.get(key)]
+    assert kinds.count("reasoning_content") > 1 and kinds == sorted(kinds, key=lambda key: key == "content")
+    assert (joined(deltas, "reasoning_content"), joined(deltas, "content")) == (reasoning, content)
+
+
+def test_the_reasoning_streams_as_it_grows_before_the_content(scripted):
+    """Was: the reasoning as one delta after every content delta."""
+    reply = REPLY.replace("hello STOP more", "hello there")
+    whole, _ = ask(scripted, reply)
+    deltas, _ = ask(scripted, reply, stream=True)
+    assert_reasoning_streams_first(deltas, whole["reasoning_content"], whole["content"])
+
+
 def test_free_text_streams_the_response_channel(scripted):
     reply = REPLY.replace("hello STOP more", "hello there")
     whole, reason = ask(scripted, reply)

@@ -17,8 +17,9 @@ tool-call markup does not parse is all its reply as content, special tokens left
 in, and cut from, the visible text (``ChatFormat.text_before_calls``: the reply after the thinking, K2's
 leading ``<think>...</think>`` or K3's think channel), with the reasoning kept. A reply cut by a stop string
 or max_tokens inside the thinking comes back as its reasoning (``finish_reason`` ``"stop"`` / ``"length"``).
-Streaming sends content deltas as tokens arrive (holding back what could still begin a stop string or K2's
-``<think>``, and never a delta that does not extend what was sent) and each
+Streaming sends reasoning deltas while the thinking grows (holding back what could still begin its close),
+then content deltas as tokens arrive (holding back what could still begin a stop string or K2's
+``<think>``, and never a delta that does not extend what was sent), as vLLM streams them, and each
 tool call as one delta once its section closes. A client that disconnects cancels its request, streaming or
 not, which frees its batch row at the engine's next step. Tool-call ids are made distinct when the model repeats
 one.
@@ -66,7 +67,7 @@ from k2lab.serve.errors import (
 )
 from k2lab.serve.holdback import settled
 from k2lab.serve.render import render_prompt
-from k2lab.serve.thinking import after_thinking
+from k2lab.serve.thinking import after_thinking, settled_reasoning
 from k2lab.serve.threads import in_worker_thread
 from k2lab.serve.unsupported import Refusals, UnimplementedSampling, refuse_unsupported
 
@@ -442,7 +443,9 @@ def _chunk(completion: _Completion, delta: dict[str, Any], finish: str | None = 
 async def _stream(completion: _Completion) -> AsyncIterator[str]:
     stream = _Stream(asyncio.get_running_loop())
     request = completion.submit(stream)
-    sent = ""  # visible content already sent: what follows is sent only while it extends this
+    sent = reasoned = (
+        ""  # content and reasoning already sent: what follows is sent only while it extends them
+    )
     try:
         yield _chunk(completion, {"role": "assistant", "content": ""})
         finish = None
@@ -454,6 +457,11 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
             if not completion.take(value):
                 request.cancel()
                 continue
+            if delta := _extension(
+                reasoned, _reasoning(completion)
+            ):  # while the thinking grows, before content
+                yield _chunk(completion, {"reasoning_content": delta})
+                reasoned += delta
             # hold back what could still become the start of a stop string, and half a UTF-8 character
             visible = _visible(completion)
             if delta := _extension(sent, visible[: settled(visible, completion.stops)]):
@@ -465,10 +473,10 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
             yield "data: [DONE]\n\n"
             return
         message, reason = completion.message(finish)
+        if delta := _extension(reasoned, message.get("reasoning_content") or ""):
+            yield _chunk(completion, {"reasoning_content": delta})
         if delta := _extension(sent, message.get("content") or ""):
             yield _chunk(completion, {"content": delta})
-        if message.get("reasoning_content"):
-            yield _chunk(completion, {"reasoning_content": message["reasoning_content"]})
         for index, call in enumerate(message.get("tool_calls", [])):
             yield _chunk(completion, {"tool_calls": [{"index": index, **call}]})
         yield _chunk(completion, {}, reason)
@@ -478,6 +486,11 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
     finally:
         request.cancel()  # a client that went away frees its row; a no-op once finished
+
+
+def _reasoning(completion: _Completion) -> str:
+    """The reasoning streamed so far: what of the thinking can no longer change (``settled_reasoning``)."""
+    return completion.state.strip_special(settled_reasoning(completion.state.chat_format, completion.text()))
 
 
 def _visible(completion: _Completion) -> str:
