@@ -186,9 +186,11 @@ class Engine:
 
     @property
     def active(self) -> int:
-        """Requests waiting or running."""
+        """Requests waiting or running; a finished one not counted while its row waits to be retired (its
+        client may already hold the response)."""
         with self._wake:
-            return len(self._waiting) + len(self._admitting) + len(self._running)
+            running = sum(1 for request in self._running if request.finish_reason is None)
+            return len(self._waiting) + len(self._admitting) + running
 
     # ---- loop ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
