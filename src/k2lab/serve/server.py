@@ -443,9 +443,8 @@ def _chunk(completion: _Completion, delta: dict[str, Any], finish: str | None = 
 async def _stream(completion: _Completion) -> AsyncIterator[str]:
     stream = _Stream(asyncio.get_running_loop())
     request = completion.submit(stream)
-    sent = reasoned = (
-        ""  # content and reasoning already sent: what follows is sent only while it extends them
-    )
+    # content and reasoning already sent: what follows is sent only while it extends them
+    sent = reasoned = ""
     try:
         yield _chunk(completion, {"role": "assistant", "content": ""})
         finish = None
@@ -457,9 +456,8 @@ async def _stream(completion: _Completion) -> AsyncIterator[str]:
             if not completion.take(value):
                 request.cancel()
                 continue
-            if delta := _extension(
-                reasoned, _reasoning(completion)
-            ):  # while the thinking grows, before content
+            # the reasoning while the thinking grows, before any content
+            if delta := _extension(reasoned, _reasoning(completion)):
                 yield _chunk(completion, {"reasoning_content": delta})
                 reasoned += delta
             # hold back what could still become the start of a stop string, and half a UTF-8 character
