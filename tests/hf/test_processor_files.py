@@ -28,41 +28,17 @@ import torch
 from k2lab.data.tokenizer import IMAGE_PAD, Tokenizer
 from k2lab.hf.export import ExportConfig, export
 from k2lab.hf.processor_files import IMAGE_PROCESSOR_FILE, PROCESSOR_FILE, VIDEO_PROCESSOR_FILE
-from k2lab.model_dir import save_model
-from k2lab.presets.vision_language import load_vlm_preset
 from k2lab.vision.processor import ProcessorConfig, num_image_tokens, preprocess_images, preprocess_videos
-from k2lab.vision.vlm import VLMConfig, build_vlm
-from tests.hf.conftest import VOCAB
+from tests.hf.conftest import k25_config
 
-TOWER = {"patch_size": 8, "pos_emb_time": 2}
 PIXEL_TOL = 2.0**-21
 # odd sizes: one padded only, two past the 16,384-patch budget at p = 8 (resized), one past the side cap
 IMAGE_SIZES = [(37, 53), (1100, 1300), (1500, 700)]
 
 
-def _vlm_config(tokenizer: Tokenizer) -> VLMConfig:
-    return load_vlm_preset(
-        "k25-nano",
-        special_tokens=tokenizer.special_tokens,
-        vision_overrides=TOWER,
-        vocab_size=VOCAB,
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-    )
-
-
-@pytest.fixture(scope="module")
-def k25_export(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> Path:
-    directory = save_model(build_vlm(_vlm_config(tokenizer), seed=0), tmp_path_factory.mktemp("k25") / "m")
-    tokenizer.save(directory / "tokenizer.json")
-    out = tmp_path_factory.mktemp("k25-export") / "hf"
-    return export(ExportConfig(out=out), directory, log=lambda line: None)
-
-
 @pytest.fixture(scope="module")
 def ours(tokenizer: Tokenizer) -> ProcessorConfig:
-    return ProcessorConfig.from_vision_config(_vlm_config(tokenizer).vision)
+    return ProcessorConfig.from_vision_config(k25_config(tokenizer).vision)
 
 
 def _image(h: int, w: int, seed: int) -> np.ndarray:
