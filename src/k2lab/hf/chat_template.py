@@ -10,6 +10,11 @@ checks it over generated conversations). Rendered as ``render_chat`` does:
   optional properties, unions, ``T[]`` with ``(A | B)[]`` for compound items, inline ``$ref``,
   ``// default:`` comments), or compact JSON with the template variable ``tool_format="json"``;
 * ``developer`` turns as ``system``; content as a string or a list of text parts (joined);
+* an image part (``image`` / ``image_url``) as
+  ``<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`` in place, which ``Kimi_K25Processor``
+  widens to the image's tokens: then the text is that of ``k2lab.vision.chat.render_multimodal_chat``
+  (``render_chat`` itself refuses images); a video part (``video`` / ``video_url``) raises (transformers'
+  ``raise_exception``): its blocks depend on its frames, which a template does not see;
 * assistant turns ``[<think>{reasoning_content}</think>]{content}[tool-call section]`` with tool calls
   renumbered ``functions.{name}:{idx}`` through the conversation and tool results' ``tool_call_id``
   rewritten to the id of the call they answer (the latest call with that client id); arguments given as
@@ -22,13 +27,14 @@ template renders them anyway (it validates nothing), so equality holds on the in
 accepts. There is no thinking switch: like ``render_chat``, a turn shows ``<think>`` exactly when it has
 ``reasoning_content``.
 
-K3-family models (``k2lab.runtime.chat_format.chat_format_for``: with the XTML tokens) get ``chat_template_k3.jinja`` instead, the
-twin of ``k2lab.runtime.chat_k3.render_chat_k3`` (K3's XTML format; byte-identical on the conversations it
-accepts whose tool-call arguments are objects; template variables ``thinking``, ``thinking_effort``,
-``tool_choice``). K3 binds a tool result to its call by position only, so where ``render_chat_k3`` refuses
-results it cannot carry (one answering no call of the assistant turn right before it, results not answering
-calls 1..k once each), an unknown role or a ``thinking_effort`` other than low / high / max, the K3 template
-raises as well (transformers' ``raise_exception``, which vLLM and SGLang reach through
+K3-family models (``k2lab.runtime.chat_format.chat_format_for``: with the XTML tokens) get
+``chat_template_k3.jinja`` instead, the twin of ``k2lab.runtime.chat_k3.render_chat_k3`` (K3's XTML format;
+byte-identical on the conversations it accepts whose tool-call arguments are objects; template variables
+``thinking``, ``thinking_effort``, ``tool_choice``; image and video parts as above, the image block being
+what K3's engines widen). K3 binds a tool result to its call by position only, so where ``render_chat_k3``
+refuses results it cannot carry (one answering no call of the assistant turn right before it, results not
+answering calls 1..k once each), an unknown role or a ``thinking_effort`` other than low / high / max, the K3
+template raises as well (transformers' ``raise_exception``, which vLLM and SGLang reach through
 ``tokenizer.apply_chat_template``; same message) rather than render the conversation with a result left out.
 K2 names a result's call by id, and both K2 renderers keep a result that answers no call.
 ``chat_template_for(config)`` picks by the model's family (or takes the chat format chosen already).
