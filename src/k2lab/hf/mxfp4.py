@@ -138,7 +138,15 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = dense.view(dense.shape[0], -1, GROUP_SIZE)
     scale, _ = calculate_qparams(groups.amin(dim=-1), groups.amax(dim=-1), scheme.weights)
     compressed = _compressor().compress({"weight": dense, "weight_scale": scale}, scheme)
-    return compressed[PACKED_SUFFIX], compressed[SCALE_SUFFIX]
+    return positive_zeros(compressed[PACKED_SUFFIX]), compressed[SCALE_SUFFIX]
+
+
+def positive_zeros(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` with every E2M1 −0 (code 8: a small negative weight rounded to zero) written as +0 (code 0):
+    the same value, one spelling, so that quantising a checkpoint's dequantised weights again gives the same
+    bytes (an export of an MXFP4 export was not byte-identical: −0 dequantises to 0.0, which packs as +0)."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.where(low == 8, 0, low) | (torch.where(high == 8, 0, high) << 4)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
