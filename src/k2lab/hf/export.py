@@ -205,6 +205,10 @@ def export(config: ExportConfig, source: Path, log: Log = print) -> Path:
     chat_format = chat_format_for(_text_config(model), special=tokenizer.special_tokens)  # chosen once
     template = chat_template_for(chat_format)  # K3's XTML for K3 models with the XTML tokens
     if config.format == "gguf":
+        if mtp := _text_config(model).num_nextn_predict_layers:  # llama.cpp's converter skips them too
+            log(
+                f"the GGUF file holds the main model: its {mtp} MTP layer(s) are not written (llama.cpp runs none)"
+            )
         with reported_write(out, "the GGUF file"):
             return write_gguf(model, tokenizer, out, template, DTYPES.get(config.dtype, torch.float32))
     log(f"tokenizer {tokenizer.path or '(in memory)'} ({tokenizer.vocab_size} ids)")
