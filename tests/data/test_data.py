@@ -292,6 +292,16 @@ def test_a_k2_tokenizer_is_byte_identical_to_before_under_its_old_name(corpus, t
     assert list(tokenizer.special_tokens) == list(SPECIAL_TOKENS) and min_vocab_size() == 274
 
 
+def test_a_tokenizers_fingerprint_follows_its_ids_not_its_file(corpus, tokenizer, tmp_path):
+    """What checkpoints record to refuse a resume with another tokenizer: the same after a save and load,
+    another for a BPE trained on other text or of another size."""
+    tokenizer.save(tmp_path / "tokenizer.json")
+    assert load_tokenizer(tmp_path / "tokenizer.json").fingerprint == tokenizer.fingerprint
+    other = Corpus(**{**vars(corpus), "train": corpus.train[1:]})
+    assert train_tokenizer(other, 300, use_cache=False).fingerprint != tokenizer.fingerprint
+    assert train_tokenizer(corpus, 290, use_cache=False).fingerprint != tokenizer.fingerprint
+
+
 def test_a_k3_tokenizer_carries_the_xtml_tokens_within_its_vocabulary(corpus, tokenizer, tmp_path):
     k3 = train_tokenizer(corpus, vocab_size=300, cache_dir=tmp_path, family="k3")
     assert k3.vocab_size == tokenizer.vocab_size == 300  # four merges fewer, not four ids more

@@ -4,7 +4,7 @@ import pytest
 
 from k2lab.errors import CheckpointError
 from k2lab.train.config import TrainConfig
-from k2lab.train.resume import check_resumed_settings, flat_settings
+from k2lab.train.resume import check_resumed_data, check_resumed_settings, flat_settings
 
 
 def test_nested_settings_flatten_to_dotted_keys():
@@ -26,3 +26,14 @@ def test_the_runs_length_cadence_and_hardware_choices_may_change_nothing_else(tm
         key = next(iter(flat_settings(other)))
         with pytest.raises(CheckpointError, match=f"{key}: .* then, .* now"):
             check_resumed_settings(saved, TrainConfig(**other).model_dump(mode="json"), tmp_path)
+
+
+def test_a_resume_on_another_corpus_or_tokenizer_names_which(tmp_path):
+    saved = {"corpus": "a" * 64, "tokenizer": "b" * 64}
+    check_resumed_data(saved, dict(saved), tmp_path)
+    check_resumed_data(None, saved, tmp_path)  # a checkpoint from before fingerprints were recorded
+    check_resumed_data({"tokenizer": "b" * 64}, saved, tmp_path)  # an SFT run without PTX records no corpus
+    with pytest.raises(CheckpointError, match="another corpus .*aaaaaaaaaaaa then, cccccccccccc now"):
+        check_resumed_data(saved, {"corpus": "c" * 64, "tokenizer": "d" * 64}, tmp_path)
+    with pytest.raises(CheckpointError, match="another tokenizer .* or choose a new output directory"):
+        check_resumed_data(saved, {**saved, "tokenizer": "d" * 64}, tmp_path)

@@ -177,6 +177,54 @@ def test_a_resume_with_another_learning_rate_is_refused(tmp_path, corpus):
     )
 
 
+def edit_keeping_lengths(corpus: Path) -> None:
+    """Upper-case one word in every file: each file keeps its length, its contents change."""
+    for file in corpus.glob("*.txt"):
+        file.write_text(file.read_text().replace("quick", "QUICK"))
+
+
+def test_a_resume_on_an_edited_corpus_is_refused(tmp_path, corpus):
+    """Documents were identified by path and length only: an edit keeping lengths passed, the BPE was trained
+    again on the new text and the run went on with token ids that meant other text."""
+    out = tmp_path / "run"
+    run_training(load_train_config(recipe(tmp_path, corpus, out, steps=3)))
+    edit_keeping_lengths(corpus)
+    with pytest.raises(
+        CheckpointError, match="trained on another corpus .* resume with the files it was started"
+    ):
+        run_training(load_train_config(recipe(tmp_path, corpus, out, steps=6)), resume=True)
+
+
+def test_a_resume_with_another_tokenizer_file_is_refused(tmp_path, corpus):
+    """The same `tokenizer` path holding another tokenizer.json: the settings match, the ids do not."""
+    from k2lab.data import load_corpus, train_tokenizer
+
+    out, named = tmp_path / "run", tmp_path / "tokenizer.json"
+    train_tokenizer(load_corpus(corpus), 300, use_cache=False).save(named)
+    run_training(load_train_config(recipe(tmp_path, corpus, out, steps=3), tokenizer=str(named)))
+    other = shutil.copytree(corpus, tmp_path / "other")
+    edit_keeping_lengths(other)
+    train_tokenizer(load_corpus(other), 300, use_cache=False).save(named)
+    with pytest.raises(CheckpointError, match="trained on another tokenizer .*the same `tokenizer` file"):
+        run_training(
+            load_train_config(recipe(tmp_path, corpus, out, steps=6), tokenizer=str(named)), resume=True
+        )
+
+
+def test_a_checkpoint_without_fingerprints_is_resumed_unchecked(tmp_path, corpus, monkeypatch, capsys):
+    """Checkpoints written before the corpus and tokenizer were recorded stay resumable, and the log says so."""
+    from k2lab.train import trainer
+
+    recorded = trainer.training_state
+    monkeypatch.setattr(
+        trainer, "training_state", lambda *a: {k: v for k, v in recorded(*a).items() if k != "fingerprints"}
+    )
+    out = tmp_path / "run"
+    run_training(load_train_config(recipe(tmp_path, corpus, out, steps=3)))
+    assert run_training(load_train_config(recipe(tmp_path, corpus, out, steps=4)), resume=True)["steps"] == 4
+    assert "predates recorded corpus and tokenizer fingerprints" in capsys.readouterr().out
+
+
 def poison_step(monkeypatch, step: int, field: str) -> None:
     """Make the loss or gradient norm of 1-based ``step`` NaN, as a diverging run's would be."""
     from k2lab.train.trainer import Trainer

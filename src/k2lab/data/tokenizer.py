@@ -21,9 +21,12 @@ order, so a large corpus trains on a deterministic prefix; the whole embedded st
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import tokenizers
@@ -109,6 +112,19 @@ class Tokenizer:
         """Special token string -> id, in id order."""
         added = self.backend.get_added_tokens_decoder()
         return {token.content: i for i, token in sorted(added.items()) if token.special}
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A SHA-256 hex digest of what gives the ids their meaning: the model type, every token with its id,
+        the merges (in rank order, as pairs whichever way the JSON writes them), the normalizer and the
+        pre-tokenizer. Equal for the same tokenizer saved and loaded again; checkpoints record it, so a run
+        resumed with another tokenizer is refused (``k2lab.train.resume.check_resumed_data``)."""
+        spec = json.loads(self.backend.to_str())
+        model = spec.get("model") or {}
+        merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges") or []]
+        vocab = sorted(self.backend.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+        meaning = [model.get("type"), vocab, merges, spec.get("normalizer"), spec.get("pre_tokenizer")]
+        return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()
 
     def check_fits(self, vocab_size: int) -> None:
         """``K2LabError`` unless every id fits a model of ``vocab_size`` ids: a tokenizer with more would encode

@@ -7,7 +7,8 @@ The loop (``k2lab.train.trainer.train``) knows nothing of where batches come fro
 * batches: ``train_batches()`` (endless micro-batches of this process) and ``val_batches()``, and
   ``at_step(step)``, asked before every step, for sources whose batches change during the run (the context
   curriculum's stages),
-* exact resume: ``state_dict()`` / ``load_state_dict()``, the position that decides every later batch,
+* exact resume: ``state_dict()`` / ``load_state_dict()``, the position that decides every later batch, and
+  ``fingerprints()``, what the ids rest on (the tokenizer, the text corpus), which a resume must match,
 * words and figures for the log and the summary: ``describe()``, ``summary()``, ``evaluate()``,
   ``loss_report()``.
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from k2lab.data.corpus import Corpus
     from k2lab.data.packing import Batch
     from k2lab.data.tokenizer import Tokenizer
     from k2lab.models import CausalLM
@@ -52,6 +54,7 @@ class TrainingData(ABC):
     config: TrainConfig
     tokenizer: Tokenizer
     model: torch.nn.Module
+    corpus: Corpus | None = None  # the text corpus the source reads, if any (pre-training text, SFT's PTX)
 
     @classmethod
     @abstractmethod
@@ -81,6 +84,15 @@ class TrainingData(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; a state of other data is a ``K2LabError`` naming the mismatch."""
+
+    def fingerprints(self) -> dict[str, str]:
+        """What the run's token ids rest on, recorded in every checkpoint so that a resume on other data is
+        refused (``k2lab.train.resume.check_resumed_data``): the tokenizer's fingerprint and, for a source
+        reading a text corpus, the corpus' (its files' names, contents and split)."""
+        prints = {"tokenizer": self.tokenizer.fingerprint}
+        if self.corpus is not None:
+            prints["corpus"] = self.corpus.fingerprint
+        return prints
 
     # ---- the model around the data --------------------------------------------------------------------
     @abstractmethod

@@ -9,6 +9,10 @@
   the checkpoint recorded the new one). Only ``RESUMABLE_SETTINGS`` may differ: the run's length, its
   checkpoint and evaluation cadence, its output and the hardware choices (precision, compilation, device),
   which do not change what is trained.
+- **Data.** Every checkpoint records the fingerprints of the corpus and the tokenizer (``TrainingData.fingerprints``):
+  a corpus edited since (even with every file's length kept) trains another BPE, whose ids mean other text,
+  so a resume whose corpus or tokenizer differs is refused (``check_resumed_data``). Checkpoints written
+  before they were recorded are resumed unchecked.
 """
 
 from __future__ import annotations
@@ -17,11 +21,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k2lab.errors import K2LabError
+from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import is_model_directory
 from k2lab.train.persistence import check_resumed_config
 
 SUMMARY_FILE = "summary.json"
+DATA_REMEDIES = {
+    "corpus": "its files' names, contents or train/validation split differ, and a BPE trained on them gives "
+    "other token ids: resume with the files it was started with",
+    "tokenizer": "its token ids mean other text: resume with the tokenizer it was started with (the same "
+    "`tokenizer` file, or the same corpus and vocab_size)",
+}
 RESUMABLE_SETTINGS = frozenset(
     {
         "steps",
@@ -77,3 +87,16 @@ def check_resumed_settings(saved: dict[str, Any] | None, current: dict[str, Any]
     (``saved`` None: a checkpoint from before configs were saved, accepted)."""
     if saved is not None:
         check_resumed_config(flat_settings(saved), flat_settings(current), run_dir, RESUMABLE_SETTINGS)
+
+
+def check_resumed_data(saved: dict[str, str] | None, current: dict[str, str], run_dir: Path) -> None:
+    """``CheckpointError`` naming the first of the corpus and the tokenizer whose fingerprint differs from the
+    one the checkpoint recorded (``saved`` None: a checkpoint from before they were recorded, accepted; a
+    fingerprint only one side has is not compared)."""
+    for key, remedy in DATA_REMEDIES.items():
+        then, now = (saved or {}).get(key), current.get(key)
+        if then is not None and now is not None and then != now:
+            raise CheckpointError(
+                f"{run_dir} was trained on another {key} (fingerprint {then[:12]} then, {now[:12]} now): "
+                f"{remedy}, or choose a new output directory"
+            )

@@ -56,7 +56,13 @@ from k2lab.train.family_settings import chosen_values, describe_choices, family_
 from k2lab.train.metrics import MetricsLogger
 from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
-from k2lab.train.resume import SUMMARY_FILE, check_no_orphan_results, check_resumed_settings, results_written
+from k2lab.train.resume import (
+    SUMMARY_FILE,
+    check_no_orphan_results,
+    check_resumed_data,
+    check_resumed_settings,
+    results_written,
+)
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from k2lab.train.run_directory import claim_run_directory
 from k2lab.train.schedule import lr_multiplier
@@ -226,6 +232,7 @@ def training_state(trainer: Trainer, data: TrainingData) -> dict:
         "model": distributed.full_state_dict(trainer.model, rank0_only=True),
         "optimizer": distributed.full_optimizer_state_dict(trainer.muonclip, rank0_only=True),
         "data": data.state_dict(),
+        "fingerprints": data.fingerprints(),  # the corpus and tokenizer a resume must match
         "rng": capture_rng_state(),
         "train_config": trainer.config.model_dump(mode="json"),
         "model_config": trainer.model.config.model_dump(mode="json"),
@@ -331,6 +338,14 @@ def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:
     else:  # before the optimizer is built: Per-Head Muon groups its parameters differently
         data.config = keep_saved_choices(data.config, loaded[1].get("train_config"))
         check_resumed_settings(loaded[1].get("train_config"), data.config.model_dump(mode="json"), run_dir)
+        check_resumed_data(loaded[1].get("fingerprints"), data.fingerprints(), run_dir)
+        if "fingerprints" not in loaded[1]:
+            console.print(
+                "the checkpoint predates recorded corpus and tokenizer fingerprints: resuming without checking "
+                "that they are the ones it was trained on",
+                style="yellow",
+                markup=False,
+            )
     config = data.config
     model = distributed.shard_model(data.model)
     trainer = Trainer(config, model, data.train_batches(), data.val_batches(), run_dir)
