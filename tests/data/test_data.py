@@ -147,8 +147,9 @@ def test_jsonl_records_are_documents_of_one_split(tmp_path):
         ("{not json", "is not valid JSON"),
         ("[1, 2]", "should be a JSON object, not list"),
         ('{"txt": "x"}', '"text"'),
+        ('{"text": "ok \\ud83d x"}', r"contains \\ud83d at character 3, a lone surrogate"),  # valid JSON
     ],
-    ids=["bad-json", "not-object", "no-text"],
+    ids=["bad-json", "not-object", "no-text", "lone-surrogate"],
 )
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, reason):
     (tmp_path / "data.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")

@@ -212,4 +212,16 @@ def parse_record(line: str, file: Path, number: int) -> str:
         raise K2LabError(f"{file}:{number} should be a JSON object, not {type(record).__name__}")
     if not isinstance(record.get("text"), str):
         raise K2LabError(f'{file}:{number} should have a string "text" field')
+    refuse_surrogates(record["text"], f"{file}:{number}")  # valid JSON ("\\ud83d") but no Unicode text
     return record["text"]
+
+
+def refuse_surrogates(text: str, where: str) -> None:
+    """``K2LabError`` naming the first lone surrogate in ``text``: a Python ``str`` but no Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start : error.end].encode("utf-8", "backslashreplace").decode()
+        raise K2LabError(
+            f"{where} contains {bad} at character {error.start}, a lone surrogate, which is not valid Unicode"
+        ) from None

@@ -32,7 +32,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from k2lab.data.corpus import Corpus
+from k2lab.data.corpus import Corpus, refuse_surrogates
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 
@@ -68,17 +68,6 @@ ROLE_NAMES = {
     "bos": (BOS, "<s>", "<bos>", "<|begin_of_text|>", "[BOS]", "[CLS]"),
     "eos": (EOS, "</s>", "<eos>", "<|endoftext|>", "<|end_of_text|>", "[EOS]", "[SEP]"),
 }
-
-
-def refuse_surrogates(text: str, where: str) -> None:
-    """``K2LabError`` naming the first lone surrogate in ``text``: a Python ``str`` but no Unicode text."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        bad = text[error.start : error.end].encode("utf-8", "backslashreplace").decode()
-        raise K2LabError(
-            f"{where} contains {bad} at character {error.start}, a lone surrogate, which is not valid Unicode"
-        ) from None
 
 
 class Tokenizer:
