@@ -24,7 +24,7 @@ from k2lab.data import (
     unigram_baseline,
     validation_batches,
 )
-from k2lab.data.corpus import STDLIB_SKIPPED_DIRS
+from k2lab.data.corpus import STDLIB_SKIPPED_DIRS, stable_rank
 from k2lab.data.tokenizer import XTML_TOKENS, min_vocab_size, train_bpe, training_sample
 from k2lab.errors import K2LabError
 
@@ -179,6 +179,19 @@ def test_files_that_are_not_utf8_are_named_in_the_corpus_line(tmp_path):
     assert sorted(d.text for d in corpus.train) == ["caf\u00e9 ok", "caf\ufffd latin-1"]
     (tmp_path / "latin1.txt").unlink()
     assert "UTF-8" not in str(load_corpus(tmp_path, val_fraction=0.0))
+
+
+def test_a_file_name_that_is_not_utf8_is_read_and_ranks_as_before(tmp_path):
+    """b"caf\\xe9.txt" (Latin-1) was a UnicodeEncodeError traceback in the split and the fingerprint; every
+    UTF-8 name keeps its rank, so the splits of existing corpora do not move."""
+    (tmp_path / "good.txt").write_text("good text")
+    Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.txt")).write_text("latin-1 name")
+    corpus = load_corpus(tmp_path, val_fraction=0.5)
+    assert sorted(d.text for d in corpus.train + corpus.val) == ["good text", "latin-1 name"]
+    state = PackedBatches(corpus.train + corpus.val, CharTokenizer(), 1, 4).state_dict()
+    assert len(state["documents"]) == 16
+    expected = int.from_bytes(hashlib.sha256("split:d\u00e9j\u00e0/vu.txt".encode()).digest()[:8], "big")
+    assert stable_rank("d\u00e9j\u00e0/vu.txt", "split") == expected
 
 
 def test_max_bytes_keeps_a_deterministic_sample(corpus):

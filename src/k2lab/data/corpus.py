@@ -121,9 +121,15 @@ def list_files(
     return sorted(found)
 
 
+def name_bytes(text: str) -> bytes:
+    """``text`` (holding file names) as UTF-8 for a digest; a name whose bytes are not UTF-8, which
+    ``os.walk`` gives with its bytes as lone surrogates, gets those bytes back (every UTF-8 name as before)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def stable_rank(relative_path: str, purpose: str) -> int:
     """A salt-free 64-bit pseudo-random rank of a file for ``purpose`` ("split" or "sample")."""
-    return int.from_bytes(hashlib.sha256(f"{purpose}:{relative_path}".encode()).digest()[:8], "big")
+    return int.from_bytes(hashlib.sha256(name_bytes(f"{purpose}:{relative_path}")).digest()[:8], "big")
 
 
 def cap_files(root: Path, files: list[str], max_bytes: int) -> list[str]:
@@ -163,7 +169,7 @@ def build_corpus(name: str, root: Path, files: list[str], val_fraction: float) -
             not_utf8.append(relative)
             text = data.decode("utf-8", errors="replace")
         in_val = relative in val_files
-        digest.update(f"{relative}\0{'val' if in_val else 'train'}\0{len(data)}\0".encode())
+        digest.update(name_bytes(f"{relative}\0{'val' if in_val else 'train'}\0{len(data)}\0"))
         digest.update(hashlib.sha256(data).digest())
         (val if in_val else train).extend(parse_documents(relative, text, root))
     if not train and not val:

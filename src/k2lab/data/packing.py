@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from k2lab.data.corpus import Corpus, Document
+from k2lab.data.corpus import Corpus, Document, name_bytes
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 
@@ -68,7 +68,7 @@ def documents_digest(docs: Sequence[Document]) -> str:
     """A short digest of the documents' paths and lengths, to check a resumed state belongs to them."""
     digest = hashlib.sha256()
     for document in docs:
-        digest.update(f"{document.path}\0{len(document.text)}\0".encode())
+        digest.update(name_bytes(f"{document.path}\0{len(document.text)}\0"))
     return digest.hexdigest()[:16]
 
 
