@@ -177,6 +177,22 @@ def test_a_resume_with_another_learning_rate_is_refused(tmp_path, corpus):
     )
 
 
+def test_a_resume_compares_the_data_directory_not_its_spelling(tmp_path, corpus, monkeypatch):
+    """`corpus`, `./corpus/` and the absolute path were refused as changed data, while `corpus` typed in
+    another directory (another corpus of the same name) passed."""
+    out = tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    run_training(load_train_config(recipe(tmp_path, corpus, out, steps=3), data="corpus"))
+    for steps, spelling in ((4, "./corpus/"), (5, str(corpus))):
+        resumed = load_train_config(recipe(tmp_path, corpus, out, steps=steps), data=spelling)
+        assert run_training(resumed, resume=True)["steps"] == steps
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(corpus, elsewhere / "corpus")
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(CheckpointError, match=f"data: '{corpus}' then, '{elsewhere / 'corpus'}' now"):
+        run_training(load_train_config(recipe(tmp_path, corpus, out, steps=6), data="corpus"), resume=True)
+
+
 def edit_keeping_lengths(corpus: Path) -> None:
     """Upper-case one word in every file: each file keeps its length, its contents change."""
     for file in corpus.glob("*.txt"):

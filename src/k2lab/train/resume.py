@@ -8,7 +8,9 @@
   schedule and seed define its history (a restored optimizer would silently keep the old learning rate, while
   the checkpoint recorded the new one). Only ``RESUMABLE_SETTINGS`` may differ: the run's length, its
   checkpoint and evaluation cadence, its output and the hardware choices (precision, compilation, device),
-  which do not change what is trained.
+  which do not change what is trained. Path settings (``PATH_SETTINGS``) are recorded and compared resolved,
+  so ``c3``, ``./c3/`` and its absolute path are the same directory, and ``c3`` typed in another directory
+  is not.
 - **Data.** Every checkpoint records the fingerprints of the corpus and the tokenizer (``TrainingData.fingerprints``):
   a corpus edited since (even with every file's length kept) trains another BPE, whose ids mean other text,
   so a resume whose corpus or tokenizer differs is refused (``check_resumed_data``). Checkpoints written
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ DATA_REMEDIES = {
     "tokenizer": "its token ids mean other text: resume with the tokenizer it was started with (the same "
     "`tokenizer` file, or the same corpus and vocab_size)",
 }
+PATH_SETTINGS = ("data", "tokenizer", "sft.init_checkpoint", "sft.data")
 RESUMABLE_SETTINGS = frozenset(
     {
         "steps",
@@ -82,11 +86,27 @@ def flat_settings(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def recorded_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``settings`` (a ``TrainConfig`` dump) as checkpoints record them: each of ``PATH_SETTINGS``
+    that is set made absolute and resolved against the working directory."""
+    settings = copy.deepcopy(settings)
+    for dotted in PATH_SETTINGS:
+        *tables, key = dotted.split(".")
+        table = settings
+        for name in tables:
+            table = table.get(name) if isinstance(table.get(name), dict) else {}
+        if isinstance(table.get(key), str):
+            table[key] = str(Path(table[key]).expanduser().resolve())
+    return settings
+
+
 def check_resumed_settings(saved: dict[str, Any] | None, current: dict[str, Any], run_dir: Path) -> None:
     """``CheckpointError`` when a run is resumed with settings outside ``RESUMABLE_SETTINGS`` changed
-    (``saved`` None: a checkpoint from before configs were saved, accepted)."""
+    (``saved`` None: a checkpoint from before configs were saved, accepted). Paths compare resolved
+    (``recorded_settings``; a relative one an older checkpoint recorded resolves against this directory)."""
     if saved is not None:
-        check_resumed_config(flat_settings(saved), flat_settings(current), run_dir, RESUMABLE_SETTINGS)
+        then, now = flat_settings(recorded_settings(saved)), flat_settings(recorded_settings(current))
+        check_resumed_config(then, now, run_dir, RESUMABLE_SETTINGS)
 
 
 def check_resumed_data(saved: dict[str, str] | None, current: dict[str, str], run_dir: Path) -> None:

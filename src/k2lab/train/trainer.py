@@ -61,6 +61,7 @@ from k2lab.train.resume import (
     check_no_orphan_results,
     check_resumed_data,
     check_resumed_settings,
+    recorded_settings,
     results_written,
 )
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
@@ -234,7 +235,7 @@ def training_state(trainer: Trainer, data: TrainingData) -> dict:
         "data": data.state_dict(),
         "fingerprints": data.fingerprints(),  # the corpus and tokenizer a resume must match
         "rng": capture_rng_state(),
-        "train_config": trainer.config.model_dump(mode="json"),
+        "train_config": recorded_settings(trainer.config.model_dump(mode="json")),  # paths resolved
         "model_config": trainer.model.config.model_dump(mode="json"),
     }
 
