@@ -14,7 +14,8 @@ is ``cache_dir`` if given, else ``$K2LAB_CACHE_DIR/tokenizers``, else ``~/.cache
 
 Training reads at most ``max_train_bytes`` (64 MB by default) of train documents, taken in sorted path
 order, so a large corpus trains on a deterministic prefix; the whole embedded standard-library corpus
-(~11 MB) fits and trains in a few seconds on two cores.
+(~11 MB) fits and trains in a few seconds on two cores. A run of more than ``MAX_TRAIN_WORD_CHARS`` characters
+without white space trains as several words (``bounded_words``), so a long unbroken line costs linear time.
 
 ``load_tokenizer(path)`` wraps any local ``tokenizer.json``.
 """
@@ -58,6 +59,7 @@ MEDIA_TOKENS = (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, IMAGE_PAD, VIDEO_PAD)
 SPECIAL_TOKENS = (PAD, BOS, EOS, *CHAT_TOKENS, *MEDIA_TOKENS)  # ids 0, 1, 2, ... in this order
 DEFAULT_VOCAB_SIZE = 8192  # k2-mini's vocabulary
 DEFAULT_MAX_TRAIN_BYTES = 64 * 2**20
+MAX_TRAIN_WORD_CHARS = 4096  # longer runs without white space train as several words (bounded_words)
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens (K2 family)
 # K3's XTML chat markup tokens (k2lab.runtime.chat_k3): tokenizers trained for K3-family models carry them.
 XTML_TOKENS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
@@ -288,7 +290,8 @@ def train_bpe(
     """Train a byte-level BPE of ``vocab_size`` ids in all; the special tokens come first, so they take ids
     0 .. len(special) - 1 (each one more special token is one merge fewer)."""
     backend = tokenizers.Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([bounded_words(), byte_level])  # for training only
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -297,4 +300,13 @@ def train_bpe(
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer)
+    backend.pre_tokenizer = byte_level
     return backend
+
+
+def bounded_words(bound: int = MAX_TRAIN_WORD_CHARS) -> pre_tokenizers.Split:
+    """A pre-tokenizer that cuts every run of ``bound`` non-space characters off as a word of its own, so no
+    pre-token is longer: the BPE trainer's time grows with the square of its longest one (a 300 KB line
+    without a space took a minute, 3 MB did not finish). Far above any natural word, so no other text is
+    split differently and the BPE trained is the same."""
+    return pre_tokenizers.Split(tokenizers.Regex(rf"\S{{{bound}}}"), behavior="isolated")
