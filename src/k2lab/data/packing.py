@@ -214,7 +214,10 @@ def validation_batches(
     if max_batches is not None:
         num_windows = min(num_windows, max_batches * batch_size)
     if num_windows == 0:
-        raise K2LabError(f"validation split has {len(stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise K2LabError(
+            f"validation split has {len(stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}: give the corpus "
+            "more or larger files (validation takes whole files) or train with a shorter --seq-len"
+        )
     starts = np.arange(num_windows)[:, None] * seq_len
     windows = torch.from_numpy(stream[starts + np.arange(seq_len + 1)].astype(np.int64))
     segments = document[starts + np.arange(seq_len)]
