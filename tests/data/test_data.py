@@ -194,6 +194,15 @@ def test_a_file_name_that_is_not_utf8_is_read_and_ranks_as_before(tmp_path):
     assert stable_rank("d\u00e9j\u00e0/vu.txt", "split") == expected
 
 
+def test_upper_case_extensions_are_corpus_files_too(tmp_path):
+    """UPPER.TXT and RECORDS.JSONL were skipped in silence."""
+    (tmp_path / "lower.txt").write_text("lower")
+    (tmp_path / "UPPER.TXT").write_text("upper")
+    (tmp_path / "RECORDS.JSONL").write_text('{"text": "record"}\n')
+    corpus = load_corpus(tmp_path, val_fraction=0.0)
+    assert sorted(d.text for d in corpus.train) == ["lower", "record", "upper"]
+
+
 def test_max_bytes_keeps_a_deterministic_sample(corpus):
     capped = load_corpus(Path(corpus.root), val_fraction=0.1, max_bytes=corpus.num_bytes // 3)
     assert 0 < capped.num_bytes <= corpus.num_bytes // 3 and capped.num_files < corpus.num_files

@@ -6,7 +6,7 @@ Two sources:
   ``*.py``, ``*.txt`` and ``*.rst`` file under ``sysconfig.get_paths()["stdlib"]`` except those in
   ``site-packages``, ``test``/``tests``, ``idlelib``, ``lib2to3`` and ``__pycache__`` directories
   (about 600 files, 11 MB on CPython 3.11). Every Python install has it, so nothing is downloaded;
-- a directory (``load_corpus(path)``): every ``*.txt``, ``*.md`` and ``*.jsonl`` file under it (hidden
+- a directory (``load_corpus(path)``): every ``*.txt``, ``*.md`` and ``*.jsonl`` file (any case) under it (hidden
   files and directories skipped). A text file is one document; a JSON-lines file holds one JSON object
   per line whose ``"text"`` field is one document.
 
@@ -109,13 +109,14 @@ def load_corpus(
 def list_files(
     root: Path, suffixes: tuple[str, ...], skipped_dirs: frozenset[str] = frozenset()
 ) -> list[str]:
-    """Relative POSIX paths of the non-empty files under ``root`` with one of ``suffixes``, sorted."""
+    """Relative POSIX paths of the non-empty files under ``root`` with one of ``suffixes`` (in any case: the
+    lower-case ``suffixes`` match ``UPPER.TXT``), sorted."""
     found = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in skipped_dirs and not d.startswith(".")]
         for file_name in names:
             full = Path(directory, file_name)
-            wanted = file_name.endswith(suffixes) and not file_name.startswith(".")
+            wanted = file_name.lower().endswith(suffixes) and not file_name.startswith(".")  # NOTES.TXT too
             if wanted and full.is_file() and full.stat().st_size > 0:
                 found.append(full.relative_to(root).as_posix())
     return sorted(found)
@@ -195,7 +196,7 @@ def read_bytes(file: Path) -> bytes:
 
 def parse_documents(relative: str, text: str, root: Path) -> list[Document]:
     """The documents in one file: the whole text, or one per JSON-lines record (blank lines skipped)."""
-    if not relative.endswith(".jsonl"):
+    if not relative.lower().endswith(".jsonl"):
         return [Document(relative, text)]
     documents = []
     # JSON lines end at \n only: str.splitlines also splits at U+2028, U+0085 or a form feed, which JSON
