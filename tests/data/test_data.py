@@ -203,6 +203,22 @@ def test_upper_case_extensions_are_corpus_files_too(tmp_path):
     assert sorted(d.text for d in corpus.train) == ["lower", "record", "upper"]
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """A .txt kept U+FEFF as its first character; a .jsonl was refused ("Unexpected UTF-8 BOM")."""
+    (tmp_path / "plain.txt").write_text("same")
+    plain = load_corpus(tmp_path, val_fraction=0.0).fingerprint
+    (tmp_path / "plain.txt").write_bytes(b"\xef\xbb\xbfsame")
+    (tmp_path / "records.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n')
+    corpus = load_corpus(tmp_path, val_fraction=0.0)
+    assert [(d.path, d.text) for d in corpus.train] == [
+        ("plain.txt", "same"),
+        ("records.jsonl:1", "a"),
+        ("records.jsonl:2", "b"),
+    ]
+    (tmp_path / "records.jsonl").unlink()
+    assert load_corpus(tmp_path, val_fraction=0.0).fingerprint != plain  # no cached tokenizer of the old text
+
+
 def test_max_bytes_keeps_a_deterministic_sample(corpus):
     capped = load_corpus(Path(corpus.root), val_fraction=0.1, max_bytes=corpus.num_bytes // 3)
     assert 0 < capped.num_bytes <= corpus.num_bytes // 3 and capped.num_files < corpus.num_files

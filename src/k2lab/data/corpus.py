@@ -8,7 +8,7 @@ Two sources:
   (about 600 files, 11 MB on CPython 3.11). Every Python install has it, so nothing is downloaded;
 - a directory (``load_corpus(path)``): every ``*.txt``, ``*.md`` and ``*.jsonl`` file (any case) under it (hidden
   files and directories skipped). A text file is one document; a JSON-lines file holds one JSON object
-  per line whose ``"text"`` field is one document.
+  per line whose ``"text"`` field is one document. A UTF-8 byte-order mark opening a file is not text.
 
 The split and the optional byte cap rank files by a SHA-256 of their relative path (never Python's
 salted ``hash()``), so the same tree always gives the same corpus; documents are listed in sorted
@@ -17,6 +17,7 @@ path order.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -168,9 +169,11 @@ def build_corpus(name: str, root: Path, files: list[str], val_fraction: float) -
         text = decode_text(data)
         if text is None:
             not_utf8.append(relative)
-            text = data.decode("utf-8", errors="replace")
+            text = data.decode("utf-8-sig", errors="replace")
         in_val = relative in val_files
         digest.update(name_bytes(f"{relative}\0{'val' if in_val else 'train'}\0{len(data)}\0"))
+        if data.startswith(codecs.BOM_UTF8):  # its text lost the BOM: tokenizers cached for it with one go
+            digest.update(b"bom\0")
         digest.update(hashlib.sha256(data).digest())
         (val if in_val else train).extend(parse_documents(relative, text, root))
     if not train and not val:
@@ -179,9 +182,10 @@ def build_corpus(name: str, root: Path, files: list[str], val_fraction: float) -
 
 
 def decode_text(data: bytes) -> str | None:
-    """``data`` decoded as UTF-8, or None where it is not valid UTF-8."""
+    """``data`` decoded as UTF-8 without a leading byte-order mark (U+FEFF, which some editors write), or None
+    where it is not valid UTF-8."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         return None
 
