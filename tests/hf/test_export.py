@@ -211,6 +211,23 @@ def test_a_run_that_trained_its_tokenizer_gets_it_again(
     assert (out / "tokenizer.json").read_text() == run_tokenizer.backend.to_str()
 
 
+def test_an_unfinished_sft_run_gets_its_starting_checkpoints_tokenizer(tmp_path: Path, tokenizer: Tokenizer):
+    """The SFT branch read train_config["sft"]["checkpoint"], a key SFT configs do not have (it is
+    init_checkpoint): the export fell through to training a BPE on the run's corpus setting instead."""
+    base = tmp_path / "base"
+    tokenizer.save(base / "tokenizer.json")
+    config = TrainConfig(
+        preset="k2-nano",
+        out=str(tmp_path / "run"),
+        sft={"init_checkpoint": str(base), "data": str(tmp_path / "sft.jsonl")},
+    )
+    make_run(tmp_path, tokenizer, {1: 1.0}, config.model_dump(mode="json"))
+    lines: list[str] = []
+    out = export(ExportConfig(out=tmp_path / "hf"), tmp_path / "run", log=lines.append)
+    assert not any("BPE tokenizer for corpus" in line for line in lines)
+    assert (out / "tokenizer.json").read_text() == tokenizer.backend.to_str()
+
+
 # ---- errors ----------------------------------------------------------------------------------------------
 def test_bad_sources_are_clear_errors(tmp_path: Path, model_dir: Path, tokenizer: Tokenizer):
     (tmp_path / "empty").mkdir()

@@ -222,7 +222,7 @@ def checkpoint_tokenizer(directory: Path, train_config: dict, log: Log = print) 
     named = train_config.get("tokenizer")
     if found is None and isinstance(named, str):
         found = _file_or_none(Path(named).expanduser())
-    base = (train_config.get("sft") or {}).get("checkpoint")
+    base = (train_config.get("sft") or {}).get("init_checkpoint")
     if found is None and isinstance(base, str):
         found = _file_or_none(Path(base).expanduser() / TOKENIZER)
     if found is not None or base is not None or named is not None or not train_config:
