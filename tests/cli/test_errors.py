@@ -66,6 +66,17 @@ def test_invalid_values(tmp_path):
     )
 
 
+def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path):
+    """The library's check (``check_draft``), before the draft could be left unused."""
+    from k2lab import build_model, load_preset
+    from k2lab.model_dir import save_model
+
+    save_model(build_model(load_preset("k2-nano")), tmp_path / "target")
+    save_model(build_model(load_preset("k2-nano", vocab_size=64)), tmp_path / "draft")
+    args = ["generate", "-c", str(tmp_path / "target"), "--prompt", "1 2", "--draft", str(tmp_path / "draft")]
+    assert_clean_error(k2lab(*args), "the draft model's vocabulary has 64 tokens, the target's 128")
+
+
 def test_init_refuses_full_size_presets(tmp_path):
     assert_clean_error(k2lab("init", "--preset", "k2", "--out", str(tmp_path / "k2")), "k2lab params")
 

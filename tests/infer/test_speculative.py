@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from k2lab import build_model, load_preset
+from k2lab.errors import K2LabError
 from k2lab.infer import GenerationConfig, LatentCache, generate
 from k2lab.infer.draft import EagleDraft, ModelDraft
 from k2lab.infer.rollback import CacheWindow, compact
@@ -100,6 +101,26 @@ def test_max_new_tokens_exact(budget):
     config = GenerationConfig(max_new_tokens=budget, temperature=1.0)
     out, _ = speculative_generate(target, ModelDraft(target), PROMPTS, config, num_draft_tokens=4)
     assert [len(row) for row in out] == [budget] * len(PROMPTS)
+
+
+def test_a_draft_that_does_not_fit_the_target_is_refused():
+    """A draft of another vocabulary (an IndexError in the embedding, or silently proposing ids the target
+    lacks) and an EAGLE module of another model (an AttributeError in the rotary tables) are one-line
+    errors where the draft meets its target."""
+    config = GenerationConfig(max_new_tokens=3)
+    target, small = k2(num_nextn_predict_layers=1), k2(vocab_size=64)
+    for model, draft, theirs, ours in ((target, small, 64, 128), (small, target, 128, 64)):
+        message = f"the draft model's vocabulary has {theirs} tokens, the target's {ours}"
+        with pytest.raises(K2LabError, match=message):
+            speculative_generate(model, ModelDraft(draft), [[1, 2, 3]], config)
+    hybrid = k3(num_nextn_predict_layers=1)
+    with pytest.raises(K2LabError, match="MTP module does not fit the target: the target's MTP block has"):
+        speculative_generate(hybrid, EagleDraft(hybrid, target.mtp[0]), [[1, 2, 3]], config)
+    nope = k2(num_nextn_predict_layers=1, mla_rope=False)  # the same shapes, no rotary tables
+    with pytest.raises(K2LabError, match="attention is rotary: True, the target's \\(mla_rope\\): False"):
+        speculative_generate(nope, EagleDraft(nope, target.mtp[0]), [[1, 2, 3]], config)
+    with pytest.raises(K2LabError, match="built on another model than the target: hidden_size 64 != 32"):
+        speculative_generate(k2(hidden_size=32, q_lora_rank=16), EagleDraft(target, target.mtp[0]), [[1]])
 
 
 def test_constraint_falls_back_to_plain_decoding():

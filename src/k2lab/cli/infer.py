@@ -257,7 +257,7 @@ def _choose_draft(
 
 def _find_draft(checkpoint: Path, model, draft: Path | None):
     """The draft to use: --draft (an EAGLE draft or a model directory), else the one beside the model."""
-    from k2lab.infer.draft import DRAFT_MANIFEST, ModelDraft, find_draft, load_draft
+    from k2lab.infer.draft import DRAFT_MANIFEST, ModelDraft, check_draft, find_draft, load_draft
     from k2lab.model_dir import load_model
     from k2lab.models.decoder import CausalLM
 
@@ -270,9 +270,11 @@ def _find_draft(checkpoint: Path, model, draft: Path | None):
     if (draft / DRAFT_MANIFEST).is_file():
         return load_draft(draft, model)
     small = load_model(draft)
-    if not isinstance(small, CausalLM) or small.config.vocab_size != model.config.vocab_size:
-        raise K2LabError(f"the draft model {draft} must be a text model with the target's vocabulary")
-    return ModelDraft(small.eval())
+    if not isinstance(small, CausalLM):
+        raise K2LabError(f"the draft model {draft} must be a text model (not a vision-language checkpoint)")
+    drafter = ModelDraft(small.eval())
+    check_draft(model, drafter)  # now, though the decision below may leave it unused
+    return drafter
 
 
 @draft_app.command("train")

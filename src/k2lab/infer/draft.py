@@ -367,12 +367,7 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
         )
     _check_draft_manifest(manifest, path / DRAFT_MANIFEST)
     saved = manifest["config"]
-    wrong = [
-        f"{key} {saved.get(key)} != {getattr(target.config, key)}"
-        for key in _MATCHING
-        if saved.get(key) != getattr(target.config, key)
-    ]
-    if wrong:
+    if wrong := _differences(saved, target.config):
         raise CheckpointError(f"the draft in {path} was trained for another model: {', '.join(wrong)}")
     try:
         state = load_file(str(path / DRAFT_WEIGHTS))
@@ -390,6 +385,57 @@ def load_draft(directory: str | os.PathLike[str], target: CausalLM) -> EagleDraf
     check_state_dict(module, state, str(path / DRAFT_WEIGHTS))
     module.load_state_dict(state)
     return EagleDraft(target, module.to(param.dtype).eval(), vocab)
+
+
+def _differences(saved: dict[str, Any], config: ModelConfig) -> list[str]:
+    """The ``_MATCHING`` settings where a draft's model (``saved``, a config's JSON) differs from ``config``."""
+    return [
+        f"{key} {saved.get(key)} != {getattr(config, key)}"
+        for key in _MATCHING
+        if saved.get(key) != getattr(config, key)
+    ]
+
+
+def check_draft(target: CausalLM, draft: Draft) -> None:
+    """``K2LabError`` (one line) unless ``draft`` can draft for ``target``: a ``ModelDraft``'s model has the
+    target's vocabulary (its ids index the target's embedding), an ``EagleDraft``'s model matches the target
+    in ``_MATCHING`` and its MTP module is the block that model builds (``_module_mismatch``). Other drafts
+    are not checked. ``SpeculativeStep`` calls it, so ``speculative_generate`` and ``k2lab serve`` do."""
+    if isinstance(draft, ModelDraft):
+        theirs, ours = draft.model.config.vocab_size, target.config.vocab_size
+        if theirs != ours:
+            raise K2LabError(
+                f"the draft model's vocabulary has {theirs} tokens, the target's {ours}: a draft must share "
+                "the target's vocabulary"
+            )
+    elif isinstance(draft, EagleDraft):
+        if wrong := _differences(draft.target.config.model_dump(mode="json"), target.config):
+            raise K2LabError(
+                f"the EAGLE draft was built on another model than the target: {', '.join(wrong)}"
+            )
+        if wrong := _module_mismatch(draft.module, draft.target.config):
+            raise K2LabError(f"the EAGLE draft's MTP module does not fit the target: {wrong}")
+
+
+def _module_mismatch(module: nn.Module, config: ModelConfig) -> str | None:
+    """The first difference between ``module`` and the MTP block ``config`` builds (built on the meta device:
+    no memory): a parameter's name or shape, or whether attention is rotary (``mla_rope``, which changes no
+    shape; a rotary block on a NoPE target found no rotary tables). None when they match."""
+    with torch.device("meta"):
+        expected = MultiTokenPrediction(config, 1)
+    shapes = {name: tuple(value.shape) for name, value in module.state_dict().items()}
+    for name, value in expected.state_dict().items():
+        have = shapes.pop(name, None)
+        if have is None:
+            return f"the target's MTP block has {name}, the module does not"
+        if have != tuple(value.shape):
+            return f"{name} is {have} in the module, {tuple(value.shape)} in the target's MTP block"
+    if shapes:
+        return f"the module has {next(iter(shapes))}, the target's MTP block does not"
+    rotary = getattr(module.block.attn, "rotate", None)
+    if rotary != config.mla_rope:
+        return f"the module's attention is rotary: {rotary}, the target's (mla_rope): {config.mla_rope}"
+    return None
 
 
 def _check_draft_manifest(manifest: dict[str, Any], source: Path) -> None:

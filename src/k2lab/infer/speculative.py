@@ -37,7 +37,7 @@ import torch
 
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode, decode_compile_decision, decode_step
-from k2lab.infer.draft import Draft
+from k2lab.infer.draft import Draft, check_draft
 from k2lab.infer.generate import (
     Constraint,
     GenerationConfig,
@@ -194,6 +194,7 @@ class SpeculativeStep:
     ) -> None:
         if (generator is None) == (rows is None):
             raise ValueError("pass exactly one of generator (one config for all rows) and rows (per row)")
+        check_draft(model, draft)
         self.model, self.draft, self.config, self.generator, self.rows = model, draft, config, generator, rows
         # compiled per config.compile (matrices per config.decode_weights), else the model
         self.verify_forward = decode_step(model, config.compile, config.decode_weights)
