@@ -5,10 +5,11 @@ import torch
 from pydantic import ValidationError
 
 from k2lab import build_model, load_preset
+from k2lab.errors import K2LabError
 from k2lab.infer import GenerationConfig, generate
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.generate import GenerationCache, prefill, sample_next, sampling_probs
-from tests.conftest import KIMI_LINEAR_STYLE, randomize
+from tests.conftest import KIMI_LINEAR_STYLE, nano_variant, randomize
 
 
 def greedy_without_cache(model, prompt, steps):
@@ -81,6 +82,31 @@ def test_empty_prompt_rejected(nano):
         generate(nano, [[]])
 
 
+@pytest.mark.parametrize(
+    ("prompts", "eos", "message"),
+    [
+        ([[1, 500]], None, r"prompt 0: token id 500 is outside the model's vocabulary \[0, 128\)"),
+        ([[1], [2, -1]], None, "prompt 1: token id -1 is outside"),
+        ([[1, 2]], 128, "eos_token_id 128 is outside the model's vocabulary .*could never end"),
+        ([[1, 2]], -1, "eos_token_id -1 is outside"),
+    ],
+)
+def test_ids_outside_the_vocabulary_are_a_one_line_error(nano, prompts, eos, message):
+    """An out-of-vocabulary or negative prompt id was a bare IndexError from the embedding, and an EOS id
+    outside the vocabulary was accepted though it can never be sampled."""
+    with pytest.raises(K2LabError, match=message):
+        generate(nano, prompts, GenerationConfig(max_new_tokens=2, eos_token_id=eos))
+
+
+def test_a_prompt_longer_than_the_context_is_refused():
+    """A prompt past ``max_position_embeddings`` decoded on silently; new tokens may still pass it (a
+    training run's closing sample and serve's background compile decode a fixed number of tokens)."""
+    model = nano_variant(max_position_embeddings=16)
+    with pytest.raises(K2LabError, match=r"prompt 1 has 17 tokens, more than the model's context of 16"):
+        generate(model, [[1], list(range(1, 18))], GenerationConfig(max_new_tokens=1))
+    assert len(generate(model, [list(range(1, 17))], GenerationConfig(max_new_tokens=3))[0]) == 3
+
+
 @pytest.fixture(scope="module", params=["k2-nano", "k3-nano"])
 def both(request):
     overrides = KIMI_LINEAR_STYLE if request.param == "k3-nano" else {}
@@ -104,7 +130,7 @@ def test_continued_cache_decodes_as_a_fresh_prefill(both):
 
 def test_continuation_must_extend_the_cached_tokens(nano):
     cache = GenerationCache()
-    out = generate(nano, [[5, 6, 7]], GenerationConfig(max_new_tokens=2), cache=cache)
+    (out,) = generate(nano, [[5, 6, 7]], GenerationConfig(max_new_tokens=2), cache=cache)
     with pytest.raises(ValueError, match="differs at token 1"):
         generate(nano, [[5, 9, 7, *out, 3]], cache=cache)
     with pytest.raises(ValueError, match="is not longer"):

@@ -121,6 +121,8 @@ def test_a_draft_that_does_not_fit_the_target_is_refused():
         speculative_generate(nope, EagleDraft(nope, target.mtp[0]), [[1, 2, 3]], config)
     with pytest.raises(K2LabError, match="built on another model than the target: hidden_size 64 != 32"):
         speculative_generate(k2(hidden_size=32, q_lora_rank=16), EagleDraft(target, target.mtp[0]), [[1]])
+    with pytest.raises(K2LabError, match="prompt 0: token id 128 is outside"):
+        speculative_generate(target, ModelDraft(target), [[1, 128]], config)
 
 
 def test_constraint_falls_back_to_plain_decoding():

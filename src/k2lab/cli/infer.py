@@ -186,13 +186,10 @@ def generate(
         prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text) for text in prompt]
         _media_placeholders(model, prompts)
     decoder = getattr(model, "language_model", model)
-    vocab = decoder.config.vocab_size
     context = decoder.config.max_position_embeddings
-    for ids in prompts:
+    for ids in prompts:  # the ids' vocabulary is checked by generation (``check_prompts``)
         if not ids:
             raise K2LabError("a prompt encodes to no tokens")
-        if max(ids) >= vocab:
-            raise K2LabError(f"prompt token id {max(ids)} is outside the model's vocabulary [0, {vocab})")
         image_tokens = ids.count(model.config.image_token_id) if media else 0
         _check_context(ids, image_tokens, config.max_new_tokens, context)
     if config.eos_token_id is None:  # the model's own end of sequence unless the recipe names one

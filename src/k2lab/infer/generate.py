@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from k2lab.errors import K2LabError
 from k2lab.hardware import Precision
 from k2lab.infer.cache import KDAState, LatentCache, RowState
 from k2lab.infer.compiled import CompileMode, decode_step
@@ -162,6 +163,31 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.T
     return _pad(prompts, pad_id)
 
 
+def check_prompts(model: torch.nn.Module, prompts: Sequence[Sequence[int]], eos_token_id: int | None) -> None:
+    """``K2LabError`` (one line) for a prompt id or ``eos_token_id`` outside ``model``'s vocabulary (the
+    embedding's IndexError; an EOS that can never be sampled) or a prompt longer than its context
+    (``max_position_embeddings``: positions it was never trained on). New tokens may still run past the
+    context: ``k2lab generate``, agentic rollouts and ``k2lab serve`` refuse that themselves, while a training
+    run's closing sample and serve's background compile decode a fixed number of tokens whatever it is."""
+    config = getattr(model, "language_model", model).config
+    vocab, context = config.vocab_size, config.max_position_embeddings
+    if eos_token_id is not None and not 0 <= eos_token_id < vocab:
+        raise K2LabError(
+            f"eos_token_id {eos_token_id} is outside the model's vocabulary [0, {vocab}): it could never end "
+            "a sequence"
+        )
+    for row, prompt in enumerate(prompts):
+        if len(prompt) > context:
+            raise K2LabError(
+                f"prompt {row} has {len(prompt)} tokens, more than the model's context of {context} "
+                "(max_position_embeddings)"
+            )
+        low, high = (min(prompt), max(prompt)) if len(prompt) else (0, 0)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise K2LabError(f"prompt {row}: token id {bad} is outside the model's vocabulary [0, {vocab})")
+
+
 def last_positions(valid: torch.Tensor) -> torch.Tensor:
     """The ``logits_mask`` [B, T] of a left-padded batch's last positions (the only logits a prefill needs:
     the head over a whole prompt, [B·T, V], was ≈ 23 % of a k2-mini prefill)."""
@@ -214,6 +240,7 @@ def generate(
     ``eos_token_id`` needs checking after each step.
     """
     config = config or GenerationConfig()
+    check_prompts(model, prompts, config.eos_token_id)
     param = next(model.parameters())
     if row_seeds is not None and len(row_seeds) != len(prompts):
         raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts")

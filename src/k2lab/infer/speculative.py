@@ -41,6 +41,7 @@ from k2lab.infer.draft import Draft, check_draft
 from k2lab.infer.generate import (
     Constraint,
     GenerationConfig,
+    check_prompts,
     generate,
     last_positions,
     left_pad,
@@ -372,6 +373,7 @@ def speculative_generate(
         return generate(
             model, prompts, config, constraints=constraints, row_seeds=row_seeds
         ), SpeculativeStats()
+    check_prompts(model, prompts, config.eos_token_id)
     param = next(model.parameters())
     ids, valid = left_pad(prompts, model.config.pad_token_id or 0)
     ids, valid = ids.to(param.device), valid.to(param.device)
