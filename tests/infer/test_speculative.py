@@ -103,6 +103,25 @@ def test_max_new_tokens_exact(budget):
     assert [len(row) for row in out] == [budget] * len(PROMPTS)
 
 
+@pytest.mark.parametrize(("budget", "eos_at"), [(12, None), (7, None), (12, 5), (9, 2)])
+def test_stats_count_the_tokens_emitted(budget, eos_at):
+    """Tokens verified but cut at ``max_new_tokens`` or after EOS are not counted: 12 tokens of a self-draft
+    at k = 4 are the prefill's and 11 from 3 verify forwards (3.67 per forward, not the 4.00 reported)."""
+    target = k2()
+    plain = generate(target, PROMPTS, GenerationConfig(max_new_tokens=budget))
+    eos = None if eos_at is None else plain[1][eos_at]
+    config = GenerationConfig(max_new_tokens=budget, eos_token_id=eos)
+    out, stats = speculative_generate(target, ModelDraft(target), PROMPTS, config, num_draft_tokens=4)
+    assert out == generate(target, PROMPTS, config)
+    emitted = sum(len(row) - 1 for row in out)  # all but each row's first token (the prefill's)
+    assert stats.accepted + stats.row_steps == emitted
+    assert stats.tokens_per_step == emitted / stats.row_steps
+    if (budget, eos_at) == (12, None):
+        single, alone = speculative_generate(target, ModelDraft(target), [[1, 2, 3]], config)
+        assert (len(single[0]), alone.steps, alone.accepted) == (12, 3, 8)
+        assert alone.tokens_per_step == pytest.approx(11 / 3)
+
+
 def test_a_draft_that_does_not_fit_the_target_is_refused():
     """A draft of another vocabulary (an IndexError in the embedding, or silently proposing ids the target
     lacks) and an EAGLE module of another model (an AttributeError in the rotary tables) are one-line

@@ -127,7 +127,11 @@ def _uniform(rows: int, width: int, generator: Generators, device: torch.device)
 
 @dataclass
 class SpeculativeStats:
-    """Counts over (row, verify step) pairs of live rows: ``accepted`` drafted tokens of ``proposed``."""
+    """Counts over (row, verify step) pairs of live rows: ``accepted`` drafted tokens of ``proposed``.
+
+    ``speculative_generate`` counts what a row kept: at ``max_new_tokens`` or after an EOS the rest of a
+    step's tokens are dropped and not counted (a step that keeps only drafted tokens counts one of them as
+    its own), so ``accepted + row_steps`` is exactly the tokens emitted after the prefill's."""
 
     steps: int = 0  # verify forwards
     row_steps: int = 0
@@ -396,13 +400,20 @@ def speculative_generate(
         stats.steps += 1
         stats.row_steps += len(live)
         stats.proposed += k * len(live)
-        stats.accepted += int(counts.sum()) - len(live)
         for row, new, count in zip(live, tokens.tolist(), counts.tolist(), strict=True):
-            for token in new[:count]:
-                if len(outputs[row]) == budget or outputs[row][-1] == eos:
-                    break
-                outputs[row].append(token)
+            stats.accepted += _append(outputs[row], new[:count], budget, eos) - 1
     return outputs, stats
+
+
+def _append(output: list[int], tokens: list[int], budget: int, eos: int | None) -> int:
+    """Append ``tokens`` to a live row's ``output`` until it holds ``budget`` tokens or ends with ``eos``;
+    how many were appended (at least one: the row was live)."""
+    before = len(output)
+    for token in tokens:
+        if len(output) == budget or output[-1] == eos:
+            break
+        output.append(token)
+    return len(output) - before
 
 
 def _drop_finished(
