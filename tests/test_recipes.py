@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from k2lab.errors import K2LabError
-from k2lab.recipes import RecipeError, booleans_for_numbers, load_config
+from k2lab.recipes import RecipeError, booleans_for_numbers, load_config, read_recipe, set_dotted
 from k2lab.train.config import load_train_config
 
 
@@ -71,3 +71,19 @@ def test_training_recipes_refuse_booleans_for_numbers(tmp_path):
     with pytest.raises(K2LabError, match=r"seq_len: takes an integer, not true"):
         load_train_config(None, seq_len=True)
     assert load_train_config(recipe, save_every=5).optimizer.lr == 1.0  # a TOML integer is a number
+
+
+def test_a_dotted_key_through_a_plain_value_is_a_clear_error():
+    """`--set steps=3 --set steps.x=1` raised TypeError ('int' object does not support item assignment)."""
+    with pytest.raises(K2LabError, match=r"steps.x: steps is 3, not a table, so it has no field 'x'"):
+        set_dotted({"steps": 3}, {"steps.x": 1})
+    with pytest.raises(K2LabError, match=r"a.b.c: a.b is 'v', not a table"):
+        set_dotted({}, {"a.b": "v", "a.b.c": 1})
+    assert set_dotted({"a": {"b": 1}}, {"a.c": 2, "d.e": 3}) == {"a": {"b": 1, "c": 2}, "d": {"e": 3}}
+
+
+def test_a_recipe_opening_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows editors write one; tomllib called it an "Invalid statement (at line 1, column 1)"."""
+    recipe = tmp_path / "bom.toml"
+    recipe.write_bytes(b"\xef\xbb\xbfsteps = 3\n")
+    assert read_recipe(recipe) == {"steps": 3}

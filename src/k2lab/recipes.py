@@ -40,7 +40,7 @@ def read_recipe(recipe: str | Path | None) -> dict[str, Any]:
         return {}
     path = Path(recipe)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is no TOML
     except FileNotFoundError as error:
         raise K2LabError(f"recipe {path} does not exist") from error
     except tomllib.TOMLDecodeError as error:
@@ -58,8 +58,11 @@ def set_dotted(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, 
             continue
         target = data
         *parents, leaf = key.split(".")
-        for parent in parents:
+        for depth, parent in enumerate(parents, 1):
             target = target.setdefault(parent, {})
+            if not isinstance(target, dict):
+                table = ".".join(parents[:depth])
+                raise K2LabError(f"{key}: {table} is {target!r}, not a table, so it has no field {leaf!r}")
         target[leaf] = value
     return data
 
