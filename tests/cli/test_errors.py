@@ -274,3 +274,24 @@ def test_one_process_commands_are_refused_under_torchrun(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])  # no command: the help
     assert exit_info.value.code == 0
+
+
+def test_init_replaces_only_a_checkpoint_init_could_have_written(tmp_path, capsys):
+    """`init -o runs/a/model` replaced a trained model with random weights and deleted its tokenizer."""
+    from k2lab.train.run_directory import RUN_MARKER
+
+    def init(out):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["init", "--preset", "k2-nano", "--out", str(out)])
+        return exit_info.value.code
+
+    out = tmp_path / "run" / "model"
+    assert init(out) in (0, None) and init(out) in (0, None)  # an earlier init output: replaced
+    (out / "tokenizer.json").write_text("{}")  # a trained model's directory
+    weights = (out / "model.safetensors").read_bytes()
+    assert init(out) == 2 and "no earlier `k2lab init` checkpoint" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    (out / "tokenizer.json").unlink()
+    (tmp_path / "run" / RUN_MARKER).write_text("{}")  # a run's model/
+    assert init(out) == 2 and (out / "model.safetensors").read_bytes() == weights

@@ -122,6 +122,17 @@ def params(
         console.print(f"published: {figures} ({published['note']})")
 
 
+def is_earlier_init(directory: Path) -> bool:
+    """Whether ``directory`` is a model ``init`` may replace: one it could have written (no tokenizer.json; not
+    a run's model/). ``init -o runs/a/model`` replaced a trained model with random weights and deleted its
+    tokenizer."""
+    from k2lab.fsutil import is_model_directory
+    from k2lab.train.run_directory import is_run_directory
+
+    trained = (directory / "tokenizer.json").exists() or is_run_directory(directory.parent)
+    return is_model_directory(directory) and not trained
+
+
 @app.command()
 def init(
     preset: PresetOption,
@@ -145,7 +156,7 @@ def init(
             f"preset {preset!r} has {total:,} parameters; `init` materialises weights in memory, which this "
             "command refuses above 2B. Use `k2lab params` to inspect large presets."
         )
-    check_replaceable(out, "a checkpoint")
+    check_replaceable(out, "a checkpoint", earlier=is_earlier_init, kind="`k2lab init` checkpoint")
     model = build_model(config, seed=seed)
     if hf:
         from k2lab.hf import to_hf
