@@ -20,7 +20,8 @@ def trained(monkeypatch) -> list[str]:
     """``run_training`` replaced by a stand-in that records the run directories it was given."""
     seen: list[str] = []
 
-    def fake_run_training(config: TrainConfig) -> dict:
+    def fake_run_training(config: TrainConfig, resume_hint: str) -> dict:
+        assert resume_hint == common.RERUN_HINT  # a study has no --resume: Ctrl-C must not offer one
         Path(config.out).mkdir(parents=True, exist_ok=True)
         seen.append(config.out)
         return {"val_loss": 1.0}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from k2lab.errors import CheckpointError, K2LabError
-from k2lab.train.config import load_train_config
+from k2lab.train.config import TrainConfig, load_train_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.trainer import run_training
 
@@ -365,3 +365,19 @@ def test_document_masking_run(tmp_path, corpus, preset):
     assert all(row["loss"] > 0 for row in rows[True])
     # the second batch crosses a document boundary, so masking changes the loss curve from there on
     assert [r["loss"] for r in rows[True]] != pytest.approx([r["loss"] for r in rows[False]], rel=1e-6)
+
+
+def test_an_interrupted_run_says_what_its_caller_offers(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in a study's run told the user to pass --resume, an option no study has."""
+    from k2lab.train import trainer
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    monkeypatch.setattr("k2lab.train.sources.build_training_data", lambda config, log: None)
+    config = TrainConfig(preset="k2-nano", out=str(tmp_path / "run"))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run_training(config, resume_hint="run the study again")
+    out = " ".join(capsys.readouterr().out.split())
+    assert "keeps no checkpoint yet" in out and out.endswith("run the study again") and "--resume" not in out

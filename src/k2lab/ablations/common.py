@@ -185,6 +185,10 @@ def run_times(summary: dict[str, Any], reused: bool) -> dict[str, Any]:
     }
 
 
+# what an interrupted run of a study says: the study has no --resume, and runs its unfinished runs again
+RERUN_HINT = "running the study again starts this run afresh (a study reuses only finished runs)"
+
+
 # ---- running ---------------------------------------------------------------------------------------------
 def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]:
     """Run ``config`` (``run_training``) unless its directory holds a finished run of the same recipe.
@@ -211,7 +215,7 @@ def train_or_reuse(config: TrainConfig, keep_weights: bool) -> tuple[dict, bool]
         shutil.rmtree(run_dir)
     start, cpu_start = time.perf_counter(), time.process_time()
     try:
-        summary = dict(run_training(config))
+        summary = dict(run_training(config, resume_hint=RERUN_HINT))
     except TrainingDiverged as error:  # an outcome of the study: the run's curve ends where it diverged
         summary = {"val_loss": math.nan, "steps": error.step - 1, "diverged": str(error)}
     summary["seconds"] = time.perf_counter() - start

@@ -283,8 +283,12 @@ def sample_text(model: CausalLM, tokenizer: Tokenizer, prompt: str, tokens: int,
     return prompt + tokenizer.decode(generate(model, [ids], settings)[0], skip_special_tokens=True)
 
 
-def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
-    """Train per ``config``; writes the run directory and returns the final summary.
+RESUME_HINT = "run the same command with --resume to continue"  # k2lab train / sft: what Ctrl-C says to do
+
+
+def run_training(config: TrainConfig, resume: bool = False, resume_hint: str = RESUME_HINT) -> dict[str, Any]:
+    """Train per ``config``; writes the run directory and returns the final summary. ``resume_hint``: what
+    an interrupted run's message tells the user to do (a caller without ``--resume`` says its own way).
 
     Under ``torchrun`` every process runs this: data-parallel FSDP2 over the global ``batch_size``
     (see ``k2lab.train.distributed``); rank 0 prints and writes the run directory.
@@ -313,8 +317,7 @@ def run_training(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
             saved = list_checkpoints(run_dir)
             where = f"its last checkpoint, step {saved[0][0]}" if saved else "no checkpoint yet"
             console.print(
-                f"\ninterrupted: {run_dir} keeps {where} (later steps were not saved); run the same command "
-                "with --resume to continue",
+                f"\ninterrupted: {run_dir} keeps {where} (later steps were not saved); {resume_hint}",
                 markup=False,
                 soft_wrap=True,
             )

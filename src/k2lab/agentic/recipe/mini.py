@@ -289,7 +289,7 @@ def _train(train: Any, directory: Path) -> dict[str, Any]:
     stage's ``done.json``: its settings were checked by the stage)."""
     if results_written(directory):
         return json.loads((directory / SUMMARY_FILE).read_text())
-    return run_training(train, resume=True)
+    return run_training(train, resume=True, resume_hint="run the same command again to continue")
 
 
 def rl_config(config: RecipeConfig) -> Any:
