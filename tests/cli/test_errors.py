@@ -295,3 +295,17 @@ def test_init_replaces_only_a_checkpoint_init_could_have_written(tmp_path, capsy
     (out / "tokenizer.json").unlink()
     (tmp_path / "run" / RUN_MARKER).write_text("{}")  # a run's model/
     assert init(out) == 2 and (out / "model.safetensors").read_bytes() == weights
+
+
+def test_token_ids_prompts_that_are_not_ids_say_why_ids_were_expected(tmp_path, small_tokenizer, capsys):
+    """With --token-ids, the error said the checkpoint had no tokenizer.json, beside the one it has."""
+    from k2lab import build_model, load_preset
+    from k2lab.model_dir import save_model
+
+    save_model(build_model(load_preset("k2-nano", vocab_size=300)), tmp_path / "m")
+    small_tokenizer.save(tmp_path / "m" / "tokenizer.json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "-c", str(tmp_path / "m"), "--token-ids", "--prompt", "abc"])
+    error = " ".join(capsys.readouterr().err.split())
+    assert exit_info.value.code == 2 and "--token-ids was given, so --prompt must be token ids" in error
+    assert "no tokenizer.json" not in error

@@ -27,13 +27,13 @@ draft_app = typer.Typer(
 app.add_typer(draft_app, name="draft")
 
 
-def parse_token_ids(text: str) -> list[int]:
-    """'1 2 3' or '1,2,3' -> [1, 2, 3] (the prompts of a checkpoint without a tokenizer.json)."""
+def parse_token_ids(text: str, why: str = "this checkpoint has no tokenizer.json") -> list[int]:
+    """'1 2 3' or '1,2,3' -> [1, 2, 3] (the prompts of a checkpoint without a tokenizer.json, or of
+    --token-ids: ``why`` says which in the error)."""
     parts = [part for part in re.split(r"[\s,]+", text.strip()) if part]
     if not parts or not all(part.isdigit() for part in parts):
         raise K2LabError(
-            "this checkpoint has no tokenizer.json, so --prompt must be token ids separated by spaces or "
-            f"commas (e.g. '1 2 3'), got {text!r}"
+            f"{why}, so --prompt must be token ids separated by spaces or commas (e.g. '1 2 3'), got {text!r}"
         )
     return [int(part) for part in parts]
 
@@ -183,7 +183,8 @@ def generate(
     if image:
         prompts, media = _image_prompts(model, tokenizer, image, prompt)
     else:
-        prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text) for text in prompt]
+        why = "--token-ids was given" if token_ids else "this checkpoint has no tokenizer.json"
+        prompts = [tokenizer.encode(text) if tokenizer else parse_token_ids(text, why) for text in prompt]
         _media_placeholders(model, prompts)
     decoder = getattr(model, "language_model", model)
     context = decoder.config.max_position_embeddings
