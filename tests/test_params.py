@@ -37,6 +37,16 @@ def test_params_cli_json():
     assert round(data["active"] / 1e9, 2) == 32.86
 
 
+def test_params_json_of_a_vision_language_preset_names_the_preset_asked_for(capsys):
+    """`params -p k25-mini --json` said "preset": "k2-mini" (its language model)."""
+    from k2lab.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["params", "--preset", "k25-mini", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["preset"] == "k25-mini" and data["language_model"] == "k2-mini" and data["vision_language"]
+
+
 def kda_layer_params(D: int, H: int, K: int, kernel: int, full_rank_gate: bool) -> int:
     """Hand count of one KDA layer (projections, conv, forget gate, beta, output gate, norm)."""
     width = H * K

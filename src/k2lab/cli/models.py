@@ -87,7 +87,10 @@ def params(
     report = count_parameters(language_model_config(preset))
     vision = vlm_parameter_counts(load_vlm_preset(preset)) if get_preset(preset).is_vision_language else None
     if as_json:
-        print(json.dumps({**report.to_dict(), **({"vision_language": vision} if vision else {})}))
+        counts = report.to_dict()
+        if vision:  # the preset asked for, its language model's beside it
+            counts |= {"preset": preset, "language_model": report.preset, "vision_language": vision}
+        print(json.dumps(counts))
         return
     part = " of the language model" if vision else ""
     table = Table(title=f"{preset}: parameters{part} (exact, from the model built on the meta device)")
