@@ -654,3 +654,24 @@ def test_a_loss_weight_that_is_not_finite_is_refused(field):
     """--tau inf ended in "training diverged ... lower the learning rate"."""
     with pytest.raises(ValueError, match=f"{field}\n  Input should be a finite number"):
         RLConfig(**{field: math.inf})
+
+
+def test_bad_inputs_are_refused_before_the_output_directory_is_claimed(small_tokenizer, tmp_path, capsys):
+    """`k2lab rl --envs nope` (or a missing critic / PTX corpus, or a wrong --env-weights count) left a
+    run.json in --out, and the next command there was told it held a `k2lab rl` run."""
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        RLConfig(envs=["arithmetic", "nope"])
+    with pytest.raises(ValueError, match="env_weights gives 1 weights for 2 environments"):
+        RLConfig(envs=["arithmetic", "coding"], env_weights=[1.0])
+    model = save_model(build_model(load_preset("k2-nano", vocab_size=300)), tmp_path / "m")
+    small_tokenizer.save(model / "tokenizer.json")
+    for extra in (
+        ["--envs", "nope"],
+        ["--critic", str(tmp_path / "gone")],
+        ["--ptx-data", str(tmp_path / "gone")],
+    ):
+        out = tmp_path / "out"
+        with pytest.raises(SystemExit) as exit_info:
+            main(["rl", "-c", str(model), "--out", str(out), *extra, "--ptx-weight", "0.1"])
+        assert exit_info.value.code == 2, capsys.readouterr()
+        assert not out.exists(), extra

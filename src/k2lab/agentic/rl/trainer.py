@@ -69,7 +69,7 @@ from k2lab.agentic.episodes.rollout import (
     save_rollouts,
 )
 from k2lab.agentic.rl.critic import Preference, RubricCritic
-from k2lab.agentic.rl.envs import EnvMixture, build_env
+from k2lab.agentic.rl.envs import EnvMixture, build_env, check_env_name
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
@@ -189,6 +189,19 @@ class RLConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _environments_exist(self) -> RLConfig:
+        """Known environment names and one weight per environment: checked with the config, before ``k2lab
+        rl`` claims its output directory (a refused run left a run.json that the next command tripped on)."""
+        for name in self.envs:
+            check_env_name(name)
+        if self.env_weights is not None and len(self.env_weights) != len(self.envs):
+            raise ValueError(
+                f"env_weights gives {len(self.env_weights)} weights for {len(self.envs)} environments: give one "
+                "per environment"
+            )
+        return self
+
 
 # ------------------------------------------------------------------------------------------ the math
 
@@ -267,9 +280,7 @@ class RLTrainer(IterativeTrainer):
     ) -> None:
         self.model, self.tokenizer, self.sources = model.eval(), tokenizer, dict(sources or {})
         super().__init__(config, out_dir)
-        weights = config.env_weights or [1.0] * len(config.envs)
-        if len(weights) != len(config.envs):
-            raise ValueError("env_weights must give one weight per environment")
+        weights = config.env_weights or [1.0] * len(config.envs)  # one per environment (RLConfig)
         self.env = env or EnvMixture(
             [(build_env(name), w) for name, w in zip(config.envs, weights, strict=True)],
             config.step_timeout_s,
@@ -618,6 +629,10 @@ def run_rl(
     checkpoint, out = check_model_directory(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
+    if config.critic not in ("self", "none"):  # the inputs, before the output directory is claimed
+        check_model_directory(config.critic)
+    if config.ptx_data is not None and not Path(config.ptx_data).expanduser().exists():
+        raise K2LabError(f"ptx_data {config.ptx_data} does not exist")
     claim_run_directory(
         out, "rl", [checkpoint, config.critic if config.critic not in ("self", "none") else None]
     )
