@@ -268,7 +268,7 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_free(scripted, small_tokenize
     def slow_encode(self, text: str, allow_special: bool = True) -> list[int]:
         if text == "BLOCKED":
             entered.set()
-            released.wait(timeout=10)
+            released.wait(timeout=30)  # on the event loop (the old server) /health waits all of it
         return encode(self, text, allow_special)
 
     monkeypatch.setattr(type(small_tokenizer), "encode", slow_encode)
@@ -276,7 +276,7 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_free(scripted, small_tokenize
     request.start()
     try:
         assert entered.wait(timeout=10)
-        assert httpx.get(scripted[0] + "/health", timeout=3).json()["status"] == "ok"
+        assert httpx.get(scripted[0] + "/health", timeout=15).json()["status"] == "ok"
     finally:
         released.set()
         request.join()
