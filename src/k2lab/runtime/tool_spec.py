@@ -76,9 +76,8 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 INDENT = "  "
 MAX_REF_DEPTH = 8  # references inlined inside one another
 MAX_REF_EXPANSIONS = 256  # references inlined in one declaration
-MAX_SCHEMA_DEPTH = (
-    64  # objects and arrays nested in one parameters schema (the renderers recurse through them)
-)
+# objects and arrays nested in one parameters schema (the renderers and the enforcer recurse through them)
+MAX_SCHEMA_DEPTH = 64
 REF_KEYWORDS = ("$ref", "$dynamicRef")
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 

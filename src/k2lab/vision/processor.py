@@ -22,11 +22,13 @@ PIL images become uint8 RGB first: transparency is composited onto white, 16-bit
 ``I``) is scaled by 1/257 (rounded); uint16 arrays and tensors are scaled the same way. Other integer and
 float arrays / tensors are taken as 0–255 values (as transformers, which rescales every input by 1/255); a
 float RGBA one is composited with α in [0, 1] onto 1.0, as transformers does. An empty image or video, or
-a video whose frames differ in size, raises ``ImageInputError`` (a ``ValueError``) naming it. A PIL image at least 4× its step-1 size (H', W') per side is shrunk in
-PIL before any array is made, so its full-size pixels never become arrays: a JPEG not yet loaded is decoded
-at 1/2, 1/4 or 1/8 scale (``Image.draft``, which changes that image object in place), then the image is
-box-averaged by f = min(⌊H/2H'⌋, ⌊W/2W'⌋) (``Image.reduce``); step 1 then resizes from ≥ 2·(H', W') to the
-(H', W') of the original size. Smaller images take exactly the path above.
+a video whose frames differ in size, raises ``ImageInputError`` (a ``ValueError``) naming it.
+
+A PIL image at least 4× its step-1 size (H', W') per side is shrunk in PIL before any array is made, so its
+full-size pixels never become arrays: a JPEG not yet loaded is decoded at 1/2, 1/4 or 1/8 scale
+(``Image.draft``, which changes that image object in place), then the image is box-averaged by f =
+min(⌊H/2H'⌋, ⌊W/2W'⌋) (``Image.reduce``); step 1 then resizes from ≥ 2·(H', W') to the (H', W') of the
+original size. Smaller images take exactly the path above.
 """
 
 from __future__ import annotations
