@@ -75,3 +75,29 @@ def test_malformed_messages_are_clear_errors(tokenizer, messages):
     config = load_vlm_preset("k25-nano", tokenizer.special_tokens, vocab_size=300)
     with pytest.raises(ValueError, match=r"messages\[0\]"):
         render_multimodal_chat(tokenizer, messages, config.vision)
+
+
+def test_visual_chat_prompt_is_k2_chat_with_the_image_block_before_the_question(tokenizer):
+    """A visual task asked in chat is K2's rendering of the same user turn (``K2ChatFormat``) with the image's
+    ``<|media_begin|>image<|media_content|><|media_pad|>×n<|media_end|>`` where the content starts; the
+    chat-mode evaluation answers it up to the turn's end."""
+    from k2lab.runtime.chat_format import K2ChatFormat
+    from k2lab.vision.chat import visual_chat_prompt
+    from k2lab.vision.evaluate import answer_visual_samples
+    from k2lab.vision.mixture import image_prompt_ids
+
+    config = load_vlm_preset("k25-nano", tokenizer.special_tokens, vocab_size=300)
+    sample = make_task("counting", 3)
+    ids, media = visual_chat_prompt(sample, tokenizer, config.vision)
+    text = (
+        K2ChatFormat()
+        .encode_chat(tokenizer, [{"role": "user", "content": sample.prompt}], add_generation_prompt=True)
+        .ids
+    )
+    head = list(text).index(tokenizer.special_tokens["<|im_middle|>"]) + 1
+    n = num_image_tokens(sample.image.height, sample.image.width, config.vision)
+    assert ids == list(text[:head]) + image_prompt_ids(tokenizer, n) + list(text[head:])
+    assert media["image_grid_thw"].shape == (1, 3) and ids.count(tokenizer.special_tokens[IMAGE_PAD]) == n
+    model = build_vlm(config)
+    answers = answer_visual_samples(model, tokenizer, [sample, make_task("ocr", 4)], 3, chat=True)
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)

@@ -27,7 +27,7 @@ from k2lab.vision.config import VisionConfig
 from k2lab.vision.moonvit import vision_token_counts
 from k2lab.vision.processor import ProcessorConfig, preprocess_images, preprocess_videos
 
-__all__ = ["ROLES", "render_multimodal_chat"]
+__all__ = ["ROLES", "render_multimodal_chat", "visual_chat_prompt"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -126,3 +126,23 @@ def _expand(
         taken[kind] += 1
         previous = position
     return out + ids[previous:], media
+
+
+def visual_chat_prompt(
+    sample: Any,
+    tokenizer: Tokenizer,
+    vision: VisionConfig,
+    processor: ProcessorConfig | None = None,
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A synthetic visual task (``k2lab.vision.tasks.VisualSample``) asked in chat: one user turn holding the
+    image, then the question, and the assistant's generation prompt::
+
+        <|im_user|>user<|im_middle|><|media_begin|>image<|media_content|><|media_pad|>×n<|media_end|>
+        {question}<|im_end|><|im_assistant|>assistant<|im_middle|>
+
+    Returns the ids and the image's pixel inputs (``pixel_values`` [n·kh·kw, 3, p, p], ``image_grid_thw`` [1, 3]).
+    """
+    content = [{"type": "image", "image": sample.image}, {"type": "text", "text": sample.prompt}]
+    return render_multimodal_chat(
+        tokenizer, [{"role": "user", "content": content}], vision, processor=processor
+    )
