@@ -1,6 +1,7 @@
-"""Agentic post-training commands: ``rl``, ``factory generate``, ``recipe agentic-mini``, ``mopd``.
+"""Agentic post-training commands: ``rl``, ``visual-rl``, ``factory generate``, ``recipe agentic-mini``, ``mopd``.
 
-Each command that runs a config (``RLConfig``, ``FactoryConfig``, ``RecipeConfig``, ``MOPDConfig``) takes
+Each command that runs a config (``RLConfig``, ``VisualRLConfig``, ``FactoryConfig``, ``RecipeConfig``,
+``MOPDConfig``) takes
 ``--recipe FILE.toml``, repeatable ``--set key.path=value`` and named options derived from the config
 (``k2lab.cli.options``): the defaults and most help texts live on the config's fields.
 """
@@ -31,8 +32,13 @@ from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
 from k2lab.fsutil import check_output_file
+from k2lab.vision.rl import VisualRLConfig, run_visual_rl
+from k2lab.vision.rl import iteration_report as visual_iteration_report
 
 CpuThreads = Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")]
+ResumeRun = Annotated[
+    bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoints when present.")
+]
 
 
 def _options(*names: str) -> dict[str, Opt]:
@@ -70,9 +76,7 @@ def rl(
     ],
     out: Annotated[Path, typer.Option(help="Run directory (metrics, checkpoints, final model).")],
     threads: CpuThreads = None,
-    resume: Annotated[
-        bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoints when present.")
-    ] = True,
+    resume: ResumeRun = True,
 ) -> None:
     """Joint RL (K2): verifiable environments + rubric critic, K1.5's objective, MuonClip, exact resume."""
     try:
@@ -86,6 +90,49 @@ def rl(
     console.print(
         f"RL done: {len(history)} iterations this run, last mean reward {last.get('mean_reward')}, "
         f"metrics in {out / 'metrics.jsonl'}, policy in {out / 'model'}"
+    )
+
+
+VISUAL_RL_OPTIONS = {
+    **_options("iterations"),
+    "prompts_per_iteration": Opt("prompts_per_iteration", "--prompts-per-iteration", "--prompts"),
+    "group_size": GROUP_SIZE,
+    **_options("tasks", "max_new_tokens"),
+    "temperature_start": TEMPERATURE_START,
+    **_options("temperature_floor", "temperature_decay", "tau", "offpolicy_clip"),
+    "updates_per_iteration": UPDATES_PER_ITERATION,
+    **_options("freeze_vision"),
+    "lr": MUONCLIP_LR,
+    **_options("eval_samples", "checkpoint_every", "keep_checkpoints", "seed"),
+}
+
+
+@app.command("visual-rl")
+@runs_config(VisualRLConfig, options=VISUAL_RL_OPTIONS)
+def visual_rl(
+    config: VisualRLConfig,
+    checkpoint: Annotated[
+        Path,
+        typer.Option("--checkpoint", "-c", help="Vision-language model directory with tokenizer.json."),
+    ],
+    out: Annotated[Path, typer.Option(help="Run directory (metrics, checkpoints, summary, final model).")],
+    threads: CpuThreads = None,
+    resume: ResumeRun = True,
+) -> None:
+    """K2.5's visual RL: synthetic visual tasks asked in chat, K answers per image, visual rewards, K1.5's
+    objective, MuonClip on the language model and the tower, held-out chat evaluation before and after."""
+    try:
+        history = run_visual_rl(
+            checkpoint, out, config, resume=resume, threads=threads,
+            on_iteration=lambda m: console.print(visual_iteration_report(m, config.iterations), markup=False),
+        )  # fmt: skip
+    except ValueError as error:
+        raise K2LabError(str(error)) from error
+    last = history[-1] if history else {}
+    console.print(
+        f"visual RL done: {len(history)} iterations this run, last mean reward {last.get('mean_reward')}, "
+        f"held-out before/after in {out / 'summary.json'}, model in {out / 'model'}",
+        markup=False,
     )
 
 
