@@ -35,11 +35,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from k2lab.fsutil import make_directory
-from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
-from k2lab.train.run_checkpoints import CheckpointWriter
+import torch
 
-__all__ = ["METRICS", "IterativeTrainer", "LoopConfig", "rounded_mean"]
+from k2lab.errors import K2LabError
+from k2lab.fsutil import make_directory
+from k2lab.model_dir import save_model
+from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
+from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints
+from k2lab.train.run_directory import claim_run_directory
+
+__all__ = ["METRICS", "IterativeTrainer", "LoopConfig", "open_run", "rounded_mean", "save_policy"]
 
 METRICS = "metrics.jsonl"
 
@@ -150,6 +155,26 @@ class IterativeTrainer(ABC):
     def history(self) -> list[dict[str, Any]]:
         """Every metrics line logged in ``out_dir`` so far (resumed runs included)."""
         return metrics_history(self.out / self.metrics_file)
+
+
+def open_run(
+    out: Path, command: str, reads: Sequence[str | Path | None], resume: bool, threads: int | None, seed: int
+) -> None:
+    """Start a post-training command's run in ``out``: claim it (``claim_run_directory``; ``reads``: the
+    directories it loads), refuse its checkpoints when ``resume`` is False, set the torch threads and seed."""
+    claim_run_directory(out, command, reads)
+    if not resume and list_checkpoints(out):
+        raise K2LabError(f"{out} already holds checkpoints: resume it or choose another --out")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+
+
+def save_policy(model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
+    """The trained model with its tokenizer in ``out/model`` (what ``-c`` of the next command takes)."""
+    directory = save_model(model, out / "model")
+    tokenizer.save(directory / "tokenizer.json")
+    return directory
 
 
 def metrics_history(path: Path) -> list[dict[str, Any]]:

@@ -46,15 +46,13 @@ from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text
 from k2lab.infer.generate import GenerationConfig, generate
-from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_model, save_model
+from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
-from k2lab.posttrain.base import IterativeTrainer, rounded_mean
+from k2lab.posttrain.base import IterativeTrainer, open_run, rounded_mean, save_policy
 from k2lab.runtime.chat import IM_END
 from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
-from k2lab.train.run_checkpoints import list_checkpoints
-from k2lab.train.run_directory import claim_run_directory
 from k2lab.train.sections import VisionDataConfig
 from k2lab.vision.chat import visual_chat_prompt
 from k2lab.vision.evaluate import evaluate_visual_tasks
@@ -333,17 +331,11 @@ def run_visual_rl(
             f"{checkpoint} is a text model; visual RL trains a vision-language model (k25-*, k3-vl-* presets): "
             "use `k2lab rl` for text RL"
         )
-    claim_run_directory(out, "visual-rl", [checkpoint])
-    if not resume and list_checkpoints(out):
-        raise K2LabError(f"{out} already holds checkpoints: resume it or choose another --out")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    torch.manual_seed(config.seed)
+    open_run(out, "visual-rl", [checkpoint], resume, threads, config.seed)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     sources = {"source_checkpoint_fingerprint": checkpoint_fingerprint(checkpoint)}
     history = VisualRLTrainer(model, tokenizer, config, out, sources=sources).run(on_iteration=on_iteration)
-    save_model(model, out / "model")
-    tokenizer.save(out / "model" / "tokenizer.json")
+    save_policy(model, tokenizer, out)
     return history
 
 

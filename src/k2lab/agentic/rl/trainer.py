@@ -73,16 +73,14 @@ from k2lab.agentic.rl.envs import EnvMixture, build_env, check_env_name
 from k2lab.data import PackedBatches, load_corpus, load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.fsutil import save_figure_atomically
-from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_text_model, save_model
+from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_text_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
-from k2lab.posttrain.base import METRICS, IterativeTrainer, rounded_mean
+from k2lab.posttrain.base import METRICS, IterativeTrainer, open_run, rounded_mean, save_policy
 from k2lab.posttrain.objective import budget_penalty, k15_loss
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs
 from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
-from k2lab.train.run_checkpoints import list_checkpoints
-from k2lab.train.run_directory import claim_run_directory
 
 __all__ = [
     "Group",
@@ -633,14 +631,8 @@ def run_rl(
         check_model_directory(config.critic)
     if config.ptx_data is not None and not Path(config.ptx_data).expanduser().exists():
         raise K2LabError(f"ptx_data {config.ptx_data} does not exist")
-    claim_run_directory(
-        out, "rl", [checkpoint, config.critic if config.critic not in ("self", "none") else None]
-    )
-    if not resume and list_checkpoints(out):
-        raise K2LabError(f"{out} already holds checkpoints: resume it or choose another --out")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    torch.manual_seed(config.seed)
+    critic = config.critic if config.critic not in ("self", "none") else None
+    open_run(out, "rl", [checkpoint, critic], resume, threads, config.seed)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_text_model(checkpoint, "RL")
     critic_model = None
@@ -651,8 +643,7 @@ def run_rl(
     sources = rl_sources(checkpoint, config.critic)
     trainer = RLTrainer(model, tokenizer, config, out, env=env, critic_model=critic_model, sources=sources)
     history = trainer.run(on_iteration=on_iteration)
-    save_model(model, out / "model")
-    tokenizer.save(out / "model" / "tokenizer.json")
+    save_policy(model, tokenizer, out)
     return history
 
 
