@@ -26,7 +26,7 @@ hands these batches to the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +44,7 @@ from k2lab.vision.tasks import VisualSample, make_task
 
 __all__ = [
     "EncodedSample",
+    "Encoder",
     "MixedBatches",
     "VisualStream",
     "check_samples_fit",
@@ -173,8 +174,13 @@ def pack_visual_rows(
     return batch, {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}, skipped
 
 
+Encoder = Callable[[VisualSample, Tokenizer, ProcessorConfig, VisionConfig], EncodedSample]
+"""How a stream turns a sample into tokens: ``encode_sample`` (pre-training's raw layout) or a chat layout."""
+
+
 class VisualStream:
-    """An endless, resumable stream of encoded training samples (sample i from seed ``seed``·10⁶ + i)."""
+    """An endless, resumable stream of encoded training samples (sample i from seed ``seed``·10⁶ + i),
+    encoded by ``encode`` (default ``encode_sample``)."""
 
     def __init__(
         self,
@@ -183,16 +189,33 @@ class VisualStream:
         tasks: Sequence[str],
         seed: int,
         processor: ProcessorConfig | None = None,
+        encode: Encoder = encode_sample,
     ) -> None:
         self.tokenizer, self.vision, self.tasks, self.seed = tokenizer, vision, tuple(tasks), seed
         self.processor = processor or ProcessorConfig.from_vision_config(vision)
+        self.encode = encode
         self.index = 0  # samples drawn so far
 
     def draw(self, index: int) -> EncodedSample:
         kind = self.tasks[index % len(self.tasks)]
-        return encode_sample(
+        return self.encode(
             make_task(kind, self.seed * 1_000_000 + index), self.tokenizer, self.processor, self.vision
         )
+
+    def pack(self, rows: int, seq_len: int) -> tuple[Batch, dict[str, torch.Tensor], int]:
+        """``pack_visual_rows`` of the next samples; the stream moves past exactly the samples packed (and
+        skipped), so the one that did not fit the last row starts the next call."""
+        consumed = 0
+
+        def counting() -> Iterator[EncodedSample]:
+            nonlocal consumed
+            while True:
+                yield self.draw(self.index + consumed)
+                consumed += 1
+
+        batch, media, skipped = pack_visual_rows(counting(), rows, seq_len, self.tokenizer.pad_id)
+        self.index += consumed
+        return batch, media, skipped
 
     def __iter__(self) -> Iterator[EncodedSample]:
         return self
@@ -227,7 +250,7 @@ class MixedBatches:
     """Text batches with the first n(s) rows of step s replaced by packed visual rows (``vision_rows_at``).
 
     A row that is cut short by the next sample is padded, and the sample starts the next row: the stream
-    is rewound by one sample so resuming from ``state_dict`` reproduces the same batches.
+    does not consume it (``VisualStream.pack``), so resuming from ``state_dict`` reproduces the same batches.
     """
 
     def __init__(
@@ -256,10 +279,7 @@ class MixedBatches:
         self.micro += 1
         if n == 0:
             return batch
-        start = self.stream.index
-        pad = self.stream.tokenizer.pad_id
-        visual, media, skipped = pack_visual_rows(self._counting(), n, self.seq_len, pad)
-        self.stream.index = start + self._consumed
+        visual, media, skipped = self.stream.pack(n, self.seq_len)
         self.skipped += skipped
         segments = batch.segment_ids if batch.segment_ids is not None else torch.zeros_like(batch.input_ids)
         return Batch(
@@ -268,14 +288,6 @@ class MixedBatches:
             torch.cat([visual.segment_ids, segments[n:]]),
             media=media,
         )
-
-    def _counting(self) -> Iterator[EncodedSample]:
-        """The stream, counting the samples actually packed (the one that did not fit is not consumed)."""
-        self._consumed = 0
-        base = self.stream.index
-        while True:
-            yield self.stream.draw(base + self._consumed)
-            self._consumed += 1
 
     def state_dict(self) -> dict:
         return {"micro": self.micro, "skipped": self.skipped, "stream": self.stream.state_dict()}
