@@ -27,9 +27,21 @@ pre-training corpus (``TrainConfig.data``, plain next-token loss on every token)
 over the run exactly ⌊m·B·r⌋ of the rows are PTX. The loss is the mean over all target tokens of the
 micro-batch, so a PTX row (all tokens targets) weighs more than an SFT row.
 
-Everything is resumable: ``SFTBatches.state_dict()`` (epoch, position, micro-batch count, the PTX stream's
-own state) continues with exactly the same batches, so ``k2lab sft --resume`` after a kill reproduces the
-uninterrupted losses.
+**Vision-language checkpoints (K2.5).** ``init_checkpoint`` may be a vision-language model directory
+(``k2lab train --preset k25-mini``'s ``runs/X/model``): the conversations train its language model (chat
+format and context checks read the language model's config); the vision tower is kept and, on text rows,
+gets no gradient, so MuonClip leaves it as it is (a parameter without a gradient is skipped). This is
+K2.5's *zero-vision SFT* (text trajectories only, e.g. ``k2lab.vision.text_trajectories``). With
+``visual_ratio`` v > 0 (the text-vision arm) micro-batch m also holds ``vision_rows_at(m, B, v, 0)`` rows
+of visual trajectories (``k2lab.vision.visual_trajectories``: a synthetic task asked in chat with its image,
+a hand-designed visual chain of thought and the answer; loss on the assistant's tokens), packed by
+``VisualStream.pack`` and placed after the SFT rows, before the PTX rows (at most B − PTX rows). The run
+saves a vision-language model directory and scores held-out visual tasks asked in chat, with their images
+and on gray images (``evaluate_visual_tasks(..., chat=True)``), into the summary.
+
+Everything is resumable: ``SFTBatches.state_dict()`` (epoch, position, micro-batch count, the PTX and visual
+streams' own states) continues with exactly the same batches, so ``k2lab sft --resume`` after a kill
+reproduces the uninterrupted losses.
 
 The recipe's ``[sft]`` table is ``k2lab.train.sections.SFTConfig``; ``SFTData`` is what the trainer reads
 (``k2lab.train.data.TrainingData``), ``k2lab.train.config.load_sft_config`` the command line's recipe.
@@ -53,7 +65,7 @@ from k2lab.data.corpus import load_corpus
 from k2lab.data.packing import Batch, PackedBatches, check_resumed_state
 from k2lab.data.tokenizer import Tokenizer, load_tokenizer
 from k2lab.errors import K2LabError
-from k2lab.model_dir import check_model_directory, load_text_model
+from k2lab.model_dir import check_model_directory, load_model
 from k2lab.models import CausalLM, build_model
 from k2lab.ops.linear_cross_entropy import IGNORE_INDEX
 from k2lab.runtime.chat import normalize_messages
@@ -61,9 +73,12 @@ from k2lab.runtime.chat_format import ChatFormat, K2ChatFormat, chat_format_of
 from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import context_error
-from k2lab.train.data import Log, StagedData
+from k2lab.train.data import Log, StagedData, language_model
 from k2lab.train.family_settings import resolve_family_settings
-from k2lab.vision.mixture import vision_rows_at
+from k2lab.vision.evaluate import evaluate_visual_tasks
+from k2lab.vision.mixture import VisualStream, check_samples_fit, vision_rows_at
+from k2lab.vision.visual_trajectories import encode_visual_chat
+from k2lab.vision.vlm import VisionLanguageModel, build_vlm
 
 __all__ = [
     "ConversationRows",
@@ -300,8 +315,10 @@ def validation_rows(
 
 
 class SFTBatches:
-    """Micro-batches of ``batch_size`` rows: SFT rows, then ``vision_rows_at(m, B, ptx_ratio, 0)`` PTX rows
-    (pre-training text, every token a target) in micro-batch ``m``."""
+    """Micro-batches of ``batch_size`` rows: SFT rows, then ``vision_rows_at(m, B, visual_ratio, 0)`` rows of
+    visual trajectories (with their images in ``media``; at most B − PTX rows), then
+    ``vision_rows_at(m, B, ptx_ratio, 0)`` PTX rows (pre-training text, every token a target) in micro-batch
+    ``m``."""
 
     def __init__(
         self,
@@ -309,23 +326,35 @@ class SFTBatches:
         batch_size: int,
         ptx: PackedBatches | None = None,
         ptx_ratio: float = 0.0,
+        visual: VisualStream | None = None,
+        visual_ratio: float = 0.0,
     ) -> None:
         if ptx_ratio > 0 and ptx is None:
             raise K2LabError("ptx_ratio > 0 needs a pre-training stream")
+        if visual_ratio > 0 and visual is None:
+            raise K2LabError("visual_ratio > 0 needs a stream of visual trajectories")
         self.rows, self.ptx, self.batch_size, self.ptx_ratio = rows, ptx, batch_size, ptx_ratio
+        self.visual, self.visual_ratio = visual, visual_ratio
         self.micro = 0
+        self.skipped = 0  # visual trajectories longer than a row, skipped
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
         n = vision_rows_at(self.micro, self.batch_size, self.ptx_ratio, 0) if self.ptx_ratio > 0 else 0
+        v = vision_rows_at(self.micro, self.batch_size, self.visual_ratio, 0) if self.visual_ratio > 0 else 0
+        v = min(v, self.batch_size - n)
         self.micro += 1
-        parts = [self.rows.take(self.batch_size - n)] if n < self.batch_size else []
+        parts = [self.rows.take(self.batch_size - n - v)] if n + v < self.batch_size else []
+        media = None
+        if v:
+            visual, media, skipped = self.visual.pack(v, self.rows.seq_len)
+            self.skipped += skipped
+            parts.append(visual)
         parts += [self._ptx_row() for _ in range(n)]
-        return Batch(
-            *(torch.cat([getattr(p, name) for p in parts]) for name in ("input_ids", "labels", "segment_ids"))
-        )
+        names = ("input_ids", "labels", "segment_ids")
+        return Batch(*(torch.cat([getattr(p, name) for p in parts]) for name in names), media=media)
 
     def _ptx_row(self) -> Batch:
         batch = next(self.ptx)
@@ -333,33 +362,52 @@ class SFTBatches:
         return Batch(batch.input_ids, batch.labels, segments)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "micro": self.micro,
             "ptx_ratio": self.ptx_ratio,
             "rows": self.rows.state_dict(),
             "ptx": None if self.ptx is None else self.ptx.state_dict(),
         }
+        if self.visual_ratio > 0:  # a text run's state stays as it was
+            visual = {
+                "visual_ratio": self.visual_ratio,
+                "tasks": list(self.visual.tasks),
+                "skipped": self.skipped,
+            }
+            state["visual"] = {**visual, "stream": self.visual.state_dict()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_resumed_state("SFT batch mix", self.state_dict(), state, ("ptx_ratio",))
+        current = self.state_dict().get("visual") or {"visual_ratio": 0.0}
+        check_resumed_state(
+            "SFT batch mix", current, state.get("visual") or {"visual_ratio": 0.0}, ("visual_ratio",)
+        )
         self.micro = int(state["micro"])
         self.rows.load_state_dict(state["rows"])
         if self.ptx is not None:
             self.ptx.load_state_dict(state["ptx"])
+        if self.visual is not None:
+            check_resumed_state("SFT visual stream", current, state["visual"], ("tasks",))
+            self.skipped = int(state["visual"]["skipped"])
+            self.visual.load_state_dict(state["visual"]["stream"])
 
 
 # ---- the trainer's data source ------------------------------------------------------------------------
 class SFTData(StagedData):
-    """``TrainingData`` of agentic SFT: the checkpoint's tokenizer and model, ``SFTBatches`` for training
-    (one stage at ``seq_len``), held-out conversations for validation; the data state is
-    ``{"stage": 0, "sft": SFTBatches.state_dict()}``."""
+    """``TrainingData`` of agentic SFT: the checkpoint's tokenizer and model (a text or a vision-language
+    one), ``SFTBatches`` for training (one stage at ``seq_len``), held-out conversations for validation; the
+    data state is ``{"stage": 0, "sft": SFTBatches.state_dict()}``."""
 
     stream_key = "sft"
 
-    def __init__(self, config: TrainConfig, tokenizer: Tokenizer, model: CausalLM) -> None:
+    def __init__(
+        self, config: TrainConfig, tokenizer: Tokenizer, model: CausalLM | VisionLanguageModel
+    ) -> None:
         sft = config.sft
         assert sft is not None
         self.config, self.tokenizer, self.model = config, tokenizer, model
+        self.vision_language = isinstance(model, VisionLanguageModel)
         self.index: int | None = None
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         conversations = load_conversations(sft.data)
@@ -371,6 +419,8 @@ class SFTData(StagedData):
         # held-out conversations that all fail to fit a row leave the training ones to validate on
         self.val_units = encode_conversations(val, tokenizer, **encode) or self.train_units
         self.corpus = load_corpus(config.data, max_bytes=config.data_max_bytes) if sft.ptx_ratio > 0 else None
+        if sft.visual_ratio > 0:
+            check_samples_fit(self._visual_stream(), config.seq_len)
         self.enter(0)
 
     @classmethod
@@ -381,11 +431,13 @@ class SFTData(StagedData):
         sft = config.sft
         assert sft is not None
         tokenizer, model = load_sft_checkpoint(Path(sft.init_checkpoint).expanduser())
-        error = context_error(config.stages(), model.config.max_position_embeddings, sft.init_checkpoint)
+        check_visual_rows(model, sft.visual_ratio, sft.init_checkpoint)
+        text = language_model(model).config
+        error = context_error(config.stages(), text.max_position_embeddings, sft.init_checkpoint)
         if error is not None:
             raise SFTDataError(error)
         config = config.model_copy()  # the bias rule and Per-Head Muon of the checkpoint's family
-        resolve_family_settings(config, model.config, f"checkpoint {sft.init_checkpoint}")
+        resolve_family_settings(config, text, f"checkpoint {sft.init_checkpoint}")
         data = cls(config, tokenizer, model)
         if sft.epochs is not None:
             data.config = config.model_copy(update={"steps": data.steps_for(sft.epochs)})
@@ -397,7 +449,10 @@ class SFTData(StagedData):
         rows = ConversationRows(
             self.train_units, config.seq_len, self.pad_id, config.seed, digest=self.digest
         )
-        self.batches = SFTBatches(rows, config.batch_size, self._ptx_stream(), sft.ptx_ratio)
+        visual = self._visual_stream() if sft.visual_ratio > 0 else None
+        self.batches = SFTBatches(
+            rows, config.batch_size, self._ptx_stream(), sft.ptx_ratio, visual, sft.visual_ratio
+        )
         val = validation_rows(
             self.val_units, config.seq_len, self.pad_id, config.batch_size, config.eval_batches
         )
@@ -412,32 +467,71 @@ class SFTData(StagedData):
             self.corpus.train, self.tokenizer, 1, config.seq_len, config.seed, return_segments=masking
         )
 
+    def _visual_stream(self) -> VisualStream:
+        """Visual trajectories in chat (the text-vision arm), from the run's seed."""
+        sft, vision = self.config.sft, self.model.config.vision
+        return VisualStream(
+            self.tokenizer, vision, sft.visual_tasks, self.config.seed, encode=encode_visual_chat
+        )
+
     def steps_for(self, epochs: float) -> int:
-        """Optimizer steps that show the SFT rows ``epochs`` times (PTX rows come on top)."""
+        """Optimizer steps that show the SFT rows ``epochs`` times (PTX and visual rows come on top)."""
         config = self.config
-        sft_rows = config.batch_size * config.grad_accum * (1 - config.sft.ptx_ratio)
+        shares = 1 - config.sft.ptx_ratio - config.sft.visual_ratio
+        sft_rows = config.batch_size * config.grad_accum * shares
         return max(1, math.ceil(epochs * self.batches.rows.rows_per_epoch() / max(sft_rows, 1e-9)))
 
-    def fresh_model(self) -> CausalLM:
+    def fresh_model(self) -> CausalLM | VisionLanguageModel:
         """A new model of the checkpoint's config (to gather a sharded model into)."""
-        return build_model(self.model.config)
+        return build_vlm(self.model.config) if self.vision_language else build_model(self.model.config)
 
     def describe(self) -> str:
-        """The checkpoint, conversations, held-out ones, rows per epoch, steps and the PTX share."""
+        """The checkpoint (and its kind), conversations, held-out ones, rows per epoch, steps, the PTX and
+        visual shares."""
+        sft = self.config.sft
         rows = self.batches.rows.rows_per_epoch()
-        ptx = f", PTX {self.config.sft.ptx_ratio:.0%} of rows" if self.corpus is not None else ""
+        ptx = f", PTX {sft.ptx_ratio:.0%} of rows" if self.corpus is not None else ""
+        if self.vision_language:
+            ptx += (
+                f", visual trajectories {sft.visual_ratio:.0%} of rows ({', '.join(sft.visual_tasks)})"
+                if sft.visual_ratio > 0
+                else ", text rows only (zero-vision: the vision tower gets no gradient)"
+            )
+        kind = " (vision-language)" if self.vision_language else ""
         return (
-            f"SFT of {self.config.sft.init_checkpoint}: {len(self.train_units)} train / {len(self.val_units)} "
+            f"SFT of {sft.init_checkpoint}{kind}: {len(self.train_units)} train / {len(self.val_units)} "
             f"held-out conversations, {rows} rows of {self.config.seq_len + 1} tokens per epoch, "
             f"{self.config.steps} steps{ptx}; tokenizer: {self.tokenizer}"
         )
+
+    def summary(self) -> dict[str, Any]:
+        """A vision-language run's visual rows skipped as longer than a row (none for a text run)."""
+        if not self.vision_language or self.config.sft.visual_ratio == 0:
+            return {}
+        return {"visual_samples_skipped": self.batches.skipped}
+
+    def evaluate(self, model: torch.nn.Module, log: Log) -> dict[str, Any]:
+        """A vision-language model's mean reward per held-out visual task asked in chat, with its images
+        and on gray images (the language prior alone); nothing for a text model."""
+        settings = self.config.sft.visual_eval()
+        if not isinstance(model, VisionLanguageModel) or not settings.eval_samples:
+            return {}
+        scores: dict[str, Any] = {}
+        for key, blind in (("visual_scores", False), ("visual_scores_blind", True)):
+            scores[key] = evaluate_visual_tasks(
+                model, self.tokenizer, settings, seed=self.config.seed, blind=blind, chat=True
+            )
+            what = "gray images (language prior)" if blind else "held-out, asked in chat, mean reward"
+            log(f"visual tasks ({what}): " + ", ".join(f"{k} {v:.3f}" for k, v in scores[key].items()))
+        return scores
 
     def loss_report(self, val_loss: float) -> str:
         return " on held-out assistant tokens"
 
 
-def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
-    """The tokenizer and text model of the k2lab model directory SFT starts from, checked to fit."""
+def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM | VisionLanguageModel]:
+    """The tokenizer and model (text, or vision-language) of the k2lab model directory SFT starts from,
+    checked to fit."""
     check_model_directory(directory)
     if not (directory / "tokenizer.json").is_file():
         raise K2LabError(
@@ -445,9 +539,23 @@ def load_sft_checkpoint(directory: Path) -> tuple[Tokenizer, CausalLM]:
             "tokenizer (k2lab train writes one in runs/NAME/model)"
         )
     tokenizer = load_tokenizer(directory / "tokenizer.json")
-    model = load_text_model(directory, "SFT")
-    tokenizer.check_fits(model.config.vocab_size)
+    model = load_model(directory)
+    tokenizer.check_fits(language_model(model).config.vocab_size)
     return tokenizer, model
+
+
+def check_visual_rows(model: torch.nn.Module, visual_ratio: float, checkpoint: str) -> None:
+    """``SFTDataError`` for ``visual_ratio`` > 0 on a text model (no tower to see the images); a
+    vision-language model under a launcher of several processes is refused too (its batches are not split
+    across ranks yet)."""
+    if not isinstance(model, VisionLanguageModel):
+        if visual_ratio > 0:
+            raise SFTDataError(
+                f"sft.visual_ratio {visual_ratio:g} needs a vision-language checkpoint, and {checkpoint} is a "
+                "text model: set visual_ratio = 0, or start from a k25 run's model (k2lab train --preset k25-mini)"
+            )
+        return
+    distributed.check_text_only(True)
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------
