@@ -1,5 +1,5 @@
 """The ``data`` group: knowledge rephrasing of a corpus, run from ``RephraseRun`` (``RephraseSettings`` plus
-the source and output directories)."""
+the source and output directories), and K2.5's zero-vision SFT trajectories (``ZeroVisionConfig``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from k2lab.cli.options import Opt, runs_config
 from k2lab.data.rephrase import RephraseSettings
 from k2lab.errors import K2LabError
 from k2lab.fsutil import holds
+from k2lab.vision.text_trajectories import ZeroVisionConfig
 
-data_app = typer.Typer(help="Pre-training data recipes (K2's knowledge rephrasing).", no_args_is_help=True)
+data_app = typer.Typer(
+    help="Data recipes: K2's knowledge rephrasing, K2.5's zero-vision SFT trajectories.", no_args_is_help=True
+)
 
 
 app.add_typer(data_app, name="data")
@@ -96,3 +99,22 @@ def data_rephrase(config: RephraseRun) -> None:
         f"{report.kept} rephrasings kept, {report.dropped} dropped; {report.seconds:.1f}s → {out}"
     )
     report.check_endpoint()
+
+
+@data_app.command("zero-vision")
+@runs_config(
+    ZeroVisionConfig,
+    options={"out": Opt("out"), "count": Opt("count"), "seed": Opt("seed"), "tasks": Opt("tasks", sep=",")},
+)
+def data_zero_vision(config: ZeroVisionConfig) -> None:
+    """Write K2.5 zero-vision SFT trajectories (JSONL for `k2lab sft --data`): the perceptual questions of
+    the synthetic visual tasks (counting, grounding boxes and points, segmentation, OCR, charts) about a
+    scene given as text, each answered by a short Python program, its printed output and the answer in the
+    format the visual rewards read. The same seed writes the same file.
+    """
+    from k2lab.vision.text_trajectories import write_zero_vision
+
+    path = write_zero_vision(config)
+    console.print(
+        f"{config.count} zero-vision trajectories ({', '.join(config.tasks)}) → {path}", markup=False
+    )
