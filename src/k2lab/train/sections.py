@@ -52,7 +52,7 @@ class SFTConfig(BaseModel):
         description="Held-out visual samples scored in chat at the end (vision-language only).",
     )
     visual_eval_max_new_tokens: int = Field(
-        default=160, gt=0, description="Longest answer of that evaluation (room for a program before it)."
+        default=384, gt=0, description="Longest answer of that evaluation (room for a program before it)."
     )
 
     def model_post_init(self, _context: object) -> None:
