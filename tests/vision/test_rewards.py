@@ -310,6 +310,9 @@ def test_parse_number_polygon_and_text():
     assert parse_polygon("[[0, 0], [1e12, 0], [0, 4]]") is None  # beyond the rasteriser's range
     assert parse_polygon("<polygon>0,0,4,0,0</polygon>") is None  # odd count
     assert parse_text("  hello world \n") == "hello world"
+    # a reply that reasons first: its text is what follows the last "Answer:" (as parse_number reads it)
+    assert parse_text("x = read()\nprint(x)\nAnswer: 12\nanswer:  kimi k2 ") == "kimi k2"
+    assert visual_reward("ocr", "The sign reads\nANSWER: sitting", "sitting") == 1.0
     assert parse_text(None) is None and parse_text("x" * 10_000) is None
 
 

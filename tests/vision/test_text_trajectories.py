@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 
 from k2lab.agentic.sft import load_conversations
 from k2lab.cli import app
-from k2lab.vision.answers import answer_part
-from k2lab.vision.rewards import TASK_KINDS, visual_reward
+from k2lab.vision.rewards import TASK_KINDS, parse_text, visual_reward
 from k2lab.vision.text_trajectories import (
     ZeroVisionConfig,
     run_program,
@@ -30,11 +29,9 @@ def test_the_final_answer_scores_full_reward_against_the_scenes_truth(trajectory
     sample, (user, assistant) = trajectory.sample, trajectory.messages
     reply = assistant["content"]
     assert sample.prompt in user["content"] and user["role"] == "user"
-    assert visual_reward(sample.kind, answer_part(reply), sample.truth) == 1.0
-    if sample.kind != "ocr":  # OCR's reward reads the whole reply as the text
-        assert visual_reward(sample.kind, reply, sample.truth) == 1.0
-    else:
-        assert answer_part(reply) == sample.truth
+    assert visual_reward(sample.kind, reply, sample.truth) == 1.0  # the whole reply, by its answer line
+    if sample.kind == "ocr":
+        assert parse_text(reply) == sample.truth
     _, scene, program = scene_program(sample)
     assert f"```python\n{scene}\n```" in user["content"] and f"```python\n{program}\n```" in reply
     assert f"```output\n{run_program(scene, program)}\n```\nAnswer: " in reply

@@ -14,11 +14,11 @@ chart               ``7`` or the bar's label ``B``                ``parse_number
 grounding_box       ``<box>x1,y1,x2,y2</box>`` per box            tags win over any JSON array
 grounding_point     ``<point>x,y</point>`` per point              tags win over any JSON array
 segmentation        ``<polygon>x1,y1,x2,y2,...</polygon>``        tags win over any JSON array
-ocr                 the text                                      (see below)
+ocr                 the text                                      ``parse_text``: after the last
 ==================  ============================================  =====================================
 
-OCR's reward reads the whole reply as the text (1 − NED), so only the part after ``Answer:``
-(``answer_part``) scores 1.0 for it; the other kinds score 1.0 on the whole reply.
+Every kind, OCR included (its text is what follows the last ``Answer:``, ``parse_text``), scores 1.0 on the
+whole reply.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from k2lab.vision.tasks import VisualSample
 
-__all__ = ["ANSWER_PREFIX", "answer_part", "final_answer", "sample_answer_value"]
+__all__ = ["ANSWER_PREFIX", "final_answer", "sample_answer_value"]
 
 ANSWER_PREFIX = "Answer: "
 
@@ -65,9 +65,3 @@ def sample_answer_value(sample: VisualSample) -> Any:
     if sample.kind == "segmentation":
         return sample.meta["shapes"][sample.meta["target"]]["vertices"]
     return sample.truth
-
-
-def answer_part(reply: str) -> str:
-    """The text after the last ``Answer:`` of ``reply`` (all of it when there is none)."""
-    head, found, tail = reply.rpartition(ANSWER_PREFIX)
-    return tail.strip() if found else reply.strip()

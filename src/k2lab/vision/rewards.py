@@ -380,6 +380,7 @@ _COUNT_TOKEN = r"(?:[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\d+(?:\.\d+)?|" + "|"
 _COUNT_TOKEN_RE = re.compile(r"(?<![\w.])" + _COUNT_TOKEN + r"(?![\w])", re.IGNORECASE)
 _ANSWER_RE = re.compile(r"answer\s*(?:is)?\s*[:=]?\s*(" + _COUNT_TOKEN + r")(?![\w])", re.IGNORECASE)
 _MAX_DIGITS = 18
+_ANSWER_LINE_RE = re.compile(r"\banswer\s*:", re.IGNORECASE)
 
 
 def _usable_text(text: Any) -> str | None:
@@ -423,10 +424,13 @@ def parse_count(text: Any) -> int | None:
 
 
 def parse_text(text: Any) -> str | None:
-    """The stripped text; None if not a str or longer than :data:`MAX_TEXT_CHARS` after stripping."""
+    """The text after the last ``Answer:`` (case-insensitive; a reply that reasons first ends with its answer,
+    as ``parse_number`` reads it), else the whole text; stripped. None if not a str or longer than
+    :data:`MAX_TEXT_CHARS` after stripping."""
     if not isinstance(text, str):
         return None
-    text = text.strip()
+    answers = _ANSWER_LINE_RE.split(text)
+    text = answers[-1].strip()
     return text if len(text) <= MAX_TEXT_CHARS else None
 
 
@@ -602,6 +606,9 @@ def visual_reward(
     ``ocr``               str                                  1 − NED(parse_text(out), gt)
     ``chart``             float (or str label)                 chart_reward(parse_number(out), gt)
     ====================  ===================================  ============================================
+
+    A reply that reasons first scores by its final ``Answer: ...`` (counts, chart numbers and OCR text read
+    what follows the last one; boxes, points and polygons in tags win over other arrays).
 
     Malformed output (unparseable, None, non-str, NaN/inf, wrong arity, too long) → 0.0. An unknown
     ``task_kind`` is a caller error and raises ValueError.

@@ -53,7 +53,7 @@ from k2lab.posttrain.base import IterativeTrainer, open_run, rounded_mean, save_
 from k2lab.runtime.chat import IM_END
 from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
-from k2lab.train.sections import VisionDataConfig
+from k2lab.train.sections import VisionDataConfig, check_task_kinds
 from k2lab.vision.chat import visual_chat_prompt
 from k2lab.vision.evaluate import evaluate_visual_tasks
 from k2lab.vision.processor import ProcessorConfig
@@ -108,9 +108,7 @@ class VisualRLConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> VisualRLConfig:
-        unknown = [t for t in self.tasks if t not in TASK_KINDS]
-        if unknown or not self.tasks:
-            raise ValueError(f"tasks {self.tasks} must be a non-empty subset of {list(TASK_KINDS)}")
+        check_task_kinds("tasks", tuple(self.tasks))
         if self.temperature_floor > self.temperature_start:
             if "temperature_floor" not in self.model_fields_set:
                 self.temperature_floor = self.temperature_start  # a constant T_0 below the default floor
