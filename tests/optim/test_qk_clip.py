@@ -212,3 +212,79 @@ def test_high_lr_run_muon_runs_past_tau_muonclip_stays_at_tau():
     assert {"max_logit/layer0", "muon_update_rms", "ns_orthogonality_error"} <= set(clipped[-1])
     # match_rms_adamw scaling: the update RMS sits near 0.2 (Moonlight)
     assert 0.1 < clipped[-1]["muon_update_rms"] < 0.3
+
+
+def test_alpha_splits_gamma_between_the_query_and_key_nope_rows():
+    """α ≠ 0.5 (Megatron's generalisation, facts.md): per clipped head the q nope rows take γ^α, the kv_up
+    k nope rows γ^(1−α), the q rope rows γ; the value rows and every other weight stay bit-identical.
+    At α = 0.5 the two exponents coincide, so only an α ≠ 0.5 tells them apart."""
+    model = nano_variant(num_attention_heads=3)
+    attn = model.layers[0].attn
+    n, r, v, H = attn.nope_dim, attn.rope_dim, attn.v_dim, attn.n_heads
+    q_weight = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.q_up.weight
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    q_before = q_weight.detach().clone().view(H, n + r, -1)
+    kv_before = attn.kv_up.weight.detach().clone().view(H, n + v, -1)
+    clip = QKClip(model, tau=1.0, alpha=0.3)
+    s_max = torch.tensor([4.0, 0.5, 16.0])  # head 1 is below τ
+    gamma = torch.tensor([0.25, 1.0, 1 / 16])
+    clip.apply([s_max] + [torch.zeros(a.n_heads) for a in clip.layers[1:]])
+
+    q_now, kv_now = q_weight.detach().view(H, n + r, -1), attn.kv_up.weight.detach().view(H, n + v, -1)
+    for h in range(H):
+        g = gamma[h]
+        assert torch.allclose(q_now[h, :n], q_before[h, :n] * g**0.3, rtol=1e-6, atol=0)
+        assert torch.allclose(q_now[h, n:], q_before[h, n:] * g, rtol=1e-6, atol=0)
+        assert torch.allclose(kv_now[h, :n], kv_before[h, :n] * g**0.7, rtol=1e-6, atol=0)
+        assert torch.equal(kv_now[h, n:], kv_before[h, n:])  # values
+    assert torch.equal(q_now[1], q_before[1]) and torch.equal(kv_now[1], kv_before[1])
+    clipped = {f"layers.0.attn.{name}" for name in ("q_up.weight", "q_proj.weight", "kv_up.weight")}
+    for name, p in model.named_parameters():
+        if name not in clipped:
+            assert torch.equal(p, before[name]), name
+
+
+def test_ever_clipped_fraction_counts_every_head_clipped_at_any_step():
+    """``qk_clip_ever_frac`` (the K2 report's "12.7% of heads triggered at least once"): heads clipped at
+    different steps all count, a head clipped twice counts once."""
+    model = nano_variant(num_attention_heads=4)
+    clip = QKClip(model, tau=10.0)
+    heads = sum(a.n_heads for a in clip.layers)
+    below = [torch.ones(a.n_heads) for a in clip.layers]
+    first = [m.clone() for m in below]
+    first[0][0] = 20.0
+    second = [m.clone() for m in below]
+    second[0][1] = 20.0
+    second[-1][3] = 30.0
+    clip.apply(first)
+    assert clip.ever_clipped_fraction == pytest.approx(1 / heads)
+    clip.apply(second)
+    assert clip.ever_clipped_fraction == pytest.approx(3 / heads)
+    clip.apply(first)  # head 0 again: already counted
+    clip.apply(below)  # nothing over τ: forgets nothing
+    assert clip.ever_clipped_fraction == pytest.approx(3 / heads)
+
+
+def test_muonclip_clips_after_the_optimizer_step():
+    """Algorithm 1 (facts.md: "after the optimizer step"): ``MuonClip.step()`` equals a plain Muon step
+    followed by QK-Clip on the same maxima; clipping first and then updating gives other weights."""
+    from k2lab.optim.grouping import build_optimizer
+    from k2lab.optim.muonclip import MuonClip
+
+    config = OptimizerConfig(lr=1e-2, qk_clip_tau=1.0, qk_clip_alpha=0.3, ns_precision="fp32")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    fused, separate = nano_variant(), nano_variant()
+    muonclip = MuonClip(fused, config, verbose=False)
+    fused(ids, labels=ids).loss.backward()
+    stats = muonclip.step()
+    assert stats["qk_clipped_heads"] > 0
+
+    muon = build_optimizer(separate, config, verbose=False)
+    clip = QKClip(separate, tau=1.0, alpha=0.3)
+    clip.record()
+    separate(ids, labels=ids).loss.backward()
+    maxima = clip.recorded_maxima()
+    muon.step()
+    clip.apply(maxima)
+    for (name, got), want in zip(fused.named_parameters(), separate.parameters(), strict=True):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), name
