@@ -1,11 +1,12 @@
-"""The optimizer recipe's validation."""
+"""The optimizer recipe: its validation, its defaults and the learning rate of each group."""
 
 import math
 
 import pytest
 from pydantic import ValidationError
 
-from k2lab.optim import OptimizerConfig
+from k2lab.optim import OptimizerConfig, build_optimizer
+from tests.conftest import nano_variant
 
 
 @pytest.mark.parametrize("field", ["lr", "weight_decay", "qk_clip_tau"])
@@ -38,3 +39,21 @@ def test_kda_gate_rates_take_no_weight_decay():
     for name, p in model.named_parameters():
         expected = before[name] if name in gate else before[name] * (1 - 0.01 * 0.1)
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7, msg=name)
+
+
+def test_defaults_are_the_k2_recipe():
+    """facts.md: QK-Clip τ = 100 and α = 0.5 (K2 report, Algorithm 1), Muon weight decay 0.1, momentum 0.95
+    with Nesterov, AdamW β = (0.9, 0.95) (Moonlight; torch.optim.Muon's defaults)."""
+    config = OptimizerConfig()
+    assert config.qk_clip_tau == 100.0 and config.qk_clip_alpha == 0.5
+    assert config.weight_decay == 0.1 and config.momentum == 0.95 and config.nesterov
+    assert config.betas == (0.9, 0.95)
+
+
+def test_adamw_lr_sets_the_adamw_groups_and_defaults_to_lr():
+    model = nano_variant()
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, adamw_lr=3e-4), verbose=False)
+    lrs = {(g["kind"], g["lr"], g["initial_lr"]) for g in optimizer.param_groups}
+    assert lrs == {("adamw", 3e-4, 3e-4), ("muon", 1e-2, 1e-2)}
+    same = build_optimizer(model, OptimizerConfig(lr=1e-2), verbose=False)
+    assert {(g["kind"], g["lr"]) for g in same.param_groups} == {("adamw", 1e-2), ("muon", 1e-2)}
