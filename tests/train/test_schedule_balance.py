@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,15 @@ def test_cosine_schedule_endpoints():
     schedule = ScheduleConfig(kind="cosine", warmup_steps=0, min_lr_ratio=0.0)
     assert lr_multiplier(0, 50, schedule) == pytest.approx(1.0)
     assert lr_multiplier(25, 50, schedule) == pytest.approx(0.5)
+
+
+def test_cosine_decay_starts_after_the_warmup():
+    """Module docstring: after W warmup steps, m + (1 − m)·½(1 + cos(π (s − W)/(S − W))): the full lr at
+    s = W, half of it midway through the S − W decay steps, m at the end."""
+    schedule = ScheduleConfig(kind="cosine", warmup_steps=10, min_lr_ratio=0.0)
+    assert lr_multiplier(10, 50, schedule) == pytest.approx(1.0)
+    assert lr_multiplier(30, 50, schedule) == pytest.approx(0.5)
+    assert lr_multiplier(49, 50, schedule) == pytest.approx(0.5 * (1 + math.cos(math.pi * 39 / 40)))
 
 
 def test_deepseek_bias_rule_moves_toward_balance_and_is_centred():

@@ -85,3 +85,18 @@ def test_alone_the_losses_pass_through_unchanged():
     means = torch.tensor([1.0, 2.0])
     assert rank_shares(means, torch.tensor([3, 0])) is means
     assert batch_means([loss, torch.tensor(2.5)], [labels, labels]) == [1.5, 2.5]
+
+
+def test_a_rank_without_scored_targets_adds_nothing(monkeypatch):
+    """s_r = ℓ_r · W · n_r / N and 0 where n_r = 0: a rank whose rows are all masked has a NaN mean (0/0)
+    that must not reach the gradient. Here this rank is one of W = 2 whose partner holds counts [5, 1]."""
+    from k2lab.train import token_mean
+
+    def all_reduce(tensor):  # the SUM over both ranks
+        tensor += torch.tensor([5, 1])
+
+    monkeypatch.setattr(token_mean.distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(token_mean.distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(token_mean.dist, "all_reduce", all_reduce)
+    shares = rank_shares(torch.tensor([float("nan"), 2.0]), torch.tensor([0, 3]))
+    assert shares.tolist() == [0.0, pytest.approx(2.0 * 2 * 3 / 4)]

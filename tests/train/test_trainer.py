@@ -381,3 +381,98 @@ def test_an_interrupted_run_says_what_its_caller_offers(tmp_path, monkeypatch, c
         trainer.run_training(config, resume_hint="run the study again")
     out = " ".join(capsys.readouterr().out.split())
     assert "keeps no checkpoint yet" in out and out.endswith("run the study again") and "--resume" not in out
+
+
+# ---- the step's mechanics on a nano model, without a run directory ---------------------------------------
+class StaticData:
+    """A ``TrainingData`` stand-in for ``training_state`` / ``restore_training_state``: no position to keep."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def fingerprints(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def train_batches(self):
+        return iter(())
+
+    def val_batches(self) -> list:
+        return []
+
+
+def nano_trainer(tmp_path, batches, **fields):
+    from k2lab.train.trainer import Trainer
+    from tests.conftest import nano_variant
+
+    config = TrainConfig(preset="k2-nano", precision="fp32", **fields)
+    return Trainer(config, nano_variant(), iter(batches), [], tmp_path)
+
+
+def rows(count: int, seed: int = 0):
+    import torch
+
+    from k2lab.data.packing import Batch
+
+    ids = torch.randint(0, 128, (count, 17), generator=torch.Generator().manual_seed(seed))
+    return ids, lambda lo, hi: Batch(ids[lo:hi, :-1], ids[lo:hi, 1:])
+
+
+def test_grad_accum_splits_one_batch_into_micro_batches_with_the_same_step(tmp_path):
+    """grad_accum = 2 over two halves of a batch of full (packed) rows is the same step as grad_accum = 1
+    over the whole batch: each micro-batch backpropagates loss / grad_accum, and the logged loss is their
+    mean."""
+    import torch
+
+    _, batch = rows(4)
+    whole = nano_trainer(tmp_path, [batch(0, 4)], grad_accum=1)
+    halves = nano_trainer(tmp_path, [batch(0, 2), batch(2, 4)], grad_accum=2)
+    one, _ = whole.train_step()
+    two, _ = halves.train_step()
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
+    assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5) and one.tokens == two.tokens
+    for (name, a), b in zip(whole.model.named_parameters(), halves.model.parameters(), strict=True):
+        assert torch.allclose(b.grad, a.grad, rtol=1e-4, atol=1e-6), name  # fp32 summation order
+
+
+def test_each_group_takes_its_own_peak_times_the_schedule_at_this_step(tmp_path):
+    """lr ← peak · schedule(step) at the 0-based step the update is for, with the AdamW groups' peak the
+    ``adamw_lr``, not ``lr``."""
+    from k2lab.train.schedule import lr_multiplier
+
+    _, batch = rows(2)
+    trainer = nano_trainer(
+        tmp_path,
+        [batch(0, 2)] * 3,
+        steps=20,
+        optimizer={"lr": 1e-2, "adamw_lr": 3e-4},
+        schedule={"kind": "wsd", "warmup_steps": 4},
+    )
+    for step in (0, 2, 19):
+        trainer.step = step
+        trainer.train_step()
+        factor = lr_multiplier(step, 20, trainer.config.schedule)
+        peaks = {"adamw": 3e-4, "muon": 1e-2}
+        assert {g["kind"] for g in trainer.muonclip.param_groups} == set(peaks)
+        for group in trainer.muonclip.param_groups:
+            assert group["lr"] == pytest.approx(peaks[group["kind"]] * factor), (step, group["kind"])
+    assert lr_multiplier(0, 20, trainer.config.schedule) == pytest.approx(1 / 4)  # warmup's first step
+
+
+def test_restoring_a_training_state_restores_the_rng(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from k2lab.train.trainer import restore_training_state, training_state
+
+    _, batch = rows(2)
+    trainer, data = nano_trainer(tmp_path, [batch(0, 2)]), StaticData()
+    state = training_state(trainer, data)
+    expected = (torch.rand(4), random.random(), np.random.random())
+    restore_training_state(trainer, data, state)
+    got = (torch.rand(4), random.random(), np.random.random())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
