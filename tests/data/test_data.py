@@ -444,6 +444,17 @@ def test_segment_ids_number_documents_within_each_window():
     assert torch.equal(batch.segment_ids, shifted)  # a new segment starts right after each EOS
 
 
+def test_a_window_over_four_documents_numbers_them_0_to_3():
+    """Segment ids count 0, 1, 2, ... per document a window touches, past the second one too."""
+    tokenizer = CharTokenizer()
+    batches = PackedBatches(
+        docs("a", "b", "c", "defghijk"), tokenizer, 1, 8, shuffle=False, return_segments=True
+    )
+    batch = next(batches)
+    assert batch.input_ids[0].tolist() == [97, 0, 98, 0, 99, 0, 100, 101]  # a E b E c E d e
+    assert batch.segment_ids.tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]
+
+
 def test_shuffle_is_seeded_per_epoch():
     texts = [chr(ord("a") + i) * 3 for i in range(12)]
     window_count = 12  # one epoch = 12 docs x 4 tokens = 48 tokens = 12 windows of 4
