@@ -1,7 +1,7 @@
 """Learning-rate schedules as a multiplier of the peak lr, a pure function of the step (so resume is exact).
 
 ``wsd`` (K2 / Moonlight style warmup–stable–decay):
-    f(s) = s / W                               for s < W            (linear warmup)
+    f(s) = (s + 1) / W                         for s < W            (linear warmup: step 0 already trains)
          = 1                                   for W ≤ s < D        (constant)
          = m + (1 − m)·½(1 + cos(π (s − D)/(S − D)))  for s ≥ D    (cosine decay to m over the last part)
     with D = S·(1 − decay_fraction)
