@@ -1,4 +1,4 @@
-"""The ``ablate`` group: optimizer, balancing, vision-injection, rephrase and PARL studies.
+"""The ``ablate`` group: optimizer, balancing, vision-injection, zero-vision, rephrase and PARL studies.
 
 Each command runs the settings model of its study (``k2lab.ablations``): ``--recipe FILE.toml`` (the study's
 settings with a ``[base]`` table, or a training recipe alone for ``base``), repeatable ``--set key.path=value``
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 
-from k2lab.ablations import balancing, optimizer, parl, rephrase, vision_injection
+from k2lab.ablations import balancing, optimizer, parl, rephrase, vision_injection, zero_vision
 from k2lab.ablations.common import load_settings
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, Profile, runs_config
@@ -189,6 +189,49 @@ VISION_INJECTION_HELP = (
 )
 def ablate_vision_injection(config: vision_injection.VisionInjectionConfig) -> None:
     vision_injection.run_vision_injection(config, console)
+
+
+ZERO_VISION_HELP = (
+    "K2.5's zero-vision SFT: text-only SFT vs text-vision SFT from the same joint pre-trained model, then "
+    "visual RL from each.\n\n"
+    "Starts from --base-checkpoint (a vision-language model directory with tokenizer.json) or pre-trains one "
+    "(K2.5's early 10:90 recipe, k25-mini 200 steps, ~7 min) in OUT/runs/pretrain; writes --count zero-vision "
+    "trajectories (programs over scenes given as text); trains two SFT arms with the same steps, rows, lr and "
+    "seed, one on the trajectories only and one with --visual-ratio of its rows hand-designed visual "
+    "trajectories (rows long enough for the longest trajectory unless --seq-len); scores held-out visual tasks "
+    "asked in chat, with images and with gray ones, for both arms and the base; then runs --rl-iterations of "
+    "visual RL from each arm (~8 min in all on 2 CPU cores from a k25-mini base).\n\n"
+    "Writes OUT/zero_vision.md, OUT/zero_vision.json and OUT/zero_vision.png; runs live in OUT/runs/NAME and "
+    "are reused when the command is repeated with the same settings."
+)
+
+
+@ablate_app.command("zero-vision", help=ZERO_VISION_HELP)
+@study_command(
+    zero_vision.ZeroVisionSettings,
+    options={
+        "base_checkpoint": Opt("base_checkpoint"),
+        "out": Opt("out"),
+        "count": Opt("count"),
+        "visual_ratio": Opt("visual_ratio"),
+        **base_options(
+            "steps",
+            "batch_size",
+            "seq_len",
+            "lr",
+            "seed",
+            steps="SFT steps per arm",
+            seq_len="Tokens per SFT row (unset: the longest trajectory's, rounded up to 64)",
+            lr="Peak SFT learning rate of both arms",
+        ),
+        "eval_samples": Opt("eval_samples"),
+        "eval_max_new_tokens": Opt("eval_max_new_tokens"),
+        "rl_iterations": Opt("rl_iterations"),
+        **RUN_OPTIONS,
+    },
+)
+def ablate_zero_vision(config: zero_vision.ZeroVisionSettings) -> None:
+    zero_vision.run_zero_vision(config, console)
 
 
 REPHRASE_ABLATION_HELP = (
