@@ -103,6 +103,25 @@ def small_tokenizer(tmp_path_factory):
     return train_tokenizer(load_corpus(str(folder)), vocab_size=300, use_cache=False)
 
 
+def trajectory_tokenizer(root, count: int, seed: int) -> tuple[object, object, dict[str, int]]:
+    """Zero-vision trajectories in ``root`` and a 400-token BPE trained on their text: (the JSONL path, the
+    tokenizer, its pad / bos / eos ids as model config fields)."""
+    import json
+
+    from k2lab.data.corpus import load_corpus
+    from k2lab.data.tokenizer import train_tokenizer
+    from k2lab.vision.text_trajectories import ZeroVisionConfig, write_zero_vision
+
+    data = write_zero_vision(ZeroVisionConfig(out=root / "zero_vision.jsonl", count=count, seed=seed))
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i, line in enumerate(data.read_text().splitlines()):
+        (corpus / f"doc{i}.txt").write_text("\n".join(m["content"] for m in json.loads(line)["messages"]))
+    tokenizer = train_tokenizer(load_corpus(corpus), 400, use_cache=False)
+    ids = dict(pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    return data, tokenizer, ids
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface right now."""
     with socket.socket() as s:

@@ -14,28 +14,19 @@ from k2lab.ablations.zero_vision import (
     row_length,
     visual_rows,
 )
-from k2lab.data import load_corpus, train_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.model_dir import save_model
 from k2lab.presets.vision_language import load_vlm_preset
-from k2lab.vision.text_trajectories import ZeroVisionConfig, write_zero_vision
 from k2lab.vision.vlm import build_vlm
 from tests.ablations.test_optimizer import PNG_MAGIC, run_cli
+from tests.conftest import trajectory_tokenizer
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A random k25-nano model with a 400-token BPE tokenizer trained on trajectory text."""
     root = tmp_path_factory.mktemp("zero_vision_base")
-    data = write_zero_vision(ZeroVisionConfig(out=root / "text.jsonl", count=12, seed=1))
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i, line in enumerate(data.read_text().splitlines()):
-        (corpus / f"doc{i}.txt").write_text("\n".join(m["content"] for m in json.loads(line)["messages"]))
-    tokenizer = train_tokenizer(load_corpus(corpus), 400, use_cache=False)
-    special = dict(
-        pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
-    )
+    _, tokenizer, special = trajectory_tokenizer(root, count=12, seed=1)
     config = load_vlm_preset(
         "k25-nano",
         tokenizer.special_tokens,

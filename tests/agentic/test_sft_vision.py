@@ -14,7 +14,6 @@ import torch
 
 from k2lab import build_model, load_preset
 from k2lab.agentic.sft import IGNORE, SFTData, SFTDataError
-from k2lab.data import load_corpus, train_tokenizer
 from k2lab.data.tokenizer import IMAGE_PAD
 from k2lab.model_dir import load_model, save_model
 from k2lab.presets.vision_language import load_vlm_preset
@@ -23,9 +22,9 @@ from k2lab.train.config import load_sft_config
 from k2lab.train.metrics import read_metrics
 from k2lab.train.sections import SFTConfig
 from k2lab.train.trainer import run_training
-from k2lab.vision.text_trajectories import ZeroVisionConfig, write_zero_vision
 from k2lab.vision.visual_trajectories import visual_reply
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
+from tests.conftest import trajectory_tokenizer
 
 STEPS, SEQ_LEN = 4, 256
 
@@ -35,15 +34,7 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     """A random k25-nano checkpoint with a BPE tokenizer (trained on trajectory text), zero-vision
     trajectories, a k2-nano text checkpoint and a recipe."""
     root = tmp_path_factory.mktemp("sft_vision")
-    data = write_zero_vision(ZeroVisionConfig(out=root / "zero_vision.jsonl", count=24, seed=0))
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i, line in enumerate(data.read_text().splitlines()):
-        (corpus / f"doc{i}.txt").write_text("\n".join(m["content"] for m in json.loads(line)["messages"]))
-    tokenizer = train_tokenizer(load_corpus(corpus), 400, use_cache=False)
-    special = dict(
-        pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id
-    )
+    data, tokenizer, special = trajectory_tokenizer(root, count=24, seed=0)
     text = dict(vocab_size=tokenizer.vocab_size, max_position_embeddings=1024, **special)
     save_model(build_vlm(load_vlm_preset("k25-nano", tokenizer.special_tokens, **text), seed=0), root / "vlm")
     save_model(build_model(load_preset("k2-nano", **text), seed=0), root / "text")
