@@ -7,7 +7,7 @@ One trajectory (``k2lab.vision.chat.visual_chat_prompt`` for the user turn)::
     <|im_assistant|>assistant<|im_middle|>{chain of thought}\\nAnswer: {answer}<|im_end|>
 
 The loss covers the assistant's body and its ``<|im_end|>`` only (as in text SFT); the answer line is
-``k2lab.vision.answers.final_answer``, so ``visual_reward`` of the reply is 1.0 (OCR: of its answer part).
+``k2lab.vision.answers.final_answer``, so ``visual_reward`` of the whole reply is 1.0.
 K2.5 found this arm (hand-designed visual CoT) generalised worse than zero-vision SFT on text trajectories
 (``k2lab.vision.text_trajectories``); it is the comparison.
 """
