@@ -26,7 +26,7 @@ the model to use visual evidence". The study, at small scale:
    is cut.
 4. **Reference** ("no SFT"): the base itself asked in chat (``evaluate_visual_tasks(chat=True)``, with images
    and on gray images), on the same held-out samples as the arms' final evaluation.
-5. **Visual RL** (``k2lab.vision.rl``, ``rl.iterations`` > 0) from each arm's model, with the held-out chat
+5. **Visual RL** (``k2lab.vision.rl``, ``rl_iterations`` > 0) from each arm's model, with the held-out chat
    scores of its tasks before and after.
 
 Scores are mean K2.5 visual rewards in [0, 1]; the gray-image mean is what the language prior alone earns.
