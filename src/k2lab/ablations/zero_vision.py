@@ -114,10 +114,7 @@ DEFAULT_SFT: dict[str, Any] = {
 # Visual RL from each arm: counting and OCR (the tasks k25-mini's pre-training learns), 96 new tokens (a
 # zero-vision answer to them, program and output included, is ≤ 75 tokens): ~7.5 s an iteration, so 16
 # iterations and 40 held-out samples before and after take ~2.5 min per arm.
-# lr 2e-4, not visual-rl's 1e-3: the zero-vision arm's replies are programs of 60-96 tokens, and at 1e-3 one
-# MuonClip step moved their summed log-ratio by tens of nats (K1.5 loss 110 at iteration 0) and the arm's
-# held-out reward fell from 0.39 to 0.01 within 16 iterations (measured on k25-mini, 2026-12-06)
-DEFAULT_RL: dict[str, Any] = {"max_new_tokens": 96, "eval_samples": 40, "optimizer": {"lr": 2e-4}}
+DEFAULT_RL: dict[str, Any] = {"max_new_tokens": 96, "eval_samples": 40}
 
 
 class ZeroVisionSettings(AblationSettings):
