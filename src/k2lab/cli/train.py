@@ -74,7 +74,9 @@ def sft(
     resume: ResumeOption = False,
 ) -> None:
     """Agentic SFT: fine-tune a checkpoint on chat trajectories (loss on assistant tokens), with optional
-    pre-training rows mixed in; the same loop, checkpoints and exact resume as `k2lab train`."""
+    pre-training rows mixed in; the same loop, checkpoints and exact resume as `k2lab train`. A
+    vision-language checkpoint (K2.5) keeps its tower: text trajectories only is zero-vision SFT (`k2lab data
+    zero-vision`), `--set sft.visual_ratio=0.3` mixes in visual ones; held-out visual scores in the summary."""
     from k2lab.train.trainer import run_training
 
     run_training(config, resume=resume)

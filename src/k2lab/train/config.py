@@ -143,7 +143,10 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _sft_alone(self) -> TrainConfig:
         if self.sft is not None and (self.vision is not None or self.curriculum):
-            raise ValueError("[sft] trains a text checkpoint at one seq_len: no [vision], no curriculum")
+            raise ValueError(
+                "[sft] fine-tunes a checkpoint at one seq_len: no [vision] (a vision-language checkpoint's visual "
+                "rows are sft.visual_ratio), no curriculum"
+            )
         return self
 
     @model_validator(mode="after")
