@@ -61,3 +61,13 @@ def test_the_command_writes_sft_conversations(tmp_path):
     )
     bad = CliRunner().invoke(app, ["data", "zero-vision", "--out", str(out), "--tasks", "colour"])
     assert bad.exit_code != 0 and "subset of" in str(bad.exception)
+
+
+def test_a_directory_as_out_is_refused_before_any_work(tmp_path):
+    """``--out`` naming a directory got an IsADirectoryError traceback after every trajectory was drawn."""
+    from k2lab.errors import K2LabError
+
+    with pytest.raises(K2LabError, match="directory"):
+        write_zero_vision(ZeroVisionConfig(out=tmp_path, count=2))
+    out = write_zero_vision(ZeroVisionConfig(out=tmp_path / "new" / "zv.jsonl", count=2))
+    assert len(out.read_text().splitlines()) == 2 and not [p for p in out.parent.iterdir() if p != out]

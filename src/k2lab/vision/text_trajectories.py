@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from k2lab.fsutil import atomic_write_text, check_output_file, make_directory
 from k2lab.train.sections import check_task_kinds
 from k2lab.vision.answers import final_answer
 from k2lab.vision.rewards import TASK_KINDS
@@ -197,11 +198,14 @@ def zero_vision_trajectories(
 
 
 def write_zero_vision(config: ZeroVisionConfig) -> Path:
-    """Write ``config.count`` trajectories to ``config.out`` (one JSON conversation a line)."""
+    """Write ``config.count`` trajectories to ``config.out`` (one JSON conversation a line), replacing it
+    atomically; a directory or an unwritable place is refused in one line before any work."""
+    what = "zero-vision trajectories"
+    check_output_file(config.out, what)
     lines = [
         json.dumps(t.record()) + "\n"
         for t in zero_vision_trajectories(config.count, config.seed, config.tasks)
     ]
-    config.out.parent.mkdir(parents=True, exist_ok=True)
-    config.out.write_text("".join(lines), encoding="utf-8")
+    make_directory(config.out.parent, f"the folder of the {what}")
+    atomic_write_text(config.out, "".join(lines))
     return config.out
