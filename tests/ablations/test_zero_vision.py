@@ -12,6 +12,7 @@ from k2lab.ablations.zero_vision import (
     ZeroVisionSettings,
     arm_config,
     row_length,
+    run_zero_vision,
     visual_rows,
 )
 from k2lab.errors import K2LabError
@@ -107,3 +108,16 @@ def test_settings_and_bad_input(tmp_path):
         load_settings(ZeroVisionSettings, tasks=["colour"])
     with pytest.raises(K2LabError, match="vision-language preset"):
         load_settings(ZeroVisionSettings, **{"pretrain.preset": "k2-nano"})
+
+
+def test_a_text_base_is_refused_before_any_arm_trains(tmp_path):
+    """A text model as --base-checkpoint trained the zero-vision arm on it and failed only at the text-vision
+    arm's start; now nothing is written."""
+    from k2lab import build_model, load_preset
+
+    save_model(build_model(load_preset("k2-nano")), tmp_path / "text")
+    out = tmp_path / "study"
+    settings = load_settings(ZeroVisionSettings, base_checkpoint=str(tmp_path / "text"), out=str(out))
+    with pytest.raises(K2LabError, match="is a text model"):
+        run_zero_vision(settings)
+    assert not (out / "runs" / "zero-vision").exists()

@@ -70,7 +70,7 @@ from k2lab.ablations.vision_injection import DEFAULT_RECIPE as INJECTION_RECIPE
 from k2lab.agentic.sft import encode_conversations, load_conversations, load_sft_checkpoint
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, make_directory, save_figure_atomically
-from k2lab.model_dir import check_model_directory, checkpoint_fingerprint
+from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_model
 from k2lab.runtime.chat_format import chat_format_of
 from k2lab.train.config import TrainConfig
 from k2lab.train.data import language_model
@@ -80,6 +80,7 @@ from k2lab.vision.evaluate import evaluate_visual_tasks
 from k2lab.vision.rewards import TASK_KINDS
 from k2lab.vision.rl import SUMMARY, VisualRLConfig, run_visual_rl
 from k2lab.vision.text_trajectories import ZeroVisionConfig, write_zero_vision
+from k2lab.vision.vlm import VisionLanguageModel
 
 ARMS = ("zero-vision", "text-vision")
 REFERENCE = "reference"
@@ -394,7 +395,13 @@ def run_jobs(
 def base_model(settings: ZeroVisionSettings, study: StudyRun) -> Path:
     """``base_checkpoint``, or the model of the pre-training run (trained, or reused, in this process)."""
     if settings.base_checkpoint is not None:
-        return check_model_directory(settings.base_checkpoint)
+        path = check_model_directory(settings.base_checkpoint)
+        if not isinstance(load_model(path), VisionLanguageModel):  # before any arm trains on it
+            raise K2LabError(
+                f"{path} is a text model; the study starts from a vision-language one (a k25 run's model, "
+                "or leave --base-checkpoint unset to pre-train k25-mini)"
+            )
+        return path
     config = pretrain_config(settings)
     plan = [
         PlannedRun(config, f"joint pre-training of the base ({config.preset}) → {config.out}", "pretrain")
