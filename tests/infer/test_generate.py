@@ -289,3 +289,17 @@ def test_sampling_numbers_are_finite(field, value):
     """A temperature of inf was accepted and sampled uniformly."""
     with pytest.raises(ValidationError, match="finite number"):
         GenerationConfig(**{field: value})
+
+
+def test_each_row_samples_with_its_own_seed(nano):
+    """``row_seeds``: row b's first token is ``torch.multinomial`` of softmax(logits / T) of a full forward
+    with a generator seeded ``row_seeds[b]`` (the seeds 3, 5, 6 draw three different tokens here; one
+    generator for every row, or ``config.seed`` for each, draws others)."""
+    prompt, seeds = [5, 9, 2, 7], [3, 5, 6]
+    with torch.no_grad():
+        logits = nano(torch.tensor([prompt])).logits[0, -1].double()
+    probs = torch.softmax(logits / 0.9, dim=-1).float()
+    expected = [[int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(s)))] for s in seeds]
+    assert len({tuple(e) for e in expected}) == 3
+    config = GenerationConfig(max_new_tokens=1, temperature=0.9)
+    assert generate(nano, [prompt] * 3, config, row_seeds=seeds) == expected

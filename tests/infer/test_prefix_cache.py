@@ -119,3 +119,27 @@ def test_hybrid_prefix_ends_at_a_block_with_kda_states_and_only_its_blocks_are_h
     cache.insert([1, 2], RowState(torch.ones(1, 2, 3), {0: KDAState(torch.ones(1), torch.ones(1))}))
     assert cache.match([1, 2, 3, 4, 5]).length == 2  # resumed at [1, 2], [3, 4] recomputed
     assert (cache.hits, cache.misses, cache.hit_tokens) == (1, 3, 2)
+
+
+def test_a_block_met_after_another_prefix_is_not_reused():
+    """Block names chain (h_i = H(h_{i-1}, block i)): [7, 8] stored after [5, 6] is not the block [7, 8]
+    after [1, 2], whose key rows attended to other tokens; the match stops at [1, 2], its own rows."""
+    cache = PrefixCache(capacity_bytes=1 << 20, block_size=2)
+    cache.insert([1, 2, 3, 4], RowState(torch.arange(1.0, 5.0).reshape(1, 4, 1), {}))
+    cache.insert([5, 6, 7, 8], RowState(torch.arange(5.0, 9.0).reshape(1, 4, 1), {}))
+    found = cache.match([1, 2, 7, 8, 9])
+    assert found.length == 2
+    assert found.rows.flatten().tolist() == [1.0, 2.0]
+    assert cache.match([5, 6, 7, 8, 9]).rows.flatten().tolist() == [5.0, 6.0, 7.0, 8.0]
+
+
+def test_kda_states_after_a_partial_block_are_not_kept():
+    """The KDA states of a prefix that ends inside a block summarise tokens past its last full block: that
+    block must not carry them (a hybrid model would resume at [1, 2] with the state after [1, 2, 3])."""
+    cache = PrefixCache(capacity_bytes=1 << 20, block_size=2, needs_kda=True)
+    state = {0: KDAState(torch.ones(1), torch.ones(1))}
+    cache.insert([1, 2, 3], RowState(torch.ones(1, 3, 3), state))
+    assert len(cache) == 1
+    assert cache.match([1, 2, 3, 4]) is None
+    cache.insert([1, 2], RowState(torch.ones(1, 2, 3), state))  # ends at the block: kept
+    assert cache.match([1, 2, 3, 4]).length == 2
