@@ -332,3 +332,20 @@ def test_speculation_decision():
     assert speculation_decision(None, "auto", "cuda", sampled=True)[0]
     assert speculation_decision(True, "off", "cpu", sampled=True) == (True, "requested")
     assert speculation_decision(False, "off", "cuda") == (False, "requested")
+
+
+def test_each_row_samples_with_its_own_seed():
+    """``row_seeds``: row b's first token is ``torch.multinomial`` of softmax(logits / T) of a full forward
+    with a generator seeded ``row_seeds[b]`` (the seeds 3, 5, 6 draw three different tokens here)."""
+    target = k2()
+    prompt, seeds = [5, 9, 2, 7], [3, 5, 6]
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt])).logits[0, -1].double()
+    probs = torch.softmax(logits / 0.9, dim=-1).float()
+    expected = [[int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(s)))] for s in seeds]
+    assert len({tuple(e) for e in expected}) == 3
+    config = GenerationConfig(max_new_tokens=1, temperature=0.9)
+    out, _ = speculative_generate(
+        target, ModelDraft(target), [prompt] * 3, config, num_draft_tokens=2, row_seeds=seeds
+    )
+    assert out == expected
