@@ -296,10 +296,17 @@ def test_each_row_samples_with_its_own_seed(nano):
     with a generator seeded ``row_seeds[b]`` (the seeds 3, 5, 6 draw three different tokens here; one
     generator for every row, or ``config.seed`` for each, draws others)."""
     prompt, seeds = [5, 9, 2, 7], [3, 5, 6]
-    with torch.no_grad():
-        logits = nano(torch.tensor([prompt])).logits[0, -1].double()
-    probs = torch.softmax(logits / 0.9, dim=-1).float()
-    expected = [[int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(s)))] for s in seeds]
-    assert len({tuple(e) for e in expected}) == 3
+    expected = seeded_first_tokens(nano, prompt, seeds, 0.9)
     config = GenerationConfig(max_new_tokens=1, temperature=0.9)
     assert generate(nano, [prompt] * 3, config, row_seeds=seeds) == expected
+
+
+def seeded_first_tokens(model, prompt, seeds, temperature):
+    """Per seed, the first token ``torch.multinomial`` draws from softmax(logits / T) (fp64, then fp32) of
+    a full forward of ``prompt``, with a generator seeded so; checks the seeds draw different tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    probs = torch.softmax(logits / temperature, dim=-1).float()
+    tokens = [[int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(s)))] for s in seeds]
+    assert len({tuple(t) for t in tokens}) == len(seeds)
+    return tokens

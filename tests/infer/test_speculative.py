@@ -18,6 +18,7 @@ from k2lab.infer.rollback import CacheWindow, compact
 from k2lab.infer.speculative import processed_probs, speculation_decision, speculative_generate
 from tests.conftest import KIMI_LINEAR_STYLE, randomize
 from tests.infer.test_decode_weights import rounded
+from tests.infer.test_generate import seeded_first_tokens
 
 PROMPTS = [[7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [99]]
 
@@ -339,11 +340,7 @@ def test_each_row_samples_with_its_own_seed():
     with a generator seeded ``row_seeds[b]`` (the seeds 3, 5, 6 draw three different tokens here)."""
     target = k2()
     prompt, seeds = [5, 9, 2, 7], [3, 5, 6]
-    with torch.no_grad():
-        logits = target(torch.tensor([prompt])).logits[0, -1].double()
-    probs = torch.softmax(logits / 0.9, dim=-1).float()
-    expected = [[int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(s)))] for s in seeds]
-    assert len({tuple(e) for e in expected}) == 3
+    expected = seeded_first_tokens(target, prompt, seeds, 0.9)
     config = GenerationConfig(max_new_tokens=1, temperature=0.9)
     out, _ = speculative_generate(
         target, ModelDraft(target), [prompt] * 3, config, num_draft_tokens=2, row_seeds=seeds
