@@ -130,6 +130,17 @@ def test_stop_strings_cut_the_text(client):
     assert kept.choices[0].text == cut + stop
 
 
+def test_the_earliest_stop_string_cuts_the_text(client):
+    """Two stop strings that complete on the same token (``ab`` and its last character ``b``, which the
+    text has not held before): the text is cut before the one that begins first (OpenAI, vLLM)."""
+    full = complete(client, TEXT, max_tokens=20, ignore_eos=True).choices[0].text
+    i = next(i for i in range(len(full) - 1) if full[i + 1] not in full[: i + 1] and full[i + 1].strip())
+    first, inner = full[i : i + 2], full[i + 1]
+    assert full.find(first) == i and full.find(inner) == i + 1
+    out = complete(client, TEXT, max_tokens=20, ignore_eos=True, stop=[inner, first]).choices[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (full[:i], "stop", first)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
