@@ -194,3 +194,26 @@ def test_random_schemas_close_and_validate(small_tokenizer, schema, extra, seed)
     tokens = drive(grammar, len(grammar.shortest_call) + extra, seed, adversary(small_tokenizer))
     (call,) = arguments(small_tokenizer, tokens)
     jsonschema.validate(call, schema)
+
+
+def test_a_tight_budget_keeps_only_the_witness_when_it_holds_the_mass(small_tokenizer):
+    """At a budget of exactly the shortest call every step is steered: the allowed tokens are the shortest
+    completion's next token (the witness) plus likely alternatives that still close, tested only until
+    they hold ``STEER_MASS`` (0.95). A witness with a logit 30 above the rest holds it alone, so it is the
+    only token left (other cities of the same length would close too)."""
+    grammar = forced(small_tokenizer, ISSUE)
+    constraint = grammar.constraint(len(grammar.shortest_call))
+    generator = torch.Generator().manual_seed(0)
+    steered = 0
+    while not constraint.finished_section:
+        constraint.mask(torch.zeros(300))  # finds the shortest completion from here
+        logits = torch.randn(300, generator=generator)
+        if constraint.path:
+            logits[constraint.path[0]] += 30.0
+            steered += 1
+        constraint.mask(logits)
+        allowed = torch.isfinite(logits).nonzero()[:, 0].tolist()
+        if constraint.path:
+            assert allowed == [constraint.path[0]]
+        constraint.advance(int(logits.argmax()))
+    assert steered >= len(grammar.shortest_call) - 2

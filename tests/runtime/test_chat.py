@@ -185,6 +185,16 @@ def test_thinking_is_carried_back_in_full():
     assert "<think>" not in render_chat(HAND_WRITTEN[0])
 
 
+def test_a_generated_turns_thinking_is_parsed_verbatim():
+    """The reasoning is the text between ``<think>`` and ``</think>`` as generated, its newlines and spaces
+    included, so rendering the parsed message gives back the turn's exact text (what a trainer re-tokenises)."""
+    turn = "<think>\n  weigh it up\n</think>\nthe answer"
+    message = parse_assistant(turn + "<|im_end|>")
+    assert message["reasoning_content"] == "\n  weigh it up\n"
+    assert message["content"] == "\nthe answer"
+    assert render_assistant_body(message) == turn
+
+
 # ---------------------------------------------------------------------------------- hypothesis round trip
 
 FRAGMENTS = ['"', "'", "\\", "{", "}", "[", "]", "\n", "<", ">", "|", ":", "<think>", "</think>", "<|", "|>"]
