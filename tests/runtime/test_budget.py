@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -196,13 +197,16 @@ def test_random_schemas_close_and_validate(small_tokenizer, schema, extra, seed)
     jsonschema.validate(call, schema)
 
 
-def test_a_tight_budget_keeps_only_the_witness_when_it_holds_the_mass(small_tokenizer):
-    """At a budget of exactly the shortest call every step is steered: the allowed tokens are the shortest
-    completion's next token (the witness) plus likely alternatives that still close, tested only until
-    they hold ``STEER_MASS`` (0.95). A witness with a logit 30 above the rest holds it alone, so it is the
-    only token left (other cities of the same length would close too)."""
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_tight_budget_keeps_only_the_witness_when_it_holds_the_mass(small_tokenizer, calls):
+    """Steering starts once the budget left, less the token being chosen, no longer holds the shortest
+    completion plus one more whole call; following the shortest completion from a budget of 1 or 2 shortest
+    calls, that is every step. The allowed tokens are then the completion's next token (the witness) plus
+    likely alternatives that still close, tested only until they hold ``STEER_MASS`` (0.95): a witness with
+    a logit 30 above the rest holds it alone, so it is the only token left (other cities of the same length
+    would close too)."""
     grammar = forced(small_tokenizer, ISSUE)
-    constraint = grammar.constraint(len(grammar.shortest_call))
+    constraint = grammar.constraint(calls * len(grammar.shortest_call))
     generator = torch.Generator().manual_seed(0)
     steered = 0
     while not constraint.finished_section:

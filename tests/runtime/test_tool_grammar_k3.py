@@ -160,6 +160,23 @@ def test_none_and_auto_follow_the_multi_token_trigger(setup):
     assert logits[sep] == float("-inf") and torch.isfinite(logits).sum() == V - 1
 
 
+def test_auto_keeps_the_trigger_while_a_whole_call_still_fits(setup):
+    """``shortest_call`` counts the whole trigger: at max_tokens = its length, the trigger's first tokens
+    sampled, its last token (and the shortest call after it) still fits exactly, so nothing is masked."""
+    tokenizer, _ = setup
+    fmt = K3ChatFormat()
+    trigger = tokenizer.encode(f"{OPEN}tools{SEP}")
+    assert len(trigger) > 1
+    grammar = ToolCallGrammar.build(tokenizer, V, TOOLS, "auto", markup=fmt.markup)
+    exact = grammar.constraint(max_tokens=len(grammar.shortest_call))
+    for token in trigger:
+        logits = torch.zeros(V)
+        exact.mask(logits)
+        assert torch.isfinite(logits).all()
+        exact.advance(token)
+    assert exact.in_call
+
+
 def test_the_trigger_is_read_as_text_whatever_pieces_spell_it(setup):
     """``tools`` spelled one byte per token (not the tokenizer's own encoding) still opens the tools channel:
     "none" masks the <|sep|> that would complete it and "auto" starts the grammar, fed the tokens as sampled;
