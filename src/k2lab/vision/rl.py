@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from k2lab.agentic.rl.trainer import temperature_at
+from k2lab.agentic.rl.trainer import settle_temperature_floor, temperature_at
 from k2lab.data import load_tokenizer
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.errors import K2LabError
@@ -112,14 +112,7 @@ class VisualRLConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> VisualRLConfig:
         check_task_kinds("tasks", tuple(self.tasks))
-        if self.temperature_floor > self.temperature_start:
-            if "temperature_floor" not in self.model_fields_set:
-                self.temperature_floor = self.temperature_start  # a constant T_0 below the default floor
-            else:
-                raise ValueError(
-                    f"temperature_floor={self.temperature_floor} is above temperature_start="
-                    f"{self.temperature_start}: give a floor at most the start temperature"
-                )
+        settle_temperature_floor(self)
         return self
 
 

@@ -90,6 +90,7 @@ __all__ = [
     "plot_metrics",
     "rl_sources",
     "run_rl",
+    "settle_temperature_floor",
     "temperature_at",
 ]
 
@@ -164,18 +165,7 @@ class RLConfig(BaseModel):
 
     @model_validator(mode="after")
     def _floor_not_above_start(self) -> RLConfig:
-        """A floor above T_0 would sample at the floor from the first iteration (the "decay" going up): the
-        default floor under a low start becomes the start (a constant T_0); a floor given above it is refused."""
-        if self.temperature_floor > self.temperature_start:
-            if "temperature_floor" not in self.model_fields_set:
-                self.temperature_floor = self.temperature_start
-                return self
-            raise ValueError(
-                f"temperature_floor={self.temperature_floor} is above temperature_start="
-                f"{self.temperature_start}: T_i = max(floor, T_0 · γ^i) would sample at the floor from the first "
-                "iteration on instead of decaying from T_0; give a floor at most the start temperature "
-                "(--temperature-floor, or --set temperature_floor=...)"
-            )
+        settle_temperature_floor(self)
         return self
 
     @model_validator(mode="after")
@@ -207,6 +197,23 @@ class RLConfig(BaseModel):
 def temperature_at(iteration: int, start: float, floor: float, decay: float) -> float:
     """T_i = max(T_floor, T_0 · γ^i)."""
     return max(floor, start * decay**iteration)
+
+
+def settle_temperature_floor(config: BaseModel) -> None:
+    """A floor above T_0 would sample at the floor from the first iteration (the "decay" going up): the
+    default floor under a low start becomes the start (a constant T_0); a floor given above it is refused
+    (``ValueError``). For a config with ``temperature_start`` / ``temperature_floor`` (RL, visual RL)."""
+    if config.temperature_floor <= config.temperature_start:
+        return
+    if "temperature_floor" not in config.model_fields_set:
+        config.temperature_floor = config.temperature_start
+        return
+    raise ValueError(
+        f"temperature_floor={config.temperature_floor} is above temperature_start="
+        f"{config.temperature_start}: T_i = max(floor, T_0 · γ^i) would sample at the floor from the first "
+        "iteration on instead of decaying from T_0; give a floor at most the start temperature "
+        "(--temperature-floor, or --set temperature_floor=...)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ groups
@@ -627,11 +634,11 @@ def run_rl(
     checkpoint, out = check_model_directory(checkpoint), Path(out_dir)
     if not (checkpoint / "tokenizer.json").is_file():
         raise K2LabError(f"{checkpoint} has no tokenizer.json: RL renders chats with the model's tokenizer")
-    if config.critic not in ("self", "none"):  # the inputs, before the output directory is claimed
-        check_model_directory(config.critic)
+    critic = config.critic if config.critic not in ("self", "none") else None  # a checkpoint
+    if critic is not None:  # the inputs, before the output directory is claimed
+        check_model_directory(critic)
     if config.ptx_data is not None and not Path(config.ptx_data).expanduser().exists():
         raise K2LabError(f"ptx_data {config.ptx_data} does not exist")
-    critic = config.critic if config.critic not in ("self", "none") else None
     open_run(out, "rl", [checkpoint, critic], resume, threads, config.seed)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = load_text_model(checkpoint, "RL")
