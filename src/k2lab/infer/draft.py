@@ -400,7 +400,8 @@ def check_draft(target: CausalLM, draft: Draft) -> None:
     """``K2LabError`` (one line) unless ``draft`` can draft for ``target``: a ``ModelDraft``'s model has the
     target's vocabulary (its ids index the target's embedding), an ``EagleDraft``'s model matches the target
     in ``_MATCHING`` and its MTP module is the block that model builds (``_module_mismatch``). Other drafts
-    are not checked. ``SpeculativeStep`` calls it, so ``speculative_generate`` and ``k2lab serve`` do."""
+    are not checked. ``speculative_generate`` and ``k2lab serve``'s ``Speculation`` call it, once per draft
+    (not per ``SpeculativeStep``: serve builds one for every admitted batch)."""
     if isinstance(draft, ModelDraft):
         theirs, ours = draft.model.config.vocab_size, target.config.vocab_size
         if theirs != ours:

@@ -199,7 +199,6 @@ class SpeculativeStep:
     ) -> None:
         if (generator is None) == (rows is None):
             raise ValueError("pass exactly one of generator (one config for all rows) and rows (per row)")
-        check_draft(model, draft)
         self.model, self.draft, self.config, self.generator, self.rows = model, draft, config, generator, rows
         # compiled per config.compile (matrices per config.decode_weights), else the model
         self.verify_forward = decode_step(model, config.compile, config.decode_weights)
@@ -378,6 +377,7 @@ def speculative_generate(
             model, prompts, config, constraints=constraints, row_seeds=row_seeds
         ), SpeculativeStats()
     check_prompts(model, prompts, config.eos_token_id)
+    check_draft(model, draft)
     param = next(model.parameters())
     ids, valid = left_pad(prompts, model.config.pad_token_id or 0)
     ids, valid = ids.to(param.device), valid.to(param.device)

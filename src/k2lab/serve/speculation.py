@@ -46,7 +46,7 @@ import torch
 from k2lab.hardware import Precision
 from k2lab.infer.cache import LatentCache
 from k2lab.infer.compiled import CompileMode
-from k2lab.infer.draft import Draft
+from k2lab.infer.draft import Draft, check_draft
 from k2lab.infer.generate import GenerationConfig, last_positions, left_pad, prefill
 from k2lab.infer.prefix_cache import PrefixCache
 from k2lab.infer.speculative import (
@@ -153,6 +153,7 @@ class Speculation:
     ) -> None:
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        check_draft(model, draft)  # once: each admitted batch's step copies this draft
         self.model, self.draft, self.k, self.walk = model, draft, draft_tokens, walk
         self.config = GenerationConfig(compile=compile, decode_weights=decode_weights)
         device = next(model.parameters()).device.type
