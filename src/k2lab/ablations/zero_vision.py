@@ -76,7 +76,7 @@ from k2lab.train.config import TrainConfig
 from k2lab.train.data import language_model
 from k2lab.train.metrics import read_metrics
 from k2lab.train.sections import SFTConfig, VisionDataConfig, check_task_kinds
-from k2lab.vision.evaluate import evaluate_visual_tasks
+from k2lab.vision.evaluate import visual_and_blind_scores
 from k2lab.vision.rewards import TASK_KINDS
 from k2lab.vision.rl import SUMMARY, VisualRLConfig, run_visual_rl
 from k2lab.vision.text_trajectories import ZeroVisionConfig, write_zero_vision
@@ -324,10 +324,7 @@ def reference_scores(checkpoint: str, evaluation: dict, seed: int, directory: st
     start = _fresh(run)
     tokenizer, model = load_sft_checkpoint(Path(checkpoint))
     settings = VisionDataConfig.model_validate(evaluation)
-    summary = {
-        key: evaluate_visual_tasks(model, tokenizer, settings, seed=seed, blind=blind, chat=True)
-        for key, blind in (("visual_scores", False), ("visual_scores_blind", True))
-    }
+    summary = visual_and_blind_scores(model, tokenizer, settings, seed=seed, chat=True)
     return _finish(run, key, summary, start)
 
 

@@ -75,7 +75,7 @@ from k2lab.train.config import TrainConfig
 from k2lab.train.curriculum import context_error
 from k2lab.train.data import Log, StagedData, language_model
 from k2lab.train.family_settings import resolve_family_settings
-from k2lab.vision.evaluate import evaluate_visual_tasks
+from k2lab.vision.evaluate import visual_and_blind_scores
 from k2lab.vision.mixture import VisualStream, check_samples_fit, vision_rows_at
 from k2lab.vision.visual_trajectories import encode_visual_chat
 from k2lab.vision.vlm import VisionLanguageModel, build_vlm
@@ -516,14 +516,9 @@ class SFTData(StagedData):
         settings = self.config.sft.visual_eval()
         if not isinstance(model, VisionLanguageModel) or not settings.eval_samples:
             return {}
-        scores: dict[str, Any] = {}
-        for key, blind in (("visual_scores", False), ("visual_scores_blind", True)):
-            scores[key] = evaluate_visual_tasks(
-                model, self.tokenizer, settings, seed=self.config.seed, blind=blind, chat=True
-            )
-            what = "gray images (language prior)" if blind else "held-out, asked in chat, mean reward"
-            log(f"visual tasks ({what}): " + ", ".join(f"{k} {v:.3f}" for k, v in scores[key].items()))
-        return scores
+        return visual_and_blind_scores(
+            model, self.tokenizer, settings, seed=self.config.seed, chat=True, log=log
+        )
 
     def loss_report(self, val_loss: float) -> str:
         return " on held-out assistant tokens"

@@ -15,6 +15,7 @@ a counting question earns partial count reward).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +31,7 @@ from k2lab.vision.rewards import visual_reward
 from k2lab.vision.tasks import generate_tasks
 from k2lab.vision.vlm import VisionLanguageModel
 
-__all__ = ["answer_visual_samples", "evaluate_visual_tasks", "visual_prompts"]
+__all__ = ["answer_visual_samples", "evaluate_visual_tasks", "visual_and_blind_scores", "visual_prompts"]
 
 
 def visual_prompts(
@@ -92,4 +93,25 @@ def evaluate_visual_tasks(
         rewards[sample.kind].append(visual_reward(sample.kind, answer, sample.truth))
     scores = {kind: sum(values) / len(values) for kind, values in sorted(rewards.items())}
     scores["mean"] = sum(sum(v) for v in rewards.values()) / max(sum(len(v) for v in rewards.values()), 1)
+    return scores
+
+
+def visual_and_blind_scores(
+    model: VisionLanguageModel,
+    tokenizer: Tokenizer,
+    config: VisionDataConfig,
+    seed: int = 0,
+    chat: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, float]]:
+    """``{"visual_scores": ..., "visual_scores_blind": ...}``: ``evaluate_visual_tasks`` with the images and
+    on gray images (the language prior alone), the summary entries of a vision-language run; ``log`` gets
+    one line each."""
+    scores = {}
+    for key, blind in (("visual_scores", False), ("visual_scores_blind", True)):
+        scores[key] = evaluate_visual_tasks(model, tokenizer, config, seed=seed, blind=blind, chat=chat)
+        if log is not None:
+            held_out = "held-out, asked in chat, mean reward" if chat else "held-out, mean reward"
+            what = "gray images (language prior)" if blind else held_out
+            log(f"visual tasks ({what}): " + ", ".join(f"{k} {v:.3f}" for k, v in scores[key].items()))
     return scores

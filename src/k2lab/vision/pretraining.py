@@ -21,7 +21,7 @@ from k2lab.train import distributed
 from k2lab.train.config import TrainConfig
 from k2lab.train.data import Log
 from k2lab.train.pretraining import PretrainingData
-from k2lab.vision.evaluate import evaluate_visual_tasks
+from k2lab.vision.evaluate import visual_and_blind_scores
 from k2lab.vision.mixture import MixedBatches, VisualStream, check_samples_fit, visual_rows_total
 from k2lab.vision.vlm import build_vlm
 
@@ -96,13 +96,6 @@ class VisionPretrainingData(PretrainingData):
 
     def evaluate(self, model: torch.nn.Module, log: Log) -> dict[str, Any]:
         """Mean reward per task on held-out samples, and on gray images (the language prior alone)."""
-        scores: dict[str, Any] = {}
         if not self.vision.eval_samples:
-            return scores
-        for key, blind in (("visual_scores", False), ("visual_scores_blind", True)):
-            scores[key] = evaluate_visual_tasks(
-                model, self.tokenizer, self.vision, seed=self.config.seed, blind=blind
-            )
-            what = "gray images (language prior)" if blind else "held-out, mean reward"
-            log(f"visual tasks ({what}): " + ", ".join(f"{k} {v:.3f}" for k, v in scores[key].items()))
-        return scores
+            return {}
+        return visual_and_blind_scores(model, self.tokenizer, self.vision, seed=self.config.seed, log=log)
