@@ -34,10 +34,11 @@ batch row is freed at the engine's next step.
 (lm-evaluation-harness's remote tokenizer reads it). k2lab's tokenizer adds no BOS, so
 ``add_special_tokens`` changes nothing.
 
-Prompts are tokenized (and chats rendered) in a worker thread: a long one does not stall ``/health`` or
-other streams. Bad requests get 400 with OpenAI's error body; an unknown ``model`` 404; a failed engine
-step 500. Fields k2lab does not implement (``suffix``, ``best_of``, ``logit_bias``, ``frequency_penalty``, ``presence_penalty``)
-are refused with 400 unless at their defaults, never silently ignored (``k2lab.serve.unsupported``).
+Prompts are tokenized (and chats rendered) in a worker thread: a long one does not stall ``/health`` or other
+streams. Bad requests get 400 with OpenAI's error body; an unknown ``model`` 404; a failed engine step 500.
+Fields k2lab does not implement (``suffix``, ``best_of``, ``logit_bias``, ``frequency_penalty``,
+``presence_penalty``) are refused with 400 unless at their defaults, never silently ignored
+(``k2lab.serve.unsupported``).
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@
   so ``c3``, ``./c3/`` and its absolute path are the same directory, and ``c3`` typed in another directory
   is not.
 - **Data.** Every checkpoint records the fingerprints of the corpus and the tokenizer
-  (``TrainingData.fingerprints``): a corpus edited since (even with every file's length kept) trains another BPE, whose ids mean other text,
-  so a resume whose corpus or tokenizer differs is refused (``check_resumed_data``). Checkpoints written
-  before they were recorded are resumed unchecked.
+  (``TrainingData.fingerprints``): a corpus edited since (even with every file's length kept) trains another
+  BPE, whose ids mean other text, so a resume whose corpus or tokenizer differs is refused
+  (``check_resumed_data``). Checkpoints written before they were recorded are resumed unchecked.
 """
 
 from __future__ import annotations

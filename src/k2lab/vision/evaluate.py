@@ -3,8 +3,9 @@
 For each sample: prompt = image placeholders + question (``k2lab.vision.mixture.encode_sample``, the raw
 layout joint pre-training trains on) or, with ``chat=True``, K2.5's chat with the image and the question in
 the user turn (``k2lab.vision.chat.visual_chat_prompt``, what a chat-tuned model answers: SFT and visual RL),
-greedy decoding up to ``eval_max_new_tokens`` (in chat: up to the turn's ``<|im_end|>``), reward = ``visual_reward(kind, answer, truth)`` in [0, 1] (soft IoU,
-point F1, mask IoU, 1 − normalised edit distance, count and chart rewards; malformed answers score 0).
+greedy decoding up to ``eval_max_new_tokens`` (in chat: up to the turn's ``<|im_end|>``), reward =
+``visual_reward(kind, answer, truth)`` in [0, 1] (soft IoU, point F1, mask IoU, 1 − normalised edit distance,
+count and chart rewards; malformed answers score 0).
 Samples come from seeds the training stream never draws (``HELD_OUT_SEED``).
 
 ``blind=True`` is the control: the same prompts with every image replaced by a uniform gray one (all
