@@ -50,6 +50,7 @@ from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import IterativeTrainer, open_run, rounded_mean, save_policy
+from k2lab.posttrain.objective import signal_groups
 from k2lab.runtime.chat import IM_END
 from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
@@ -284,13 +285,16 @@ class VisualRLTrainer(IterativeTrainer):
         rewards: Sequence[float],
         losses: dict[str, Any],
     ) -> dict[str, Any]:
+        k = self.config.group_size
         per_task: dict[str, list[float]] = defaultdict(list)
         for r, reward in enumerate(rewards):
-            per_task[samples[r // self.config.group_size].kind].append(reward)
+            per_task[samples[r // k].kind].append(reward)
         return {
             "iteration": iteration,
             "temperature": round(temperature, 6),
             "answers": len(completions),
+            "groups": len(samples),
+            "signal_groups": signal_groups([rewards[g : g + k] for g in range(0, len(rewards), k)]),
             "mean_reward": rounded_mean(rewards),
             "per_task": {kind: rounded_mean(v) for kind, v in sorted(per_task.items())},
             "trained_tokens": sum(len(c) for c in completions),
@@ -338,6 +342,7 @@ def iteration_report(metrics: dict[str, Any], total: int) -> str:
     tasks = ", ".join(f"{kind} {value}" for kind, value in metrics["per_task"].items())
     return (
         f"iteration {metrics['iteration'] + 1}/{total}: mean reward {metrics['mean_reward']} ({tasks}), "
+        f"{metrics['signal_groups']} of {metrics['groups']} groups with unequal rewards, "
         f"loss {metrics.get('loss')}, {metrics['trained_tokens']:,} tokens at T={metrics['temperature']}, "
         f"{metrics['seconds']:.1f} s"
     )

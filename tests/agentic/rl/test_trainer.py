@@ -620,10 +620,13 @@ def test_iteration_report_says_when_nothing_was_trained():
     """Every rollout failing as context overflow trained nothing, and the run printed only "RL done"."""
     from k2lab.agentic.rl.trainer import iteration_report
 
-    metrics = {"iteration": 0, "mean_reward": 0.0, "success": 0.0, "episodes": 2, "trained_tokens": 0,
-               "seconds": 0.5, "failures": {"context overflow": 2}}  # fmt: skip
+    metrics = {"iteration": 0, "mean_reward": 0.0, "success": 0.0, "episodes": 2, "groups": 1, "signal_groups": 0,
+               "trained_tokens": 0, "seconds": 0.5, "failures": {"context overflow": 2}}  # fmt: skip
     line = iteration_report(metrics, 3)
-    assert line.startswith("iteration 1/3: mean reward 0.0") and "2 episodes, 0 tokens trained" in line
+    assert (
+        line.startswith("iteration 1/3: mean reward 0.0")
+        and "2 episodes, 0 of 1 groups with unequal rewards, 0 tokens trained" in line
+    )
     assert line.endswith("nothing trained: no episode produced a completion (failures: context overflow 2)")
     trained = iteration_report({**metrics, "trained_tokens": 1234, "failures": {}}, 3)
     assert "1,234 tokens trained" in trained and "nothing trained" not in trained

@@ -77,7 +77,7 @@ from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.optim.muonclip import MuonClip
 from k2lab.posttrain.base import METRICS, IterativeTrainer, open_run, rounded_mean, save_policy
-from k2lab.posttrain.objective import budget_penalty, k15_loss
+from k2lab.posttrain.objective import budget_penalty, k15_loss, signal_groups
 from k2lab.posttrain.scoring import offpolicy_mask, sequence_log_ratio, turn_logprobs
 from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
@@ -551,6 +551,7 @@ class RLTrainer(IterativeTrainer):
             "iteration": iteration,
             "temperature": round(temperature, 6),
             "groups": len(groups),
+            "signal_groups": signal_groups([rs for rs, _ in scored]),
             "episodes": len(members),
             "pending_groups": len(self.pending),
             "mean_reward": rounded_mean(rewards),
@@ -673,7 +674,8 @@ def iteration_report(metrics: dict[str, Any], total: int) -> str:
     otherwise passed unseen: the run ended "done" with the policy unchanged."""
     line = (
         f"iteration {metrics['iteration'] + 1}/{total}: mean reward {metrics['mean_reward']}, success "
-        f"{metrics['success']}, {metrics['episodes']} episodes, {metrics['trained_tokens']:,} tokens trained, "
+        f"{metrics['success']}, {metrics['episodes']} episodes, {metrics['signal_groups']} of {metrics['groups']} "
+        f"groups with unequal rewards, {metrics['trained_tokens']:,} tokens trained, "
         f"{metrics['seconds']:.1f} s"
     )
     if metrics["episodes"] and not metrics["trained_tokens"]:
