@@ -64,3 +64,11 @@ def test_each_docstring_paragraph_reflows(words, callback):
     lines = [line.strip() for line in _help(words, 1000).splitlines()]
     for paragraph in inspect.cleandoc(callback.__doc__ or "").split("\n\n"):
         assert Text.from_markup(" ".join(paragraph.split())).plain in lines
+
+
+def test_a_default_the_study_derives_is_shown_as_derived():
+    """`ablate zero-vision --help` showed `--seq-len (default: 256)`, the base recipe's, which the study never
+    uses unless given: it sizes rows to the longest trajectory."""
+    text = " ".join(_help(("ablate", "zero-vision"), 1000).replace("│", " ").split())
+    assert "(default: the longest trajectory's length rounded up to 64; recipe key: base.seq_len)" in text
+    assert "default: 256" not in text

@@ -36,13 +36,19 @@ def _value_at(settings: BaseModel, path: str) -> Any:
 
 
 def study_command(
-    settings: type[BaseModel], options: Mapping[str, Opt], profiles: Mapping[str, Profile] | None = None
+    settings: type[BaseModel],
+    options: Mapping[str, Opt],
+    profiles: Mapping[str, Profile] | None = None,
+    derived: Mapping[str, str] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``runs_config`` for a study: its settings loader, and the defaults ``--help`` shows read from the
-    settings the command runs with no options (the study's base recipe included)."""
+    settings the command runs with no options (the study's base recipe included); ``derived`` names the
+    fields (dotted paths) the study works out itself when they are unset, with what ``--help`` shows."""
     load = functools.partial(load_settings, settings)
     default = load()
-    shown = {option.path: _value_at(default, option.path) for option in options.values()}
+    shown = {option.path: _value_at(default, option.path) for option in options.values()} | dict(
+        derived or {}
+    )
     return runs_config(settings, options=options, load=load, defaults=shown, profiles=profiles)
 
 
@@ -221,7 +227,7 @@ ZERO_VISION_HELP = (
             "lr",
             "seed",
             steps="SFT steps per arm",
-            seq_len="Tokens per SFT row (unset: the longest trajectory's, rounded up to 64)",
+            seq_len="Tokens per SFT row",
             lr="Peak SFT learning rate of both arms",
         ),
         "eval_samples": Opt("eval_samples"),
@@ -229,6 +235,7 @@ ZERO_VISION_HELP = (
         "rl_iterations": Opt("rl_iterations"),
         **RUN_OPTIONS,
     },
+    derived={"base.seq_len": "the longest trajectory's length rounded up to 64"},
 )
 def ablate_zero_vision(config: zero_vision.ZeroVisionSettings) -> None:
     zero_vision.run_zero_vision(config, console)
