@@ -196,6 +196,7 @@ def test_tokenize_and_detokenize(server, small_tokenizer):
         ({"model": "nano", "prompt": "hi", "max_tokens": 0}, 400, "echo"),
         ({"model": "nano", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
         ({"model": "nano", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": "nano", "prompt": "hi", "temperature": "0"}, 400, "temperature"),
         ({"model": "nano", "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream"),
         ({"model": "nano", "prompt": "hi " * 400, "max_tokens": 400}, 400, "maximum context length"),
         ({"model": "other", "prompt": "hi"}, 404, "does not exist"),

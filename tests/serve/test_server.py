@@ -291,6 +291,9 @@ def test_tokenizing_a_prompt_leaves_the_event_loop_free(scripted, small_tokenize
         (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "max_tokens": True}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400, "stream"),
+        (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "temperature": "0"}).encode(), 400, "temperature"),
+        (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "top_p": True}).encode(), 400, "top_p"),
+        (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}], "presence_penalty": "0"}).encode(), 400, "presence_penalty"),
         (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "does not exist"),
         (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "word " * 600}]}).encode(), 400, "context length"),
         (json.dumps({"model": "nano", "messages": [{"role": "user", "content": "x"}],
@@ -350,6 +353,21 @@ def test_fifty_concurrent_requests_all_complete(server):
     results = asyncio.run(run())
     assert len(results) == 50 and all(r.choices[0].finish_reason in ("stop", "length") for r in results)
     assert server[1].max_seen_batch > 1  # requests shared forward passes
+
+
+def test_null_temperature_and_top_p_mean_their_defaults(server):
+    """OpenAI's API takes null for both ("number or null"); a JSON string for either is refused (above)."""
+    body = {"model": "nano", "messages": [{"role": "user", "content": "go"}], "max_tokens": 12, "seed": 7}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def reply(extra: dict) -> str:
+        response = httpx.post(server[0] + "/v1/chat/completions", json=body | extra, headers=headers)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    default = reply({})
+    assert reply({"temperature": None, "top_p": None}) == default == reply({"temperature": 1, "top_p": 1})
+    assert reply({"temperature": 0}) != default  # the seed samples: the defaults are not greedy
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat_format import ChatFormat
@@ -123,8 +123,8 @@ class CompletionRequest(UnimplementedSampling):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     best_of: int | None = None  # refused unless 1 (``refusals``), as the penalties and logit_bias
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     # vLLM's extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k2lab.config import ModelConfig
@@ -88,12 +88,13 @@ class ChatCompletionRequest(UnimplementedSampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    # integers and booleans as JSON types (strict): "5" or true for max_tokens, "yes" for stream are refused
+    # numbers and booleans as JSON types (strict): "5" or true for max_tokens, "0" for temperature, "yes" for
+    # stream are refused; null for temperature or top_p means the default, as in OpenAI's API
     parallel_tool_calls: StrictBool = True
     max_tokens: StrictInt | None = Field(default=None, gt=0)
     max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
@@ -166,8 +167,8 @@ class _Completion:
         self.stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         self.params = SamplingParams(
             max_tokens=budget,
-            temperature=body.temperature,
-            top_p=body.top_p,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed if body.seed is not None else int(uuid.uuid4().int % 2**31),
             stop_token_ids=() if body.ignore_eos else app_state.stop_ids,
         )

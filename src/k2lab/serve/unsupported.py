@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import BaseModel
+from pydantic import BaseModel, StrictFloat
 
 from k2lab.serve.errors import APIError
 
@@ -19,9 +19,9 @@ Refusals = dict[str, tuple[bool, str]]  # field -> (set to a value k2lab cannot 
 class UnimplementedSampling(BaseModel):
     """The sampling fields of OpenAI's chat and completion requests that k2lab's sampler has no term for."""
 
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: StrictFloat | None = 0.0
+    presence_penalty: StrictFloat | None = 0.0
+    logit_bias: dict[str, StrictFloat] | None = None
 
     def sampling_refusals(self) -> Refusals:
         return {
