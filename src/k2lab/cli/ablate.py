@@ -46,9 +46,8 @@ def study_command(
     fields (dotted paths) the study works out itself when they are unset, with what ``--help`` shows."""
     load = functools.partial(load_settings, settings)
     default = load()
-    shown = {option.path: _value_at(default, option.path) for option in options.values()} | dict(
-        derived or {}
-    )
+    shown = {option.path: _value_at(default, option.path) for option in options.values()}
+    shown |= derived or {}
     return runs_config(settings, options=options, load=load, defaults=shown, profiles=profiles)
 
 

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k2lab.data.tokenizer import Tokenizer
 from k2lab.runtime.chat_format import ChatFormat
@@ -107,9 +107,11 @@ def _is_id(value: Any) -> bool:
 
 class CompletionRequest(UnimplementedSampling):
     """OpenAI's completion request with vLLM's extensions that k2lab implements (unknown fields are ignored;
-    known ones it does not implement are refused unless at their defaults: ``refusals``)."""
+    known ones it does not implement are refused unless at their defaults: ``refusals``). Values are JSON
+    types (strict): "5" for max_tokens, "0" for temperature or "yes" for echo are refused, as on
+    /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -123,8 +125,8 @@ class CompletionRequest(UnimplementedSampling):
     stream_options: StreamOptions | None = None
     suffix: str | None = None
     best_of: int | None = None  # refused unless 1 (``refusals``), as the penalties and logit_bias
-    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
-    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     # vLLM's extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
