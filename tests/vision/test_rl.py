@@ -1,5 +1,6 @@
 """K2.5's visual RL on a k25-nano VLM: log π of completions with pixel inputs against the model's full logits,
-K1.5's group loss by hand, joint updates of the language model and the tower, exact resume, refusals."""
+K1.5's group loss by hand, joint updates of the language model and the tower, exact resume, the held-out text
+loss before and after against the models' own cross-entropy, refusals."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from pydantic import ValidationError
 
 from k2lab.cli import main
+from k2lab.data.corpus import load_corpus
 from k2lab.errors import K2LabError
 from k2lab.model_dir import load_model, save_model
 from k2lab.models import build_model
@@ -20,6 +23,7 @@ from k2lab.vision.chat import visual_chat_prompt
 from k2lab.vision.rl import VisualRLConfig, run_visual_rl
 from k2lab.vision.rl_scoring import completion_logprobs, group_loss
 from k2lab.vision.tasks import make_task
+from k2lab.vision.text_loss import held_out_text
 from k2lab.vision.vlm import build_vlm
 
 SMALL = dict(
@@ -121,16 +125,67 @@ def test_a_killed_run_resumes_to_the_uninterrupted_metrics_and_weights(vlm_dir, 
     assert summary == json.loads((tmp_path / "whole" / "summary.json").read_text()) | {
         "seconds_per_iteration": summary["seconds_per_iteration"]
     }
-    assert set(summary["before"]) == {"chat", "blind"}
+    assert set(summary["before"]) == {"chat", "blind", "text_loss"}  # the default 32 held-out text rows
+    assert summary["text_eval"]["rows"] == 32 and summary["text_eval"]["corpus"].endswith("-stdlib")
     assert set(summary["after"]["chat"]) == {"counting", "ocr", "mean"}
 
 
 def test_freeze_vision_trains_the_language_model_only(vlm_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(rl, "visual_reward", varied_reward)
-    config = VisualRLConfig(**(SMALL | {"iterations": 1}), freeze_vision=True, optimizer=NO_DECAY)
+    config = VisualRLConfig(
+        **(SMALL | {"iterations": 1}), freeze_vision=True, optimizer=NO_DECAY, text_eval_rows=0
+    )
     run_visual_rl(vlm_dir, tmp_path / "run", config)
     before, after = _weights(vlm_dir), _weights(tmp_path / "run" / "model")
     assert _changed(before, after, "language_model.") and not _changed(before, after, "vision.")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # no evaluation of any kind
+    assert summary["before"] is None and summary["after"] is None and summary["text_eval"] is None
+    assert rl.evaluation_report(summary) is None
+
+
+def held_out_cross_entropy(directory, tokenizer, corpus, rows, seq_len):
+    """By hand: the corpus's validation documents (each + EOS) concatenated, ``rows`` windows of seq_len + 1
+    ids at stride seq_len, the whole VLM's logits on them (no image) -> mean next-token cross-entropy."""
+    ids = [i for doc in load_corpus(corpus).val for i in [*tokenizer.encode(doc.text), tokenizer.eos_id]]
+    windows = torch.tensor([ids[k * seq_len : k * seq_len + seq_len + 1] for k in range(rows)])
+    with torch.no_grad():
+        logits = load_model(directory).eval()(windows[:, :-1]).logits.double()
+    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+
+
+def test_text_loss_is_each_models_own_cross_entropy_on_held_out_rows(
+    vlm_dir, small_tokenizer, tmp_path, monkeypatch, capsys
+):
+    """Before: the source model's cross-entropy on the corpus's held-out rows; after: the trained model's on
+    the same rows (the weights moved, so the two differ); in summary.json, eval_before.json and the report."""
+    monkeypatch.setattr(rl, "visual_reward", varied_reward)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):  # one of the three files is the validation split
+        (corpus / f"f{i}.txt").write_text(f"file {i}: the cat sat on the mat; " * (30 + i))
+    out = tmp_path / "run"
+    args = ["visual-rl", "-c", vlm_dir, "--out", out, "--iterations", 1, "--prompts", 2, "--group", 2,
+            "--max-new-tokens", 4, "--eval-samples", 0, "--lr", 1e-2, "--text-eval-rows", 4,
+            "--text-eval-seq-len", 16, "--text-eval-data", corpus]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    assert exit_info.value.code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    before = held_out_cross_entropy(vlm_dir, small_tokenizer, corpus, 4, 16)
+    after = held_out_cross_entropy(out / "model", small_tokenizer, corpus, 4, 16)
+    assert abs(before - after) > 1e-4  # else the test could not tell the models apart
+    assert summary["before"] == {"text_loss": pytest.approx(before, abs=1e-5)}
+    assert summary["after"] == {"text_loss": pytest.approx(after, abs=1e-5)}
+    assert json.loads((out / "eval_before.json").read_text()) == summary["before"]
+    assert summary["text_eval"] == {"corpus": "corpus", "rows": 4, "seq_len": 16}
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"text loss {before:.4f} → {after:.4f} nats/token (4 rows × 16 tokens of corpus)" in printed
+
+
+def test_held_out_text_asks_for_a_validation_file(small_tokenizer, tmp_path):
+    (tmp_path / "only.txt").write_text("one file is all training text " * 10)
+    with pytest.raises(K2LabError, match="no validation files"):
+        held_out_text(small_tokenizer, 4, 16, str(tmp_path))
 
 
 def test_equal_rewards_give_no_gradient(vlm_dir, tmp_path):
@@ -141,6 +196,8 @@ def test_equal_rewards_give_no_gradient(vlm_dir, tmp_path):
     assert history[0]["mean_reward"] == 0 and history[0]["loss"] == 0
     before, after = _weights(vlm_dir), _weights(tmp_path / "run" / "model")
     assert not _changed(before, after, "")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["before"]["text_loss"] == summary["after"]["text_loss"] > 0  # same weights, same rows
 
 
 def test_bad_configs_are_refused():

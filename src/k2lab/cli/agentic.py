@@ -8,6 +8,7 @@ Each command that runs a config (``RLConfig``, ``VisualRLConfig``, ``FactoryConf
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -32,7 +33,7 @@ from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
 from k2lab.fsutil import check_output_file
-from k2lab.vision.rl import VisualRLConfig, run_visual_rl
+from k2lab.vision.rl import SUMMARY, VisualRLConfig, evaluation_report, run_visual_rl
 from k2lab.vision.rl import iteration_report as visual_iteration_report
 
 CpuThreads = Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")]
@@ -103,7 +104,8 @@ VISUAL_RL_OPTIONS = {
     "updates_per_iteration": UPDATES_PER_ITERATION,
     **_options("freeze_vision"),
     "lr": MUONCLIP_LR,
-    **_options("eval_samples", "checkpoint_every", "keep_checkpoints", "seed"),
+    **_options("eval_samples", "text_eval_rows", "text_eval_seq_len", "text_eval_data"),
+    **_options("checkpoint_every", "keep_checkpoints", "seed"),
 }
 
 
@@ -134,6 +136,9 @@ def visual_rl(
         f"held-out before/after in {out / 'summary.json'}, model in {out / 'model'}",
         markup=False,
     )
+    summary = json.loads((out / SUMMARY).read_text()) if (out / SUMMARY).is_file() else {}
+    if report := evaluation_report(summary):
+        console.print(f"before → after visual RL: {report}", markup=False)
 
 
 factory_app = typer.Typer(

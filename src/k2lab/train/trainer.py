@@ -44,7 +44,6 @@ from k2lab.infer import GenerationConfig, generate
 from k2lab.model_dir import save_model
 from k2lab.models import CausalLM
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
-from k2lab.nn.mla import max_logits_paused
 from k2lab.optim.muonclip import MuonClip
 from k2lab.train import distributed
 from k2lab.train.compile import compile_decision, compiled
@@ -67,7 +66,8 @@ from k2lab.train.resume import (
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints, load_latest_checkpoint
 from k2lab.train.run_directory import claim_run_directory
 from k2lab.train.schedule import lr_multiplier
-from k2lab.train.token_mean import batch_means, global_token_means
+from k2lab.train.token_mean import global_token_means
+from k2lab.train.validation import validation_loss
 
 console = Console()
 
@@ -191,14 +191,9 @@ class Trainer:
         return stats
 
     # ---- evaluation -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def validation_loss(self) -> float:
-        self.model.eval()
-        with max_logits_paused(self.model):
-            losses = [self.loss_of(batch)[0] for batch in self.val_batches]  # main model only
-        # each batch's mean over its target tokens, token-weighted over the ranks' rows
-        losses = batch_means(losses, [batch.labels for batch in self.val_batches])
-        return distributed.all_reduce_mean(sum(losses) / max(len(losses), 1))
+        """``k2lab.train.validation``'s L_val over ``val_batches`` (main model only, under the run's autocast)."""
+        return validation_loss(self.model, self.val_batches, lambda batch: self.loss_of(batch)[0])
 
     def metrics(
         self, result: StepResult, stats: dict[str, float], loads: list[torch.Tensor], seconds: float

@@ -25,7 +25,9 @@ Each iteration i (``VisualRLTrainer``):
    run restarted with the same arguments reproduces the uninterrupted run's metrics and weights.
 
 Held-out chat evaluation (``evaluate_visual_tasks(chat=True)`` and its gray-image control ``blind=True``)
-runs before the first and after the last iteration; both go to ``summary.json``.
+and the language model's held-out text loss (``k2lab.vision.text_loss``: mean next-token cross-entropy on
+``text_eval_rows`` fixed rows of a corpus's validation split; K2.5 reports its text benchmarks did not drop
+after visual RL) run before the first and after the last iteration; both go to ``summary.json``.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ from k2lab.vision.processor import ProcessorConfig
 from k2lab.vision.rewards import TASK_KINDS, visual_reward
 from k2lab.vision.rl_scoring import Media, completion_logprobs, group_loss
 from k2lab.vision.tasks import VisualSample, generate_tasks
+from k2lab.vision.text_loss import TextRows, held_out_text, text_loss
 from k2lab.vision.vlm import VisionLanguageModel
 
-__all__ = ["VisualRLConfig", "VisualRLTrainer", "iteration_report", "run_visual_rl"]
+__all__ = ["VisualRLConfig", "VisualRLTrainer", "evaluation_report", "iteration_report", "run_visual_rl"]
 
 EVAL_BEFORE = "eval_before.json"
 SUMMARY = "summary.json"
@@ -106,6 +109,23 @@ class VisualRLConfig(BaseModel):
     eval_samples: int = Field(
         default=40, ge=0, description="Held-out tasks scored before and after (0: no evaluation)."
     )
+    text_eval_rows: int = Field(
+        default=32,
+        ge=0,
+        description="Held-out text rows whose mean next-token cross-entropy (the language model's text loss) "
+        "is measured before and after (0: none).",
+    )
+    text_eval_seq_len: int = Field(
+        default=256,
+        ge=1,
+        description="Tokens per held-out text row (at most the model's max_position_embeddings).",
+    )
+    text_eval_data: str | None = Field(
+        default=None,
+        description="Corpus directory whose validation split is the held-out text (as `k2lab train --data`; "
+        "give the base's pre-training corpus); unset: the embedded standard-library corpus, `k2lab train`'s "
+        "default.",
+    )
     checkpoint_every: int = Field(default=1, ge=1, description="Checkpoint every N iterations.")
     keep_checkpoints: int | None = Field(default=3, ge=1, description="Checkpoints kept (unset: all).")
     seed: int = Field(default=0, description="Run seed (tasks and sampling).")
@@ -144,6 +164,7 @@ class VisualRLTrainer(IterativeTrainer):
         self.optimizer = MuonClip(model, config.optimizer, verbose=False)
         self.processor = ProcessorConfig.from_vision_config(model.config.vision)
         self.end = tokenizer.special_tokens[IM_END]
+        self.text: TextRows | None = None  # the held-out text rows, made at the first evaluation
         self.iteration = 0
         self.resume()
 
@@ -174,6 +195,7 @@ class VisualRLTrainer(IterativeTrainer):
             "iterations": self.completed,
             "before": json.loads(before.read_text()) if before.is_file() else None,
             "after": self.evaluate(),
+            "text_eval": self.text.describe() if self.text else None,
             "mean_reward_first": lines[0]["mean_reward"] if lines else None,
             "mean_reward_last": lines[-1]["mean_reward"] if lines else None,
             "seconds_per_iteration": rounded_mean([line["seconds"] for line in lines]),
@@ -181,22 +203,34 @@ class VisualRLTrainer(IterativeTrainer):
         atomic_write_text(self.out / SUMMARY, json.dumps(summary, indent=2) + "\n")
         return history
 
-    def evaluate(self) -> dict[str, dict[str, float]] | None:
-        """Held-out chat-format scores per task kind, with images and with gray ones (``blind``)."""
-        config = self.config
-        if config.eval_samples == 0:
-            return None
-        data = VisionDataConfig(
-            tasks=tuple(config.tasks),
-            eval_samples=config.eval_samples,
-            eval_max_new_tokens=config.max_new_tokens,
-        )
-        return {
-            mode: evaluate_visual_tasks(
-                self.model, self.tokenizer, data, seed=config.seed, blind=mode == "blind", chat=True
+    def evaluate(self) -> dict[str, Any] | None:
+        """Held-out chat-format scores per task kind, with images and with gray ones (``blind``), and the
+        language model's held-out ``text_loss``; None when neither is asked for."""
+        config, scores = self.config, dict[str, Any]()
+        if config.eval_samples > 0:
+            data = VisionDataConfig(
+                tasks=tuple(config.tasks),
+                eval_samples=config.eval_samples,
+                eval_max_new_tokens=config.max_new_tokens,
             )
-            for mode in ("chat", "blind")
-        }
+            scores = {
+                mode: evaluate_visual_tasks(
+                    self.model, self.tokenizer, data, seed=config.seed, blind=mode == "blind", chat=True
+                )
+                for mode in ("chat", "blind")
+            }
+        if config.text_eval_rows > 0:
+            scores["text_loss"] = text_loss(self.model, self.held_out_text())
+        return scores or None
+
+    def held_out_text(self) -> TextRows:
+        """The held-out text rows (``text_eval_*``), made once in the model's tokenizer."""
+        if self.text is None:
+            config = self.config
+            context = self.model.language_model.config.max_position_embeddings
+            seq_len = min(config.text_eval_seq_len, context)
+            self.text = held_out_text(self.tokenizer, config.text_eval_rows, seq_len, config.text_eval_data)
+        return self.text
 
     def advance(self) -> dict[str, Any]:
         """Sample, score, update ``updates_per_iteration`` times; returns (and logs) the metrics."""
@@ -335,6 +369,23 @@ def run_visual_rl(
     history = VisualRLTrainer(model, tokenizer, config, out, sources=sources).run(on_iteration=on_iteration)
     save_policy(model, tokenizer, out)
     return history
+
+
+def evaluation_report(summary: dict[str, Any]) -> str | None:
+    """One console line of ``summary.json``'s held-out results before → after (None without any)."""
+    before, after = summary.get("before") or {}, summary.get("after") or {}
+    parts = [
+        f"{label} {before[key]['mean']:.3f} → {after[key]['mean']:.3f}"
+        for key, label in (("chat", "held-out visual mean"), ("blind", "gray-image mean"))
+        if key in before and key in after
+    ]
+    if "text_loss" in before and "text_loss" in after:
+        text = summary.get("text_eval") or {}
+        parts.append(
+            f"text loss {before['text_loss']:.4f} → {after['text_loss']:.4f} nats/token "
+            f"({text.get('rows')} rows × {text.get('seq_len')} tokens of {text.get('corpus')})"
+        )
+    return ", ".join(parts) or None
 
 
 def iteration_report(metrics: dict[str, Any], total: int) -> str:
