@@ -15,12 +15,14 @@ from k2lab.ablations.zero_vision import (
     run_zero_vision,
     visual_rows,
 )
+from k2lab.data import load_tokenizer
 from k2lab.errors import K2LabError
 from k2lab.model_dir import save_model
 from k2lab.presets.vision_language import load_vlm_preset
 from k2lab.vision.vlm import build_vlm
 from tests.ablations.test_optimizer import PNG_MAGIC, run_cli
 from tests.conftest import trajectory_tokenizer
+from tests.vision.test_rl import held_out_cross_entropy
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,8 @@ def test_whole_tiny_study_writes_the_outputs_and_reuses_its_runs(base, tmp_path,
         "--batch-size", 2, "--eval-samples", 2, "--eval-max-new-tokens", 3, "--rl-iterations", 1,
         "--jobs", 1, "--threads", 1, "--set", "base.eval_batches=1", "--set", "base.precision=fp32",
         "--set", "rl.prompts_per_iteration=1", "--set", "rl.group_size=2", "--set", "rl.eval_samples=2",
-        "--set", "rl.max_new_tokens=3", "--set", "visual_ratio=0.5",
+        "--set", "rl.max_new_tokens=3", "--set", "visual_ratio=0.5", "--set", "rl.text_eval_rows=2",
+        "--set", "rl.text_eval_seq_len=16",
     ]  # fmt: skip
     assert run_cli(*args) == 0
     flat = "".join(capsys.readouterr().out.split())
@@ -67,11 +70,26 @@ def test_whole_tiny_study_writes_the_outputs_and_reuses_its_runs(base, tmp_path,
         assert not run["reused"]
     for arm in ARMS:
         rl = runs[arm]["rl"]
-        assert len(rl["rewards"]) == 1 and set(rl["after"]) == {"chat", "blind"} and rl["before"]
+        assert len(rl["rewards"]) == 1 and set(rl["after"]) == {"chat", "blind", "text_loss"} and rl["before"]
         assert len(runs[arm]["val_curve"]) >= 1
     assert runs["zero-vision"]["val_loss"] != runs["text-vision"]["val_loss"]  # the arms really differ
+    # visual RL's text loss before: each arm's own model on 2 held-out stdlib rows of 16 tokens (by hand)
+    tokenizer = load_tokenizer(base / "tokenizer.json")
+    text_before = {arm: runs[arm]["rl"]["before"]["text_loss"] for arm in ARMS}
+    for arm in ARMS:
+        by_hand = held_out_cross_entropy(out / "runs" / arm / "model", tokenizer, None, 2, 16)
+        assert text_before[arm] == pytest.approx(by_hand, abs=1e-5)
+        assert runs[arm]["rl"]["after"]["text_loss"] > 0 and runs[arm]["rl"]["text_eval"]["rows"] == 2
+    assert text_before["zero-vision"] != text_before["text-vision"]
     table = (out / "zero_vision.md").read_text()
+    zero_row = next(line for line in table.splitlines() if line.startswith("| zero-vision SFT |"))
+    assert zero_row.split(" | ")[-2:] == [
+        f"{text_before['zero-vision']:.4f}",
+        f"{runs['zero-vision']['rl']['after']['text_loss']:.4f} |",
+    ]
     for fragment in ("| arm | SFT val loss | visual mean (chat) | gray-image mean |", "| no SFT (base) | — |",
+                     "| gray after RL | text loss before RL | text loss after RL |",
+                     "Text loss: the language model's mean next-token cross-entropy",
                      "| zero-vision SFT |", "## The claim and ours", "K2.5 (seed)"):  # fmt: skip
         assert fragment in table, fragment
     image = out / "zero_vision.png"
@@ -91,6 +109,13 @@ def test_settings_and_bad_input(tmp_path):
     assert default.pretrain.preset == "k25-mini" and default.pretrain.steps == 200
     assert (default.pretrain.vision.start, default.pretrain.vision.ratio) == (0.0, 0.1)
     assert default.rl_config().iterations == 16 and default.rl.max_new_tokens == 96 and default.jobs == 2
+    # RL's held-out text: the corpus the study pre-trains the base on, unless given or the base is given
+    corpus = str(tmp_path)
+    assert load_settings(ZeroVisionSettings, **{"pretrain.data": corpus}).rl_config().text_eval_data == corpus
+    given = {"pretrain.data": corpus, "base_checkpoint": corpus}
+    assert load_settings(ZeroVisionSettings, **given).rl_config().text_eval_data is None
+    named = {"pretrain.data": corpus, "rl.text_eval_data": "other"}
+    assert load_settings(ZeroVisionSettings, **named).rl_config().text_eval_data == "other"
     config = arm_config(default, "text-vision", tmp_path, tmp_path / "d.jsonl", 448)
     assert config.sft.visual_ratio == 0.3 and config.seq_len == 448
     assert visual_rows(config) == 50 * 8 * 3 // 10  # ⌊S·B·v⌋ = 120 of 400 rows
