@@ -636,7 +636,7 @@ def text_note(results: dict[str, Any]) -> str:
     return (
         f"Text loss: the language model's mean next-token cross-entropy (nats/token) on {text['rows']} "
         f"held-out rows of {text['seq_len']} tokens of {text['corpus']}'s validation split, before and after "
-        "visual RL (K2.5: MMLU-Pro 84.7 → 86.4 etc. after visual RL, text did not erode)."
+        "visual RL (K2.5: its text benchmarks did not drop after visual RL, e.g. MMLU-Pro 84.7 → 86.4)."
     )
 
 
