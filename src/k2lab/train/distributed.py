@@ -298,6 +298,16 @@ def all_reduce_mean(values: float | Sequence[float]) -> Any:
     return means[0] if single else means
 
 
+def all_reduce_max(values: dict[str, float]) -> dict[str, float]:
+    """The maximum over ranks of each value (keys in the same order on every rank); unchanged without a
+    process group."""
+    if not is_distributed() or not values:
+        return values
+    flat = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    return dict(zip(values, flat.tolist(), strict=True))
+
+
 class Discard:
     """Stands in for rank 0's metrics logger on the other ranks: a context manager whose methods do nothing."""
 

@@ -14,7 +14,8 @@ One optimizer step:
     MuonClip.step()  -> Muon/AdamW update, then per-head QK-Clip on the step's max logits
     router bias ← the bias rule on the step's expert loads (DeepSeek-V3 sign rule, or K3's Quantile
                   Balancing on the step's scores: the default for K3-family models, k2lab.train.family_settings)
-    log metrics; validate every ``eval_every``; checkpoint every ``save_every``
+    log metrics; validate every ``eval_every`` (with the MoE layers' activation maxima on the validation
+    batches, k2lab.train.moe_telemetry); checkpoint every ``save_every``
 
 Everything that decides the next step (weights, optimizer, data position, RNG) is in the checkpoint, so a
 run killed at any moment and resumed continues with exactly the losses it would have had.
@@ -53,6 +54,7 @@ from k2lab.train.data import TrainingData, language_model
 from k2lab.train.divergence import check_finite_step
 from k2lab.train.family_settings import chosen_values, describe_choices, family_reasons, keep_saved_choices
 from k2lab.train.metrics import MetricsLogger
+from k2lab.train.moe_telemetry import moe_activation_maxima
 from k2lab.train.mtp_loss import MTPLoss, fused_mtp_loss
 from k2lab.train.persistence import capture_rng_state, restore_rng_state
 from k2lab.train.resume import (
@@ -97,7 +99,8 @@ class StepResult:
 
 class Trainer:
     """One training run's model, optimizer and step: ``train_step`` + ``update`` over ``batches`` (an
-    iterator of micro-batches), ``validation_loss`` over ``val_batches``; ``train`` drives it."""
+    iterator of micro-batches), ``validation_loss`` over ``val_batches``; ``train`` drives it.
+    ``val_activations`` holds the MoE activation maxima of the last validation (``moe_activation_maxima``)."""
 
     def __init__(
         self, config: TrainConfig, model: CausalLM, batches, val_batches: list, run_dir: Path
@@ -120,6 +123,7 @@ class Trainer:
             moe.balance_alpha = config.balance.sequence_loss_alpha
             moe.record_scores = config.balance.bias_rule == "quantile"
         self.step = 0
+        self.val_activations: dict[str, float] = {}
 
     # ---- one step -------------------------------------------------------------------------------------
     def autocast(self):
@@ -192,8 +196,12 @@ class Trainer:
 
     # ---- evaluation -----------------------------------------------------------------------------------
     def validation_loss(self) -> float:
-        """``k2lab.train.validation``'s L_val over ``val_batches`` (main model only, under the run's autocast)."""
-        return validation_loss(self.model, self.val_batches, lambda batch: self.loss_of(batch)[0])
+        """``k2lab.train.validation``'s L_val over ``val_batches`` (main model only, under the run's autocast);
+        the MoE layers' activation maxima on those batches go to ``val_activations``."""
+        with moe_activation_maxima(self.lm) as maxima:
+            loss = validation_loss(self.model, self.val_batches, lambda batch: self.loss_of(batch)[0])
+        self.val_activations = distributed.all_reduce_max(maxima)
+        return loss
 
     def metrics(
         self, result: StepResult, stats: dict[str, float], loads: list[torch.Tensor], seconds: float
@@ -415,6 +423,7 @@ def train_loop(trainer: Trainer, data: TrainingData, metrics: MetricsLogger) -> 
             if trainer.step % config.eval_every == 0 or trainer.step == config.steps:
                 val_loss = trainer.validation_loss()
                 values["val_loss"] = val_loss
+                values.update(trainer.val_activations)
             metrics.log(trainer.step, values)
             progress.update(
                 task,
