@@ -1,4 +1,4 @@
-"""The ``ablate`` group: optimizer, balancing, vision-injection, zero-vision, rephrase and PARL studies.
+"""The ``ablate`` group: optimizer, balancing, k3-design, vision-injection, zero-vision, rephrase and PARL studies.
 
 Each command runs the settings model of its study (``k2lab.ablations``): ``--recipe FILE.toml`` (the study's
 settings with a ``[base]`` table, or a training recipe alone for ``base``), repeatable ``--set key.path=value``
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 
-from k2lab.ablations import balancing, optimizer, parl, rephrase, vision_injection, zero_vision
+from k2lab.ablations import balancing, k3_design, optimizer, parl, rephrase, vision_injection, zero_vision
 from k2lab.ablations.common import load_settings
 from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, Profile, runs_config
@@ -153,6 +153,39 @@ BALANCING_HELP = (
 )
 def ablate_balancing(config: balancing.BalancingConfig) -> None:
     balancing.run_balancing(config, console)
+
+
+K3_DESIGN_HELP = (
+    "K3's architecture claims at small scale: the K3 preset vs plain residuals (no AttnRes) vs SwiGLU without "
+    "the latent RMSNorm (unstable LatentMoE) vs every layer MLA with RoPE (no KDA), trained on the same "
+    "tokens.\n\n"
+    f"Trains the same recipe once per arm ({_sized(k3_design.K3DesignConfig.BASE)} of the embedded corpus by "
+    "default, two arms at a time in one-thread worker processes: ~10-15 min on 2 CPU cores), with the same "
+    "seed, data order and lr, and compares the validation loss curve, training tokens/s, parameters (total / "
+    "active), the max |u| of the latent routed sum and of the MoE output on the validation batches, and the "
+    "gradient-norm maxima and spikes; one verdict sentence per claim.\n\n"
+    "Writes OUT/k3_design.md, OUT/k3_design.json and OUT/k3_design.png; each run lives in OUT/runs/ARM and a "
+    "finished run is reused when the command is repeated."
+)
+
+
+@ablate_app.command("k3-design", help=K3_DESIGN_HELP)
+@study_command(
+    k3_design.K3DesignConfig,
+    options={
+        **base_options("steps"),
+        "out": Opt("out"),
+        "arms": Opt("arms"),
+        **base_options("data", "seed", "lr"),
+        "spike_factor": Opt("spike_factor"),
+        "spike_window": Opt("spike_window"),
+        **base_options("preset", "batch_size", "seq_len", "precision", preset="K3-family model preset"),
+        **RUN_OPTIONS,
+    },
+    derived={"jobs": "2 (1 for one arm)"},
+)
+def ablate_k3_design(config: k3_design.K3DesignConfig) -> None:
+    k3_design.run_k3_design(config, console)
 
 
 _ARMS = vision_injection.ARMS.values()
