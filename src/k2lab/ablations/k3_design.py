@@ -81,8 +81,9 @@ ARMS: dict[str, Arm] = {
 }
 REFERENCE = "k3"  # the arm the others are compared with
 
-# k3-mini on the embedded corpus: 4 arms × 120 steps × 8×256 tokens as 2 one-thread worker processes
-# (k3-mini's step ~2.2 s at one thread: ~4.5 min of training per arm, two arms at a time, ~10-13 min in all).
+# k3-mini on the embedded corpus: 4 arms × 120 steps × 8×256 tokens as 2 one-thread worker processes, two arms
+# at a time: a one-thread k3-mini step took ~2.5 s uncontended (all-MLA less), an evaluation of 4 batches ~2 s,
+# so ~5.5 min per arm and ~11-13 min in all on 2 free CPU cores (20-step arms: 81 / 66 CPU-s for k3 / all-MLA).
 DEFAULT_RECIPE: dict[str, Any] = {
     "preset": "k3-mini",
     "steps": 120,
@@ -317,12 +318,12 @@ TABLE_HEADER = [
     "final val loss",
     "Δ vs K3",
     "tokens/s",
-    "max |u| latent (last eval)",
-    "max |u| latent (any eval)",
-    "max |MoE out|",
+    "latent ‖u‖∞ last eval",
+    "latent ‖u‖∞ peak",
+    "MoE ‖y‖∞ peak",
     "max grad norm",
     "grad-norm spikes",
-]
+]  # ‖·‖∞: the largest |value| (no "|" inside a markdown table cell)
 
 
 def _overrides(run: dict[str, Any]) -> str:
@@ -335,7 +336,8 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = []
     for run in results["runs"]:
         params = run["params"]
-        delta = run["final_val_loss"] - k3["final_val_loss"] if k3 is not None else math.nan
+        reference = k3 is None or run is k3
+        delta = math.nan if reference else run["final_val_loss"] - k3["final_val_loss"]
         rows.append(
             [
                 ARMS[run["arm"]].label,
@@ -369,8 +371,9 @@ def markdown_report(results: dict[str, Any]) -> str:
         "",
         "Columns: parameters total and active per token (embeddings included); the final validation loss and "
         "its difference to K3; the median training tokens/s of steps 2.. (runs trained side by side share "
-        "the CPU); max |u| of the routed sum before the latent RMSNorm / W_up and max |y| of the MoE output, "
-        "over the MoE layers and the validation batches, at the last evaluation and at any; the largest "
+        "the CPU); ‖u‖∞ = max |u| of the latent routed sum u before the RMSNorm / W_up and ‖y‖∞ = max |y| of "
+        "the MoE output, over the MoE layers and the validation batches, at the last evaluation and the peak "
+        "over all evaluations; the largest "
         f"gradient norm (before clipping at {s['grad_clip']:g}); spikes are steps whose grad norm exceeds "
         f"{s['spike_factor']:g} × the median of the {s['spike_window']} steps before.",
         "",
@@ -425,7 +428,8 @@ def print_summary(results: dict[str, Any], console: Console) -> None:
     """The comparison as a rich table, then the verdicts."""
     s = results["settings"]
     title = f"K3 design arms: {s['preset']}, {s['steps']} steps × {s['tokens_per_step']:,} tokens"
-    console.print(rich_table(title, TABLE_HEADER, table_rows(results)))
+    rows = [row[:1] + row[2:] for row in table_rows(results)]  # the overrides are in the markdown
+    console.print(rich_table(title, TABLE_HEADER[:1] + TABLE_HEADER[2:], rows))
     for sentence in results["verdicts"].values():
         console.print(f"- {sentence}", markup=False)
     if not results["same_tokens"]:
