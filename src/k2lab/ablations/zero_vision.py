@@ -56,6 +56,7 @@ from pydantic import Field, field_validator, model_validator
 from rich.console import Console
 
 from k2lab.ablations.common import (
+    RERUN_HINT,
     RUN_MARKER,
     AblationSettings,
     PlannedRun,
@@ -72,6 +73,7 @@ from k2lab.ablations.vision_injection import DEFAULT_RECIPE as INJECTION_RECIPE
 from k2lab.agentic.sft import encode_conversations, load_conversations, load_sft_checkpoint
 from k2lab.errors import K2LabError
 from k2lab.fsutil import atomic_write_text, make_directory, save_figure_atomically
+from k2lab.interrupt import last_checkpoint, reports_interrupt
 from k2lab.model_dir import check_model_directory, checkpoint_fingerprint, load_model
 from k2lab.runtime.chat_format import chat_format_of
 from k2lab.train.config import TrainConfig
@@ -343,7 +345,8 @@ def visual_rl(checkpoint: str, rl: dict, directory: str, keep_weights: bool) -> 
     if (summary := _reused(run, key)) is not None:
         return summary, True
     start = _fresh(run)
-    run_visual_rl(checkpoint, run, VisualRLConfig.model_validate(rl), resume=False)
+    with reports_interrupt(run, last_checkpoint(run, "iteration"), RERUN_HINT):  # wiped when run again
+        run_visual_rl(checkpoint, run, VisualRLConfig.model_validate(rl), resume=False)
     summary = json.loads((run / SUMMARY).read_text())
     lines = (run / "metrics.jsonl").read_text().splitlines()
     summary["rewards"] = [json.loads(line)["mean_reward"] for line in lines if line.strip()]

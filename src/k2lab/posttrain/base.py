@@ -15,7 +15,8 @@ A trainer subclasses ``IterativeTrainer``, builds its model and optimizer, sets 
 (keeping ``config.keep_checkpoints``) whenever the counter is a multiple of ``config.checkpoint_every`` and
 after the last iteration. The state is snapshotted at once and written by a ``CheckpointWriter``'s background
 thread while the next iteration runs; the loop waits for it before the next save and before it returns
-(also when an iteration raises), so on return the last checkpoint is durable. A checkpoint is::
+(also when an iteration raises), so on return the last checkpoint is durable. Ctrl-C in the loop says which
+checkpoint the run keeps and how to continue (``k2lab.interrupt``) and exits 130. A checkpoint is::
 
     {counter: n, **state_parts(), "rng": capture_rng_state(), "config": settings()}
 
@@ -39,6 +40,7 @@ import torch
 
 from k2lab.errors import K2LabError
 from k2lab.fsutil import make_directory
+from k2lab.interrupt import RERUN_TO_CONTINUE, last_checkpoint, reports_interrupt
 from k2lab.model_dir import save_model
 from k2lab.train.persistence import capture_rng_state, restore_rng_state, resume_state
 from k2lab.train.run_checkpoints import CheckpointWriter, list_checkpoints
@@ -69,6 +71,7 @@ class IterativeTrainer(ABC):
 
     counter: ClassVar[str] = "iteration"
     metrics_file: ClassVar[str] = METRICS
+    resume_hint: ClassVar[str] = RERUN_TO_CONTINUE  # what Ctrl-C says (an outer block may say its own)
 
     def __init__(self, config: LoopConfig, out_dir: str | Path) -> None:
         self.config = config
@@ -105,7 +108,8 @@ class IterativeTrainer(ABC):
         (written in the background, durable when this returns); ``on_metrics`` sees each metrics line once
         its checkpoint has been started. Returns this call's metrics lines."""
         history = []
-        with self.checkpoints:
+        kept = last_checkpoint(self.out, self.counter)  # read after the writer has finished its save
+        with reports_interrupt(self.out, kept, self.resume_hint), self.checkpoints:
             while self.completed < total:
                 metrics = self.advance()
                 history.append(metrics)

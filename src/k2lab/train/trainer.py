@@ -42,6 +42,7 @@ from k2lab.errors import CheckpointError, K2LabError
 from k2lab.fsutil import atomic_write_text
 from k2lab.hardware import Choice, choose
 from k2lab.infer import GenerationConfig, generate
+from k2lab.interrupt import last_checkpoint, reports_interrupt
 from k2lab.model_dir import save_model
 from k2lab.models import CausalLM
 from k2lab.nn.balancing import all_reduce_loads, deepseek_bias_update, quantile_balance
@@ -314,17 +315,9 @@ def run_training(config: TrainConfig, resume: bool = False, resume_hint: str = R
             )
         distributed.check_batch_size(config.batch_size)
         torch.manual_seed(config.seed)
-        try:
+        kept = last_checkpoint(run_dir, "step")
+        with reports_interrupt(run_dir, kept, resume_hint, show=distributed.is_main()):  # Ctrl-C: exit 130
             return train(build_training_data(config, log=console.print), resume)
-        except KeyboardInterrupt:  # Ctrl-C: say where the run stands, then exit as interrupted (130)
-            saved = list_checkpoints(run_dir)
-            where = f"its last checkpoint, step {saved[0][0]}" if saved else "no checkpoint yet"
-            console.print(
-                f"\ninterrupted: {run_dir} keeps {where} (later steps were not saved); {resume_hint}",
-                markup=False,
-                soft_wrap=True,
-            )
-            raise
 
 
 def train(data: TrainingData, resume: bool = False) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from k2lab.agentic.factory.tools import build_repository
 from k2lab.agentic.rl.trainer import RLConfig, run_rl
 from k2lab.data import load_tokenizer
 from k2lab.fsutil import atomic_write_text, make_directory, save_figure_atomically
+from k2lab.interrupt import RERUN_TO_CONTINUE
 from k2lab.model_dir import load_text_model
 from k2lab.optim.grouping import OptimizerConfig
 from k2lab.posttrain.base import METRICS, metrics_history
@@ -289,7 +290,7 @@ def _train(train: Any, directory: Path) -> dict[str, Any]:
     stage's ``done.json``: its settings were checked by the stage)."""
     if results_written(directory):
         return json.loads((directory / SUMMARY_FILE).read_text())
-    return run_training(train, resume=True, resume_hint="run the same command again to continue")
+    return run_training(train, resume=True, resume_hint=RERUN_TO_CONTINUE)
 
 
 def rl_config(config: RecipeConfig) -> Any:
