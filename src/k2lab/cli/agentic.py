@@ -33,6 +33,7 @@ from k2lab.cli.app import app, console
 from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
 from k2lab.fsutil import check_output_file
+from k2lab.interrupt import RERUN_TO_CONTINUE, last_checkpoint, reports_interrupt
 from k2lab.vision.rl import SUMMARY, VisualRLConfig, evaluation_report, run_visual_rl
 from k2lab.vision.rl import iteration_report as visual_iteration_report
 
@@ -40,6 +41,11 @@ CpuThreads = Annotated[int | None, typer.Option(min=1, help="torch CPU threads."
 ResumeRun = Annotated[
     bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoints when present.")
 ]
+
+
+def _rerun_hint(resume: bool) -> str:
+    """How an interrupted ``rl`` / ``visual-rl`` goes on: rerun it, resuming (the default) when it did not."""
+    return RERUN_TO_CONTINUE if resume else "run the same command without --no-resume to continue"
 
 
 def _options(*names: str) -> dict[str, Opt]:
@@ -81,10 +87,11 @@ def rl(
 ) -> None:
     """Joint RL (K2): verifiable environments + rubric critic, K1.5's objective, MuonClip, exact resume."""
     try:
-        history = run_rl(
-            checkpoint, out, config, resume=resume, threads=threads,
-            on_iteration=lambda m: console.print(iteration_report(m, config.iterations), markup=False),
-        )  # fmt: skip
+        with reports_interrupt(out, last_checkpoint(out, "iteration"), _rerun_hint(resume)):
+            history = run_rl(
+                checkpoint, out, config, resume=resume, threads=threads,
+                on_iteration=lambda m: console.print(iteration_report(m, config.iterations), markup=False),
+            )  # fmt: skip
     except ValueError as error:
         raise K2LabError(str(error)) from error
     last = history[-1] if history else {}
@@ -124,10 +131,13 @@ def visual_rl(
     """K2.5's visual RL: synthetic visual tasks asked in chat, K answers per image, visual rewards, K1.5's
     objective, MuonClip on the language model and the tower, held-out chat evaluation before and after."""
     try:
-        history = run_visual_rl(
-            checkpoint, out, config, resume=resume, threads=threads,
-            on_iteration=lambda m: console.print(visual_iteration_report(m, config.iterations), markup=False),
-        )  # fmt: skip
+        with reports_interrupt(out, last_checkpoint(out, "iteration"), _rerun_hint(resume)):
+            history = run_visual_rl(
+                checkpoint, out, config, resume=resume, threads=threads,
+                on_iteration=lambda m: console.print(
+                    visual_iteration_report(m, config.iterations), markup=False
+                ),
+            )  # fmt: skip
     except ValueError as error:
         raise K2LabError(str(error)) from error
     last = history[-1] if history else {}
@@ -177,7 +187,9 @@ def factory_generate(
         raise K2LabError(f"--tools {config.tools_path}: no such file")
     for target, what in ((out, "the trajectories"), (summary_path_for(out), "the factory summary")):
         check_output_file(target, what, [config.tools_path])
-    result = generate(config)
+    kept = "no new trajectories (they are written once all tasks are rolled out)"
+    with reports_interrupt(out, lambda: kept, "run the same command again to generate them"):
+        result = generate(config)
     summary = result.write(out)
     print_summary(result.summary, console)
     console.print(
@@ -317,7 +329,8 @@ def mopd_distill(
             highlight=False,
         )
 
-    run_mopd(experts, student, out, config, on_step=show)
+    with reports_interrupt(out, last_checkpoint(out, "step"), RERUN_TO_CONTINUE):  # it resumes when rerun
+        run_mopd(experts, student, out, config, on_step=show)
     console.print(f"student: {out / 'model'}")
 
 
