@@ -14,6 +14,7 @@ from k2lab.cli.options import Opt, runs_config
 from k2lab.data.rephrase import RephraseSettings
 from k2lab.errors import K2LabError
 from k2lab.fsutil import holds
+from k2lab.interrupt import reports_interrupt
 from k2lab.vision.text_trajectories import ZeroVisionConfig
 
 data_app = typer.Typer(
@@ -67,7 +68,7 @@ def data_rephrase(config: RephraseRun) -> None:
     next run.
     """
     from k2lab.data.corpus import load_corpus
-    from k2lab.data.rephrase import rephrase_corpus
+    from k2lab.data.rephrase import MANIFEST, read_manifest, rephrase_corpus
 
     out = config.out
     if holds(config.data, out):
@@ -93,7 +94,12 @@ def data_rephrase(config: RephraseRun) -> None:
                                for r in entry["rephrasings"])  # fmt: skip
             console.print(f"done {path}: {scores}", markup=False, highlight=False)
 
-    report = rephrase_corpus(corpus.train, out, config.settings(), on_document=progress)
+    def kept() -> str:
+        done = sum(entry.get("status") == "done" for entry in read_manifest(out)["documents"].values())
+        return f"{done} rephrased documents (recorded in {MANIFEST})"
+
+    with reports_interrupt(out, kept, "run the same command again to rephrase the rest"):
+        report = rephrase_corpus(corpus.train, out, config.settings(), on_document=progress)
     console.print(
         f"{report.done} done, {report.skipped} skipped (already done), {report.failed} failed; "
         f"{report.kept} rephrasings kept, {report.dropped} dropped; {report.seconds:.1f}s → {out}"

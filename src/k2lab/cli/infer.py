@@ -18,6 +18,7 @@ from k2lab.cli.options import Opt, runs_config
 from k2lab.errors import K2LabError
 from k2lab.infer.generate import GenerationConfig
 from k2lab.infer.speculative import DRAFT_TOKENS
+from k2lab.interrupt import reports_interrupt
 from k2lab.serve.config import ServeConfig
 from k2lab.train.draft_config import DraftTrainConfig
 
@@ -300,9 +301,13 @@ def draft_train(config: DraftTrainConfig) -> None:
     """Fine-tune the model's MTP layer (or a fresh one-block draft, --fresh) into an EAGLE-style draft on
     the model's own hidden states and continuations of corpus prompts, proposing among the --draft-vocab
     most frequent tokens of those continuations; saved to MODEL/draft/, where `k2lab generate` finds it."""
+    from k2lab.infer.draft import DRAFT_DIR
     from k2lab.train.draft import train_draft
 
-    summary = train_draft(config, log=lambda line: console.print(line, markup=False, highlight=False))
+    out = config.out or config.model / DRAFT_DIR
+    kept = "no new draft (it is saved when training ends)"
+    with reports_interrupt(out, lambda: kept, "run the same command again to train it"):
+        summary = train_draft(config, log=lambda line: console.print(line, markup=False, highlight=False))
     console.print(
         f"tokens per target forward on held-out prompts: {summary['tokens_per_step_before']:.2f} -> "
         f"{summary['tokens_per_step_after']:.2f}"
@@ -399,8 +404,12 @@ def _serve(config: ServeConfig, checkpoint: Path, api_key: str | None, sock: soc
         console.print(f"sampled requests (temperature > 0) decode plainly: {why}", soft_wrap=True)
     port = sock.getsockname()[1]  # the one taken for --port 0
     console.print(f"serving {name} on http://{config.host}:{port}/v1 (max batch {config.max_batch}{spec})")
+    interrupted = False
     try:
         serve_on(app_, sock)
+    except KeyboardInterrupt:  # uvicorn stops on Ctrl-C, then raises it again: exit 130, quietly
+        interrupted = True
+        raise
     finally:
         engine.shutdown()
         if engine.background is not None and engine.background.building():
@@ -408,4 +417,4 @@ def _serve(config: ServeConfig, checkpoint: Path, api_key: str | None, sock: soc
             # inside inductor): leave at once, everything of ours is shut down
             console.print("stopped during the background build of the decode step")
             sys.stdout.flush()
-            os._exit(0)
+            os._exit(130 if interrupted else 0)
