@@ -9,8 +9,9 @@ and the penalty for n completion tokens against a budget B: λ · min(1, max(0, 
 
 A group whose K rewards are all equal carries no signal: its r_j − r̄ is exactly 0 here (``centred_rewards``).
 Computed as written, r̄ of K equal floats is off by an ulp for most values (1/3, 0.1, 0.7: |r_j − r̄| ≈ 1e-8),
-and the optimizer does not see the scale: Muon orthogonalises that 1e-8-sized gradient into a full-size step
-in a direction set by rounding.
+and the optimizer does not see the scale: where nothing else is in the update (no other group with signal,
+no momentum yet), Muon orthogonalises that 1e-8-sized gradient into a full-size step in a direction set by
+rounding.
 """
 
 from __future__ import annotations
