@@ -379,8 +379,10 @@ def test_an_interrupted_run_says_what_its_caller_offers(tmp_path, monkeypatch, c
     config = TrainConfig(preset="k2-nano", out=str(tmp_path / "run"))
     with pytest.raises(KeyboardInterrupt):
         trainer.run_training(config, resume_hint="run the study again")
-    out = " ".join(capsys.readouterr().out.split())
-    assert "keeps no checkpoint yet" in out and out.endswith("run the study again") and "--resume" not in out
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())  # the interrupt's line goes to stderr (k2lab.interrupt)
+    assert "keeps no checkpoint yet" in err and err.endswith("run the study again") and "--resume" not in err
+    assert "interrupted" not in captured.out
 
 
 # ---- the step's mechanics on a nano model, without a run directory ---------------------------------------
