@@ -81,9 +81,8 @@ ARMS: dict[str, Arm] = {
 }
 REFERENCE = "k3"  # the arm the others are compared with
 
-# k3-mini on the embedded corpus: 4 arms × 120 steps × 8×256 tokens as 2 one-thread worker processes, two arms
-# at a time: a one-thread k3-mini step took ~2.5 s uncontended (all-MLA less), an evaluation of 4 batches ~2 s,
-# so ~5.5 min per arm and ~11-13 min in all on 2 free CPU cores (20-step arms: 81 / 66 CPU-s for k3 / all-MLA).
+# k3-mini on the embedded corpus: 4 arms × 120 steps × 8×256 tokens as 2 one-thread worker processes, two
+# arms at a time: 9.2 min wall (17.5 CPU-min) on a Zen 4's 2 free cores at seeds 0 and 1 (session 59).
 DEFAULT_RECIPE: dict[str, Any] = {
     "preset": "k3-mini",
     "steps": 120,
@@ -156,7 +155,7 @@ def grad_spikes(norms: list[float], factor: float, window: int) -> list[int]:
 
 
 def activation_curve(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per evaluation: the step, and max |u| of the routed sum and max |y| of the MoE output over the layers."""
+    """Per evaluation: the step, max |u| of the routed sum and max |y| of the MoE output over the layers."""
 
     def layer_max(record: dict[str, Any], prefix: str) -> float:
         values = [v for k, v in record.items() if k.startswith(prefix + "/layer")]
@@ -294,10 +293,12 @@ def verdicts(results: dict[str, Any]) -> dict[str, str]:
             f"Stable LatentMoE (Design 6): the largest latent routed sum |u| on the validation batches was "
             f"{fmt(k3['routed_max_peak'], '.3g')} with SiTU-GLU + RMSNorm vs "
             f"{fmt(unstable['routed_max_peak'], '.3g')} with SwiGLU and no norm (×{fmt(ratio, '.2f')}), the "
-            f"MoE output peaked at {fmt(k3['out_max_peak'], '.3g')} vs {fmt(unstable['out_max_peak'], '.3g')}, "
+            f"MoE output peaked at {fmt(k3['out_max_peak'], '.3g')} vs "
+            f"{fmt(unstable['out_max_peak'], '.3g')}, "
             f"grad-norm spikes {len(k3['spike_steps'])} vs {len(unstable['spike_steps'])}, "
             f"{_loss_phrase(k3, unstable)}; at this scale and lr this shows {_size_phrase(ratio)} latent "
-            f"activations without the stabilisers, not the explosion the spec describes at K3's size ({CAVEAT})."
+            "activations without the stabilisers, not the explosion the spec describes at K3's size "
+            f"({CAVEAT})."
         )
     if (dense := by_arm.get("all-mla")) is not None:
         out["hybrid"] = (
@@ -305,7 +306,8 @@ def verdicts(results: dict[str, Any]) -> dict[str, str]:
             f"{results['settings']['seq_len']}-token rows the hybrid had a {_loss_phrase(k3, dense)} against "
             f"every layer MLA with RoPE, at {fmt(k3['tokens_per_s'], ',.0f')} vs "
             f"{fmt(dense['tokens_per_s'], ',.0f')} training tokens/s; the long-context cost the hybrid is "
-            f"for (a fixed-size state instead of a growing KV cache) is not exercised at this length ({CAVEAT})."
+            "for (a fixed-size state instead of a growing KV cache) is not exercised at this length "
+            f"({CAVEAT})."
         )
     return out
 
@@ -365,8 +367,8 @@ def markdown_report(results: dict[str, Any]) -> str:
         f"({s['tokens']:,} tokens per arm)",
         "",
         f"Same seed ({s['seed']}), data order, lr ({s['optimizer']} {s['lr']:g}, schedule "
-        f"{s['schedule']['kind']}), batch and evaluation batches ({s['eval_batches']} every {s['eval_every']} "
-        f"steps) for every arm; tokens per arm {fair}. Data: {s['data']}; precision {s['precision']}. "
+        f"{s['schedule']['kind']}), batch and evaluation batches ({s['eval_batches']} every "
+        f"{s['eval_every']} steps) for every arm; tokens per arm {fair}. Data: {s['data']}; precision {s['precision']}. "
         "Each arm is the preset with the listed model fields overridden.",
         "",
         "Columns: parameters total and active per token (embeddings included); the final validation loss and "

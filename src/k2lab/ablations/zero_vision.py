@@ -201,7 +201,8 @@ class ZeroVisionSettings(AblationSettings):
 
     def rl_config(self) -> VisualRLConfig:
         """The visual RL settings with ``rl_iterations`` (at least 1: a config of no RL is never run); the
-        held-out text is the pre-training corpus's when this study pre-trains the base and ``rl`` names none."""
+        held-out text is the pre-training corpus's when this study pre-trains the base and ``rl`` names
+        none."""
         update: dict[str, Any] = {"iterations": max(self.rl_iterations, 1)}
         if self.base_checkpoint is None and "text_eval_data" not in self.rl.model_fields_set:
             update["text_eval_data"] = self.pretrain.data

@@ -1,4 +1,5 @@
-"""The ``ablate`` group: optimizer, balancing, k3-design, vision-injection, zero-vision, rephrase and PARL studies.
+"""The ``ablate`` group: optimizer, balancing, k3-design, vision-injection, zero-vision, rephrase and PARL
+studies.
 
 Each command runs the settings model of its study (``k2lab.ablations``): ``--recipe FILE.toml`` (the study's
 settings with a ``[base]`` table, or a training recipe alone for ``base``), repeatable ``--set key.path=value``
@@ -156,11 +157,11 @@ def ablate_balancing(config: balancing.BalancingConfig) -> None:
 
 
 K3_DESIGN_HELP = (
-    "K3's architecture claims at small scale: the K3 preset vs plain residuals (no AttnRes) vs SwiGLU without "
-    "the latent RMSNorm (unstable LatentMoE) vs every layer MLA with RoPE (no KDA), trained on the same "
-    "tokens.\n\n"
+    "K3's architecture claims at small scale: the K3 preset vs plain residuals (no AttnRes) vs SwiGLU "
+    "without the latent RMSNorm (unstable LatentMoE) vs every layer MLA with RoPE (no KDA), trained on the "
+    "same tokens.\n\n"
     f"Trains the same recipe once per arm ({_sized(k3_design.K3DesignConfig.BASE)} of the embedded corpus by "
-    "default, two arms at a time in one-thread worker processes: ~10-15 min on 2 CPU cores), with the same "
+    "default, two arms at a time in one-thread worker processes: ~9 min on 2 CPU cores), with the same "
     "seed, data order and lr, and compares the validation loss curve, training tokens/s, parameters (total / "
     "active), the max |u| of the latent routed sum and of the MoE output on the validation batches, and the "
     "gradient-norm maxima and spikes; one verdict sentence per claim.\n\n"

@@ -1,9 +1,11 @@
-"""Activation maxima of the MoE layers, measured by forward hooks on the validation batches (off the hot path).
+"""Activation maxima of the MoE layers, measured by forward hooks on the validation batches (off the hot
+path).
 
 Per MoE layer l (``k2lab.nn.moe``), over every token of the forwards run inside ``moe_activation_maxima``:
 
-    moe_routed_max/layer{l} = max |u|     u = Σ_{i∈TopK(x)} p_i E_i(W_down x)   [N, L] (Stable LatentMoE: the
-                                          latent routed sum before RMSNorm / W_up; K2: the full-width routed sum)
+    moe_routed_max/layer{l} = max |u|     u = Σ_{i∈TopK(x)} p_i E_i(W_down x)   [N, L] (Stable LatentMoE:
+                                          the latent routed sum before RMSNorm / W_up; K2: the full-width
+                                          routed sum)
     moe_out_max/layer{l}    = max |y|     y = the MoE block's output             [B, T, D] (shared + routed)
 
 These are what K3's Stable LatentMoE claim is about ("several consecutive matrix products produce exploding

@@ -197,8 +197,8 @@ class Trainer:
 
     # ---- evaluation -----------------------------------------------------------------------------------
     def validation_loss(self) -> float:
-        """``k2lab.train.validation``'s L_val over ``val_batches`` (main model only, under the run's autocast);
-        the MoE layers' activation maxima on those batches go to ``val_activations``."""
+        """``k2lab.train.validation``'s L_val over ``val_batches`` (main model only, under the run's
+        autocast); the MoE layers' activation maxima on those batches go to ``val_activations``."""
         with moe_activation_maxima(self.lm) as maxima:
             loss = validation_loss(self.model, self.val_batches, lambda batch: self.loss_of(batch)[0])
         self.val_activations = distributed.all_reduce_max(maxima)

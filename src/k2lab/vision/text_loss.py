@@ -34,7 +34,8 @@ ROWS_PER_FORWARD = 8
 
 @dataclass(frozen=True)
 class TextRows:
-    """Held-out text rows: ``batches`` of ≤ ``ROWS_PER_FORWARD`` rows of ``seq_len`` tokens, from ``corpus``."""
+    """Held-out text rows: ``batches`` of ≤ ``ROWS_PER_FORWARD`` rows of ``seq_len`` tokens from
+    ``corpus``."""
 
     corpus: str
     seq_len: int

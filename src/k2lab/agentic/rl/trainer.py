@@ -674,8 +674,8 @@ def iteration_report(metrics: dict[str, Any], total: int) -> str:
     otherwise passed unseen: the run ended "done" with the policy unchanged."""
     line = (
         f"iteration {metrics['iteration'] + 1}/{total}: mean reward {metrics['mean_reward']}, success "
-        f"{metrics['success']}, {metrics['episodes']} episodes, {metrics['signal_groups']} of {metrics['groups']} "
-        f"groups with unequal rewards, {metrics['trained_tokens']:,} tokens trained, "
+        f"{metrics['success']}, {metrics['episodes']} episodes, {metrics['signal_groups']} of "
+        f"{metrics['groups']} groups with unequal rewards, {metrics['trained_tokens']:,} tokens trained, "
         f"{metrics['seconds']:.1f} s"
     )
     if metrics["episodes"] and not metrics["trained_tokens"]:
