@@ -58,7 +58,7 @@ from k2lab.train.divergence import check_finite_update
 from k2lab.train.persistence import derive_seed
 from k2lab.train.sections import VisionDataConfig, check_task_kinds
 from k2lab.vision.chat import visual_chat_prompt
-from k2lab.vision.evaluate import evaluate_visual_tasks
+from k2lab.vision.evaluate import visual_and_blind_scores
 from k2lab.vision.processor import ProcessorConfig
 from k2lab.vision.rewards import TASK_KINDS, visual_reward
 from k2lab.vision.rl_scoring import Media, completion_logprobs, group_loss
@@ -213,12 +213,8 @@ class VisualRLTrainer(IterativeTrainer):
                 eval_samples=config.eval_samples,
                 eval_max_new_tokens=config.max_new_tokens,
             )
-            scores = {
-                mode: evaluate_visual_tasks(
-                    self.model, self.tokenizer, data, seed=config.seed, blind=mode == "blind", chat=True
-                )
-                for mode in ("chat", "blind")
-            }
+            both = visual_and_blind_scores(self.model, self.tokenizer, data, seed=config.seed, chat=True)
+            scores = {"chat": both["visual_scores"], "blind": both["visual_scores_blind"]}
         if config.text_eval_rows > 0:
             scores["text_loss"] = text_loss(self.model, self.held_out_text())
         return scores or None
